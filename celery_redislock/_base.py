@@ -1,0 +1,285 @@
+"""The I/O-free half of a lock, shared by :class:`RedisLock` and :class:`AsyncRedisLock`.
+
+Argument validation, owner resolution, the per-owner hold table and what to do with
+each script reply live here; the subclasses only send the commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Generic, TypeVar
+
+from ._core import (
+    DEFAULT_PREFIX,
+    AcquireReply,
+    Hold,
+    LossSignal,
+    LockKeys,
+    lease_ms,
+    loss_reason_from_release,
+    lost_error,
+    optional_seconds,
+    validate_owner,
+    validate_prefix,
+)
+from ._errors import (
+    LockConfigurationError,
+    LockForkedError,
+    LockLostError,
+    LockNotOwnedError,
+    LockTimeoutError,
+)
+
+log = logging.getLogger("celery_redislock")
+
+LostCallback = Callable[[Any, LockLostError], object]
+F = TypeVar("F", bound=LostCallback)
+Signal = TypeVar("Signal", bound=LossSignal)
+
+
+class LockBase(Generic[Signal]):
+    """State and decisions common to the sync and asyncio locks."""
+
+    _signal_type: type[Signal]
+
+    def __init__(
+        self,
+        client: Any,
+        name: str | bytes,
+        *,
+        ttl: float = 30.0,
+        owner: str | None = None,
+        auto_renew: bool = True,
+        blocking: bool = True,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        if client is None:
+            raise LockConfigurationError("client must be a redis-py client, got None")
+        if not isinstance(auto_renew, bool):
+            raise LockConfigurationError(f"auto_renew must be True or False, got {auto_renew!r}")
+        if not isinstance(blocking, bool):
+            raise LockConfigurationError(f"blocking must be True or False, got {blocking!r}")
+        self.client = client
+        self.name = name
+        self.prefix = validate_prefix(prefix)
+        self.keys = LockKeys.for_name(name, self.prefix)
+        self.ttl = ttl
+        self._lease = lease_ms(ttl, "ttl")
+        self.owner = validate_owner(owner)
+        self.auto_renew = auto_renew
+        self.blocking = blocking
+        self.timeout = optional_seconds(timeout, "timeout")
+        self._holds: dict[str, Hold] = {}
+        self._signals: dict[str, Signal] = {}
+        self._callbacks: list[LostCallback] = []
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} ttl={self.ttl!r} owner={self.owner!r}>"
+
+    # -- ownership -------------------------------------------------------------
+
+    def _default_owner(self) -> str:
+        raise NotImplementedError
+
+    def _current_owner(self) -> str:
+        return self.owner if self.owner is not None else self._default_owner()
+
+    def _live_hold(self, owner: str) -> Hold | None:
+        hold = self._holds.get(owner)
+        if hold is not None and hold.pid != os.getpid():
+            return None
+        return hold
+
+    def _check_not_inherited(self, owner: str) -> None:
+        hold = self._holds.get(owner)
+        if hold is not None and hold.pid != os.getpid():
+            raise LockForkedError(
+                f"lock {self.name!r} was acquired by owner {owner!r} in process {hold.pid}, "
+                f"the parent of this one; a forked child neither renews nor releases its "
+                f"parent's holds (release it in process {hold.pid})",
+                name=self.name,
+                owner=owner,
+            )
+
+    # -- observable state ------------------------------------------------------
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the calling owner's hold (None when it holds nothing).
+
+        Strictly increasing per lock name across all holders; re-entering keeps it.
+        """
+        hold = self._live_hold(self._current_owner())
+        return None if hold is None else hold.token
+
+    @property
+    def hold_count(self) -> int:
+        """How many times the calling owner holds the lock (0: not held)."""
+        hold = self._live_hold(self._current_owner())
+        return 0 if hold is None else hold.count
+
+    @property
+    def lost(self) -> Signal:
+        """Event-like: set once the calling owner's current (or last) lease is known lost."""
+        owner = self._current_owner()
+        signal = self._signals.get(owner)
+        return signal if signal is not None else self._signal_type()
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LockLostError` unless the calling owner still holds a valid lease.
+
+        Local and instant: checks the watchdog's verdict and the local validity
+        deadline (the lease may be gone from Redis by then even if no renewal failed
+        yet). Call it before each step whose effect must not outlive the lock.
+        """
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        hold = self._holds.get(owner)
+        if hold is None:
+            signal = self._signals.get(owner)
+            if signal is not None and signal.is_set():
+                raise lost_error(self.name, owner, signal.reason or "expired")
+            raise LockNotOwnedError(
+                f"lock {self.name!r} is not held by owner {owner!r}; acquire it first",
+                name=self.name,
+                owner=owner,
+            )
+        if not hold.lost.is_set() and hold.past_deadline():
+            hold.mark_lost("deadline")
+        if hold.lost.is_set():
+            raise lost_error(self.name, owner, hold.lost.reason or "expired")
+
+    def on_lost(self, callback: F) -> F:
+        """Register ``callback(lock, error)`` to run when a hold of this lock is lost.
+
+        It runs on the watchdog (thread or task), so keep it short: set a flag, cancel
+        work. Usable as a decorator. Exceptions it raises are logged and ignored.
+        """
+        if not callable(callback):
+            raise LockConfigurationError(f"on_lost callback must be callable, got {callback!r}")
+        self._callbacks.append(callback)
+        return callback
+
+    # -- decisions on replies --------------------------------------------------
+
+    def _acquire_args(self, lease: float | None) -> tuple[int, bool]:
+        if lease is None:
+            return self._lease, self.auto_renew
+        return lease_ms(lease, "lease"), False
+
+    def _record_acquired(
+        self, owner: str, reply: AcquireReply, sent_at: float, lease: int, renew: bool
+    ) -> tuple[Hold, bool]:
+        """Update the hold table; returns (hold, is_new) — a new hold needs the watchdog."""
+        hold = self._live_hold(owner)
+        if hold is not None and reply.hold_count == 1:
+            # We thought we held it, but Redis handed out a fresh hold: ours had expired.
+            self._forget(hold)
+            hold.mark_lost("expired")
+            hold = None
+        if hold is None:
+            signal = self._signal_type()
+            self._signals[owner] = signal
+            hold = Hold(
+                self.keys,
+                owner,
+                token=reply.token,
+                lease=lease,
+                renew=renew,
+                sent_at=sent_at,
+                lost=signal,
+                notify=self._report_lost,
+            )
+            hold.count = reply.hold_count
+            self._holds[owner] = hold
+            log.debug("lock %r acquired by %s (token %d)", self.name, owner, reply.token)
+            return hold, True
+        hold.count = reply.hold_count
+        hold.renewed(sent_at)
+        return hold, False
+
+    def _record_released(self, owner: str, code: int) -> Hold | None:
+        """Apply a release reply; returns the hold to stop renewing (or None). Raises on loss."""
+        hold = self._holds.get(owner)
+        if code >= 0:
+            if hold is None:
+                return None
+            hold.count = code
+            if code == 0:
+                self._forget(hold)
+                self._signals.pop(owner, None)
+                log.debug("lock %r released by %s", self.name, owner)
+                return hold
+            return None
+        if hold is None:
+            signal = self._signals.get(owner)
+            if signal is not None and signal.is_set():
+                raise lost_error(self.name, owner, signal.reason or "expired")
+            raise LockNotOwnedError(
+                f"cannot release lock {self.name!r}: owner {owner!r} does not hold it "
+                f"({'it is not locked' if code == -1 else 'another owner holds it'}); "
+                f"nothing was changed",
+                name=self.name,
+                owner=owner,
+            )
+        self._forget(hold)
+        hold.mark_lost(loss_reason_from_release(code))
+        raise lost_error(self.name, owner, hold.lost.reason or "expired")
+
+    def _record_extended(self, owner: str, code: int, lease: int, sent_at: float) -> None:
+        hold = self._holds.get(owner)
+        if code == 1:
+            if hold is not None:
+                hold.lease = lease
+                hold.renewed(sent_at)
+            return
+        reason = loss_reason_from_release(-1 if code == 0 else -2)
+        if hold is not None:
+            self._forget(hold)
+            hold.mark_lost(reason)
+            raise lost_error(self.name, owner, reason)
+        raise LockNotOwnedError(
+            f"cannot extend lock {self.name!r}: owner {owner!r} does not hold it",
+            name=self.name,
+            owner=owner,
+        )
+
+    def _forget(self, hold: Hold) -> None:
+        if self._holds.get(hold.owner) is hold:
+            del self._holds[hold.owner]
+        self._unschedule(hold)
+
+    def _unschedule(self, hold: Hold) -> None:
+        raise NotImplementedError
+
+    def _timeout_error(self, timeout: float | None) -> LockTimeoutError:
+        return LockTimeoutError(
+            f"lock {self.name!r} not acquired within {timeout}s: another owner holds it "
+            f"(raise the timeout, or see who holds it with `celery redislock show`)"
+            if timeout is not None
+            else f"lock {self.name!r} is held by another owner (non-blocking acquire)",
+            name=self.name,
+            owner=self._current_owner(),
+        )
+
+    def _report_lost(self, hold: Hold, reason: str) -> None:
+        error = lost_error(self.name, hold.owner, reason)
+        log.warning(
+            "redislock: lost lock %r (owner %s, token %d): %s",
+            self.name,
+            hold.owner,
+            hold.token,
+            reason,
+        )
+        for callback in list(self._callbacks):
+            try:
+                callback(self, error)
+            except Exception:
+                log.exception("redislock: on_lost callback %r failed", callback)
+
+    @staticmethod
+    def _now() -> float:
+        return time.monotonic()

@@ -1,0 +1,404 @@
+"""I/O-free logic shared by the sync and asyncio locks.
+
+Key names, argument validation, owner ids, reply decoding, local validity deadlines
+and retry backoff live here once; :mod:`celery_redislock.lock` and
+:mod:`celery_redislock.aio` only drive I/O around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import random
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from ._errors import LockConfigurationError, LockLostError
+
+DEFAULT_PREFIX = "redislock:"
+FENCE_FIELD = "__fence__"
+
+#: How long a blocked acquire waits when the lock has no expiry set and no timeout
+#: was given, before it retries on its own (a release would have woken it sooner).
+NO_TTL_RECHECK = 5.0
+
+
+# --------------------------------------------------------------------- validation
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def lease_ms(value: object, argument: str) -> int:
+    """Convert a lease in seconds to whole milliseconds, rejecting what Redis would misread.
+
+    ``PEXPIRE`` with 0 or a negative value deletes the key, so anything that does not
+    come out as at least one millisecond is refused here (and again in Lua).
+    """
+    if not _is_number(value) or math.isnan(value) or math.isinf(value):  # type: ignore[arg-type]
+        raise LockConfigurationError(
+            f"{argument} must be a finite number of seconds (int or float), got {value!r}"
+        )
+    millis = int(round(float(value) * 1000))  # type: ignore[arg-type]
+    if millis < 1:
+        raise LockConfigurationError(
+            f"{argument} must be at least 0.001 seconds (1 ms), got {value!r}"
+        )
+    return millis
+
+
+def optional_seconds(value: object, argument: str) -> float | None:
+    """Validate a timeout-like value: None (no limit) or a finite number >= 0."""
+    if value is None:
+        return None
+    if not _is_number(value) or math.isnan(value) or math.isinf(value) or value < 0:  # type: ignore[arg-type,operator]
+        raise LockConfigurationError(
+            f"{argument} must be None or a finite number of seconds >= 0, got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def validate_owner(owner: object) -> str | None:
+    """An explicit owner must be a non-empty str that cannot clash with the token field."""
+    if owner is None:
+        return None
+    if not isinstance(owner, str) or not owner:
+        raise LockConfigurationError(f"owner must be None or a non-empty str, got {owner!r}")
+    if owner == FENCE_FIELD:
+        raise LockConfigurationError(f"owner must not be {FENCE_FIELD!r} (reserved field)")
+    return owner
+
+
+def validate_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+        raise LockConfigurationError(
+            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag), "
+            f"got {prefix!r}"
+        )
+    return prefix
+
+
+# --------------------------------------------------------------------- key layout
+
+
+def _escape_name(name: bytes) -> bytes:
+    # '{' and '}' inside the hash tag would end it early and could split one lock's
+    # keys across cluster slots; '%' is escaped too so the mapping stays one-to-one.
+    return name.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
+
+
+@dataclass(frozen=True)
+class LockKeys:
+    """Every Redis name one lock uses; all share the ``{name}`` hash tag (one cluster slot).
+
+    ``<prefix>{<name>}``          the lock hash (owner -> hold count, plus the token field)
+    ``<prefix>{<name>}:fence``    the fencing counter (never expires)
+    ``<prefix>{<name>}:released`` the pub/sub channel a release is announced on
+    """
+
+    lock: bytes
+    fence: bytes
+    channel: bytes
+
+    @classmethod
+    def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys:
+        if isinstance(name, str):
+            raw = name.encode("utf-8")
+        elif isinstance(name, bytes):
+            raw = name
+        else:
+            raise LockConfigurationError(f"name must be str or bytes, got {type(name).__name__}")
+        if not raw:
+            raise LockConfigurationError("name must not be empty")
+        base = prefix.encode("utf-8") + b"{" + _escape_name(raw) + b"}"
+        return cls(lock=base, fence=base + b":fence", channel=base + b":released")
+
+
+def name_from_lock_key(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:
+    """Inverse of :meth:`LockKeys.for_name` for a lock hash key; None for other keys."""
+    head = prefix.encode("utf-8") + b"{"
+    if not key.startswith(head) or not key.endswith(b"}"):
+        return None
+    inner = key[len(head) : -1]
+    return inner.replace(b"%7D", b"}").replace(b"%7B", b"{").replace(b"%25", b"%")
+
+
+# --------------------------------------------------------------------- owners
+
+_process_id = secrets.token_hex(16)
+_thread_ids = threading.local()
+_thread_counter = itertools.count(1)
+
+
+def process_id() -> str:
+    """128 random bits naming this process; new in every forked child."""
+    return _process_id
+
+
+def thread_owner() -> str:
+    """Owner id of the calling thread: process id plus a per-thread serial.
+
+    A serial rather than ``threading.get_ident()``: idents are reused after a thread
+    exits, and a new thread must never inherit a dead thread's holds.
+    """
+    serial = getattr(_thread_ids, "serial", None)
+    if serial is None:
+        serial = _thread_ids.serial = next(_thread_counter)
+    return f"{_process_id}:t{serial}"
+
+
+def new_owner_suffix() -> int:
+    return next(_thread_counter)
+
+
+def _reset_process_id() -> None:
+    global _process_id
+    _process_id = secrets.token_hex(16)
+
+
+os.register_at_fork(after_in_child=_reset_process_id)
+
+
+# --------------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True)
+class AcquireReply:
+    acquired: bool
+    token: int = 0
+    hold_count: int = 0
+    #: Milliseconds left on another owner's lease (-1: the key has no expiry; -2: just vanished).
+    pttl: int = 0
+
+
+def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
+    if int(reply[0]) == 1:
+        return AcquireReply(True, token=int(reply[1]), hold_count=int(reply[2]))
+    return AcquireReply(False, pttl=int(reply[1]))
+
+
+RELEASE_EXPIRED = -1
+RENEW_OK, RENEW_EXPIRED, RENEW_STOLEN = 1, 0, -1
+RELEASE_STOLEN = -2
+
+
+def loss_reason_from_release(code: int) -> str:
+    return "expired" if code == RELEASE_EXPIRED else "stolen"
+
+
+def loss_reason_from_renew(code: int) -> str:
+    return "expired" if code == RENEW_EXPIRED else "stolen"
+
+
+# --------------------------------------------------------------------- deadlines
+
+
+def drift_ms(lease: int) -> float:
+    """Clock-drift allowance: 1% of the lease plus 2 ms (the Redlock paper's rule)."""
+    return lease * 0.01 + 2.0
+
+
+def validity_deadline(sent_at: float, lease: int) -> float:
+    """Monotonic time after which a lease granted by a command sent at ``sent_at`` may be gone."""
+    return sent_at + (lease - drift_ms(lease)) / 1000.0
+
+
+def wait_bound(pttl: int, remaining: float | None) -> float:
+    """How long a blocked acquire may sleep before retrying on its own.
+
+    A release publishes a wake-up, an expiry does not, so the wait is capped by the
+    holder's remaining lease and by the caller's remaining timeout.
+    """
+    if pttl == -2:  # vanished between check and reply: retry at once
+        lease_left = 0.0
+    elif pttl < 0:
+        lease_left = NO_TTL_RECHECK
+    else:
+        lease_left = pttl / 1000.0 + 0.001
+    return lease_left if remaining is None else max(0.0, min(lease_left, remaining))
+
+
+def backoff(attempt: int, *, base: float, cap: float, rng: random.Random | None = None) -> float:
+    """Full-jitter exponential backoff: uniform in [base/2, min(cap, base * 2**attempt)]."""
+    high = min(cap, base * (2 ** min(attempt, 30)))
+    return (rng or random).uniform(min(base / 2, high), high)
+
+
+# --------------------------------------------------------------------- hold state
+
+
+class LossSignal:
+    """What both lease-loss views share: ``bool(lost)``, ``is_set()`` and ``reason``."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._flag = False
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def __bool__(self) -> bool:
+        return self._flag
+
+    def _set(self, reason: str) -> None:
+        self.reason = reason
+        self._flag = True
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} lost={self._flag} reason={self.reason!r}>"
+
+
+class LeaseLost(LossSignal):
+    """An event-like view of one hold's lease: set once the lease is known to be lost.
+
+    ``bool(lock.lost)`` and ``lock.lost.is_set()`` say whether it happened,
+    ``lock.lost.reason`` why, ``lock.lost.wait(timeout)`` blocks until it happens.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._event = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def _set(self, reason: str) -> None:
+        super()._set(reason)
+        self._event.set()
+
+
+class AsyncLeaseLost(LossSignal):
+    """The asyncio lock's lease-loss view: like :class:`LeaseLost`, with ``await lost.wait()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._waiters.remove(future)
+        return True
+
+    def _set(self, reason: str) -> None:
+        super()._set(reason)
+        for future in self._waiters:
+            if not future.done():
+                future.get_loop().call_soon_threadsafe(_resolve, future)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Hold:
+    """Local bookkeeping for one owner's hold on one lock in this process."""
+
+    __slots__ = (
+        "keys",
+        "owner",
+        "count",
+        "token",
+        "lease",
+        "renew",
+        "pid",
+        "deadline",
+        "next_due",
+        "failures",
+        "lost",
+        "notify",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        keys: LockKeys,
+        owner: str,
+        *,
+        token: int,
+        lease: int,
+        renew: bool,
+        sent_at: float,
+        lost: LossSignal,
+        notify: Callable[[Hold, str], None],
+    ) -> None:
+        self.keys = keys
+        self.owner = owner
+        self.count = 0
+        self.token = token
+        self.lease = lease
+        self.renew = renew
+        self.pid = os.getpid()
+        self.deadline = validity_deadline(sent_at, lease)
+        self.next_due = sent_at + self.renew_interval
+        self.failures = 0
+        self.lost = lost
+        self.notify = notify
+
+    @property
+    def renew_interval(self) -> float:
+        return self.lease / 3000.0
+
+    def renewed(self, sent_at: float) -> None:
+        self.deadline = validity_deadline(sent_at, self.lease)
+        self.next_due = sent_at + self.renew_interval
+        self.failures = 0
+
+    def past_deadline(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self.deadline
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record the loss once; returns False if it was already recorded."""
+        if self.lost.is_set():
+            return False
+        self.lost._set(reason)
+        self.notify(self, reason)
+        return True
+
+
+LOSS_TEXT = {
+    "expired": "its lease expired in Redis before it was renewed",
+    "stolen": "its lease expired and another owner now holds the lock",
+    "unreachable": "Redis could not be reached to renew it before the lease's validity deadline",
+    "deadline": "the lease's local validity deadline passed without a renewal",
+    "released": "it was force-released",
+}
+
+
+def lost_error(name: str | bytes, owner: str, reason: str) -> LockLostError:
+    text = LOSS_TEXT.get(reason, reason)
+    return LockLostError(
+        f"lock {name!r} held by owner {owner!r} was lost: {text}; the protected work may "
+        f"have overlapped with another holder (use the fencing token to reject stale writes)",
+        name=name,
+        owner=owner,
+        reason=reason,
+    )
+
+
+def batched(items: Sequence[Hold], size: int) -> Iterator[Sequence[Hold]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def renew_args(holds: Sequence[Hold]) -> tuple[list[bytes], list[Any]]:
+    keys = [h.keys.lock for h in holds]
+    args: list[Any] = []
+    for h in holds:
+        args.append(h.owner)
+        args.append(h.lease)
+    return keys, args

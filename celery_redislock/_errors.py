@@ -1,0 +1,79 @@
+"""The exception tree of celery_redislock.
+
+::
+
+    RedisLockError                      root of every error raised by this package
+    ├── LockConfigurationError          bad argument or setting (also a ValueError)
+    ├── LockTimeoutError                not acquired within the timeout (also a TimeoutError)
+    ├── LockNotOwnedError               releasing/extending a hold the caller does not have
+    │   └── LockLostError               the caller had the hold, but its lease was lost
+    └── LockForkedError                 a hold inherited over fork used in the child
+
+Connection problems are not wrapped: redis-py's own ``redis.exceptions.ConnectionError``
+and ``TimeoutError`` propagate, so existing retry policies keep working.
+"""
+
+from __future__ import annotations
+
+
+def _show(name: str | bytes) -> str:
+    return repr(name) if isinstance(name, bytes) else repr(str(name))
+
+
+class RedisLockError(Exception):
+    """Root of every error raised by celery_redislock."""
+
+
+class LockConfigurationError(RedisLockError, ValueError):
+    """An argument or setting has a value that is not allowed.
+
+    The message names the argument or setting and says what is allowed.
+    """
+
+
+class _NamedLockError(RedisLockError):
+    def __init__(self, message: str, *, name: str | bytes, owner: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.owner = owner
+
+
+class LockTimeoutError(_NamedLockError, TimeoutError):
+    """The lock was not acquired within the allowed time."""
+
+
+class LockNotOwnedError(_NamedLockError):
+    """The caller does not hold the lock it tried to release or extend."""
+
+
+class LockLostError(LockNotOwnedError):
+    """The caller held the lock, but its lease is gone.
+
+    ``reason`` says why: ``"expired"`` (the key timed out), ``"stolen"`` (another
+    owner holds it now), ``"unreachable"`` (Redis could not be reached before the
+    local validity deadline) or ``"released"`` (forced release by an operator).
+    """
+
+    def __init__(
+        self, message: str, *, name: str | bytes, owner: str | None = None, reason: str
+    ) -> None:
+        super().__init__(message, name=name, owner=owner)
+        self.reason = reason
+
+
+class LockForkedError(_NamedLockError):
+    """A hold taken in a parent process was used in a forked child.
+
+    A child neither renews nor releases its parent's holds; create the lock's work
+    in the child, or release in the parent.
+    """
+
+
+__all__ = [
+    "LockConfigurationError",
+    "LockForkedError",
+    "LockLostError",
+    "LockNotOwnedError",
+    "LockTimeoutError",
+    "RedisLockError",
+]

@@ -1,0 +1,305 @@
+"""How leases are renewed: one watchdog thread per connection pool per process.
+
+Every auto-renewed hold registers here. The thread sleeps until the earliest hold is
+due (every ``lease / 3``, on the monotonic clock), then renews every hold that is due
+within half an interval in batches of :data:`BATCH` keys per script call, all batches
+pipelined into one round trip. 1,000 holds cost a handful of round trips per
+interval, not 1,000, and never more than one thread.
+
+Outcomes per hold:
+
+* renewed: the local validity deadline moves to ``sent_at + lease - drift``;
+* Redis says the key is gone or belongs to someone else: the hold is **lost**;
+* the call fails (network): retried with jittered backoff until the hold's validity
+  deadline; past it the hold is **lost** ("unreachable").
+
+A lost hold is dropped from the schedule and reported through its lock (warning log,
+``lock.lost`` set, ``on_lost`` callbacks). The thread exits when nothing is held.
+Forked children start with an empty registry: they never renew their parent's holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+from redis.exceptions import NoScriptError
+from redis.exceptions import RedisError
+
+from ._core import RENEW_OK, Hold, backoff, batched, loss_reason_from_renew, renew_args
+from ._scripts import scripts_for
+
+log = logging.getLogger(__name__)
+
+#: Keys per renewal script call (one cluster slot per call in cluster mode).
+BATCH = 100
+#: Socket timeout of the watchdog's own connections: a stalled Redis cannot block
+#: renewal (and so loss detection) for longer than this.
+RENEW_SOCKET_TIMEOUT = 1.0
+#: With nothing held, the watchdog thread exits after this long.
+IDLE_EXIT = 1.0
+
+
+def _own_client(client: Any) -> Any:
+    """A client on a private pool with bounded timeouts, so a user's exhausted or
+    timeout-less pool cannot stall the watchdog."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return client
+    kwargs = dict(pool.connection_kwargs)
+    for option in ("socket_timeout", "socket_connect_timeout"):
+        current = kwargs.get(option)
+        kwargs[option] = RENEW_SOCKET_TIMEOUT if current is None else min(current, RENEW_SOCKET_TIMEOUT)
+    own_pool = type(pool)(connection_class=pool.connection_class, max_connections=2, **kwargs)
+    return type(client)(connection_pool=own_pool)
+
+
+class _SchedulerBase:
+    """What to renew when, and what each reply means; the twins only do the I/O."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = _own_client(client)
+        self._scripts = scripts_for(self._client)
+        self._holds: dict[int, Hold] = {}
+        self.pid = os.getpid()
+        #: Round trips made (one per pipelined renewal pass); read by benchmarks and tests.
+        self.round_trips = 0
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def _next_wait(self) -> tuple[float | None, list[Hold]]:
+        """(seconds until the earliest hold is due, []) or (0, holds due now).
+
+        Holds due within half their interval ride along, so holds taken at different
+        times settle into shared passes instead of one round trip each.
+        """
+        if not self._holds:
+            return None, []
+        now = time.monotonic()
+        first = min(h.next_due for h in self._holds.values())
+        if first > now:
+            return first - now, []
+        return 0.0, [h for h in self._holds.values() if h.next_due <= now + h.renew_interval / 2]
+
+    def _pipeline(self, holds: Sequence[Hold]) -> tuple[Any, list[Sequence[Hold]]]:
+        pipe = self._client.pipeline(transaction=False)
+        chunks: list[Sequence[Hold]] = []
+        for group in _by_slot(self._client, holds):
+            for chunk in batched(group, BATCH):
+                keys, args = renew_args(chunk)
+                pipe.evalsha(self._scripts.renew.sha, len(keys), *keys, *args)
+                chunks.append(chunk)
+        self.round_trips += 1
+        return pipe, chunks
+
+    def _apply(self, chunks: list[Sequence[Hold]], replies: list[Any], sent_at: float) -> None:
+        for chunk, reply in zip(chunks, replies):
+            codes = reply if isinstance(reply, list) else [reply] * len(chunk)
+            for hold, code in zip(chunk, codes):
+                if isinstance(code, Exception):
+                    self._failed([hold], code)
+                elif int(code) == RENEW_OK:
+                    hold.renewed(sent_at)
+                else:
+                    self._holds.pop(id(hold), None)
+                    hold.mark_lost(loss_reason_from_renew(int(code)))
+
+    def _failed(self, holds: Sequence[Hold], exc: BaseException) -> None:
+        now = time.monotonic()
+        for hold in holds:
+            if hold.past_deadline(now):
+                self._holds.pop(id(hold), None)
+                hold.mark_lost("unreachable")
+                continue
+            hold.failures += 1
+            delay = backoff(hold.failures, base=0.02, cap=max(0.05, hold.renew_interval / 2))
+            hold.next_due = min(now + delay, hold.deadline)
+            log.info(
+                "redislock: renewing %r failed (%r); retry %d in %.3fs, lease valid for %.3fs",
+                hold.keys.lock,
+                exc,
+                hold.failures,
+                delay,
+                hold.deadline - now,
+            )
+
+
+class RenewalScheduler(_SchedulerBase):
+    """The watchdog thread of one connection pool in one process (see the module docstring)."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, hold: Hold) -> None:
+        with self._cond:
+            self._holds[id(hold)] = hold
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="redislock-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, hold: Hold) -> None:
+        with self._cond:
+            if self._holds.pop(id(hold), None) is not None:
+                self._cond.notify()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                wait, due = self._next_wait()
+                while not due:
+                    if wait is None:
+                        # Linger briefly: a lock taken and released in a loop should
+                        # not cost a thread start per acquisition.
+                        self._cond.wait(IDLE_EXIT)
+                        wait, due = self._next_wait()
+                        if wait is None:
+                            self._thread = None
+                            self._client.connection_pool.disconnect()
+                            return
+                        continue
+                    self._cond.wait(wait)
+                    wait, due = self._next_wait()
+            self._renew(due)
+
+    def _renew(self, holds: Sequence[Hold]) -> None:
+        sent_at = time.monotonic()
+        try:
+            with self._cond:
+                pipe, chunks = self._pipeline(holds)
+            replies = pipe.execute(raise_on_error=False)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                self._client.script_load(self._scripts.renew.script)
+                with self._cond:
+                    pipe, chunks = self._pipeline(holds)
+                replies = pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            with self._cond:
+                self._failed(holds, exc)
+            return
+        with self._cond:
+            self._apply(chunks, replies, sent_at)
+
+
+class AsyncRenewalScheduler(_SchedulerBase):
+    """The watchdog task of one ``redis.asyncio`` connection pool in one event loop."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, hold: Hold) -> None:
+        self._holds[id(hold)] = hold
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    def remove(self, hold: Hold) -> None:
+        if self._holds.pop(id(hold), None) is not None:
+            self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                wait, due = self._next_wait()
+                if wait is None:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), IDLE_EXIT)
+                    except asyncio.TimeoutError:
+                        if not self._holds:
+                            return
+                    continue
+                if not due:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), wait)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                await self._renew(due)
+        finally:
+            self._task = None
+            await self._client.connection_pool.disconnect()
+
+    async def _renew(self, holds: Sequence[Hold]) -> None:
+        sent_at = time.monotonic()
+        try:
+            pipe, chunks = self._pipeline(holds)
+            replies = await pipe.execute(raise_on_error=False)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                await self._client.script_load(self._scripts.renew.script)
+                pipe, chunks = self._pipeline(holds)
+                replies = await pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            self._failed(holds, exc)
+            return
+        self._apply(chunks, replies, sent_at)
+
+
+def _by_slot(client: Any, holds: Sequence[Hold]) -> list[list[Hold]]:
+    """One group per cluster slot for cluster clients (a script's keys share a slot)."""
+    keyslot = getattr(client, "keyslot", None)
+    if keyslot is None:
+        return [list(holds)]
+    groups: dict[int, list[Hold]] = {}
+    for hold in holds:
+        groups.setdefault(keyslot(hold.keys.lock), []).append(hold)
+    return list(groups.values())
+
+
+_schedulers: weakref.WeakKeyDictionary[Any, RenewalScheduler] = weakref.WeakKeyDictionary()
+_schedulers_mutex = threading.Lock()
+
+
+def scheduler_for(client: Any) -> RenewalScheduler:
+    """The watchdog shared by every lock on ``client``'s connection pool in this process."""
+    key = getattr(client, "connection_pool", client)
+    with _schedulers_mutex:
+        found = _schedulers.get(key)
+        if found is None or found.pid != os.getpid():
+            found = _schedulers[key] = RenewalScheduler(client)
+        return found
+
+
+_async_schedulers: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, AsyncRenewalScheduler]]
+_async_schedulers = weakref.WeakKeyDictionary()
+
+
+def async_scheduler_for(client: Any) -> AsyncRenewalScheduler:
+    """The watchdog task shared by every asyncio lock on ``client``'s pool in this loop."""
+    per_loop = _async_schedulers.setdefault(asyncio.get_running_loop(), weakref.WeakKeyDictionary())
+    key = getattr(client, "connection_pool", client)
+    found = per_loop.get(key)
+    if found is None:
+        found = per_loop[key] = AsyncRenewalScheduler(client)
+    return found
+
+
+def _after_fork_in_child() -> None:
+    global _schedulers_mutex
+    _schedulers_mutex = threading.Lock()
+    _schedulers.clear()
+    _async_schedulers.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,448 @@
+"""How waiters wake: one shared pub/sub subscriber per connection pool per process.
+
+A blocked ``acquire`` subscribes to the lock's release channel *before* it retries,
+then sleeps at most min(holder's remaining lease, caller's remaining timeout). Every
+release publishes one message; the subscriber hands it to the longest-waiting local
+waiter of that lock only (not to all), which then retries. An expiry publishes
+nothing, which is why the sleep is bounded by the lease.
+
+Subscriptions are reference-counted per channel and dropped a little after their
+last waiter leaves, so a lock contended in bursts is not re-subscribed each time.
+If the subscriber's connection breaks, every waiter is woken to retry (a release
+may have been missed) and waits poll briefly until the subscription is confirmed
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from types import TracebackType
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger(__name__)
+
+#: Longest a new waiter waits for its SUBSCRIBE to be confirmed before it retries anyway.
+CONFIRM_WAIT = 1.0
+#: While a channel's subscription is not confirmed, waiters poll this often.
+UNCONFIRMED_POLL = 0.05
+#: A channel with no waiters is unsubscribed after this long.
+LINGER = 2.0
+_READ_SLICE = 0.5
+_BROKEN = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class _Channel:
+    __slots__ = ("waiters", "confirmed", "idle_since")
+
+    def __init__(self) -> None:
+        self.waiters: deque[Waiter] = deque()
+        self.confirmed = threading.Event()
+        self.idle_since: float | None = None
+
+    def wake_one(self) -> None:
+        for waiter in self.waiters:
+            if not waiter.event.is_set():
+                waiter.event.set()
+                return
+
+
+class Waiter:
+    """One blocked acquire's registration; use as a context manager around the retry loop."""
+
+    __slots__ = ("_subscriber", "_name", "_channel", "event")
+
+    def __init__(self, subscriber: Subscriber, name: bytes) -> None:
+        self._subscriber = subscriber
+        self._name = name
+        self._channel: _Channel | None = None
+        self.event = threading.Event()
+
+    def __enter__(self) -> Waiter:
+        self._channel = self._subscriber._register(self._name, self)
+        self._channel.confirmed.wait(CONFIRM_WAIT)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._subscriber._unregister(self._name, self)
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until woken by a release or ``timeout``; True if woken."""
+        assert self._channel is not None
+        if not self._channel.confirmed.is_set():
+            timeout = min(timeout, UNCONFIRMED_POLL)
+        woken = self.event.wait(timeout) if timeout > 0 else self.event.is_set()
+        self.event.clear()
+        return woken
+
+
+class Subscriber:
+    """The process-wide subscriber of one connection pool (see the module docstring)."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._mutex = threading.Lock()
+        self._channels: dict[bytes, _Channel] = {}
+        self._conn: Any = None
+        self._thread: threading.Thread | None = None
+        self.pid = os.getpid()
+
+    # -- used by waiters -------------------------------------------------------
+
+    def waiter(self, channel: bytes) -> Waiter:
+        return Waiter(self, channel)
+
+    def _register(self, name: bytes, waiter: Waiter) -> _Channel:
+        with self._mutex:
+            channel = self._channels.get(name)
+            if channel is None:
+                channel = self._channels[name] = _Channel()
+                self._send_locked("SUBSCRIBE", name)
+            channel.waiters.append(waiter)
+            channel.idle_since = None
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="redislock-subscriber", daemon=True
+                )
+                self._thread.start()
+            return channel
+
+    def _unregister(self, name: bytes, waiter: Waiter) -> None:
+        with self._mutex:
+            channel = self._channels.get(name)
+            if channel is None:
+                return
+            try:
+                channel.waiters.remove(waiter)
+            except ValueError:
+                return
+            if waiter.event.is_set():
+                # The wake-up it got was not used for a retry: pass it on.
+                channel.wake_one()
+            if not channel.waiters:
+                channel.idle_since = time.monotonic()
+
+    @property
+    def connections(self) -> int:
+        """Connections this subscriber has open (0 or 1)."""
+        return 0 if self._conn is None else 1
+
+    # -- the connection --------------------------------------------------------
+
+    def _send_locked(self, *args: Any) -> None:
+        """Send a command; on failure leave the reader thread to reconnect and resubscribe."""
+        try:
+            if self._conn is None:
+                conn = self._pool.make_connection()
+                conn.connect()
+                self._conn = conn
+            self._conn.send_command(*args, check_health=False)
+        except _BROKEN as exc:
+            log.debug("redislock subscriber could not send %s: %r", args[0], exc)
+            self._drop_connection_locked()
+
+    def _drop_connection_locked(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.disconnect()
+            except Exception:  # pragma: no cover - best effort on a broken socket
+                pass
+            self._conn = None
+        for channel in self._channels.values():
+            channel.confirmed.clear()
+            for waiter in channel.waiters:
+                waiter.event.set()  # a release may have been missed: everyone retries
+
+    def _reconnect_locked(self) -> None:
+        names = list(self._channels)
+        if names:
+            self._send_locked("SUBSCRIBE", *names)
+
+    # -- the reader thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with self._mutex:
+                self._sweep_locked()
+                if not self._channels:
+                    if self._conn is not None:
+                        self._conn.disconnect()
+                        self._conn = None
+                    self._thread = None
+                    return
+                if self._conn is None:
+                    self._reconnect_locked()
+                conn = self._conn
+            if conn is None:
+                failures += 1
+                time.sleep(min(1.0, 0.02 * 2**failures))
+                continue
+            try:
+                if not conn.can_read(timeout=_READ_SLICE):
+                    continue
+                reply = conn.read_response(disable_decoding=True, push_request=True)
+            except _BROKEN as exc:
+                log.warning("redislock subscriber connection lost (%r); resubscribing", exc)
+                with self._mutex:
+                    if self._conn is conn:
+                        self._drop_connection_locked()
+                continue
+            failures = 0
+            self._dispatch(reply)
+
+    def _dispatch(self, reply: Any) -> None:
+        if not isinstance(reply, list) or len(reply) < 2:
+            return
+        kind = reply[0]
+        with self._mutex:
+            channel = self._channels.get(reply[1])
+            if channel is None:
+                return
+            if kind == b"message":
+                channel.wake_one()
+            elif kind == b"subscribe":
+                channel.confirmed.set()
+
+    def _sweep_locked(self) -> None:
+        now = time.monotonic()
+        idle = [
+            name
+            for name, ch in self._channels.items()
+            if not ch.waiters and ch.idle_since is not None and now - ch.idle_since >= LINGER
+        ]
+        for name in idle:
+            del self._channels[name]
+        if idle and self._conn is not None and self._channels:
+            self._send_locked("UNSUBSCRIBE", *idle)
+
+
+_subscribers: weakref.WeakKeyDictionary[Any, Subscriber] = weakref.WeakKeyDictionary()
+_subscribers_mutex = threading.Lock()
+
+
+def subscriber_for(client: Any) -> Subscriber:
+    """The subscriber shared by every lock on ``client``'s connection pool in this process."""
+    pool = client.connection_pool
+    with _subscribers_mutex:
+        found = _subscribers.get(pool)
+        if found is None or found.pid != os.getpid():
+            found = _subscribers[pool] = Subscriber(pool)
+        return found
+
+
+def _after_fork_in_child() -> None:
+    global _subscribers_mutex
+    _subscribers_mutex = threading.Lock()
+    _subscribers.clear()
+    _async_subscribers.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ----------------------------------------------------------------------------- asyncio
+
+
+class _AsyncChannel:
+    __slots__ = ("waiters", "confirmed", "idle_since")
+
+    def __init__(self) -> None:
+        self.waiters: deque[AsyncWaiter] = deque()
+        self.confirmed = asyncio.Event()
+        self.idle_since: float | None = None
+
+    def wake_one(self) -> None:
+        for waiter in self.waiters:
+            if not waiter.event.is_set():
+                waiter.event.set()
+                return
+
+
+class AsyncWaiter:
+    """The asyncio twin of :class:`Waiter` (``async with``)."""
+
+    __slots__ = ("_subscriber", "_name", "_channel", "event")
+
+    def __init__(self, subscriber: AsyncSubscriber, name: bytes) -> None:
+        self._subscriber = subscriber
+        self._name = name
+        self._channel: _AsyncChannel | None = None
+        self.event = asyncio.Event()
+
+    async def __aenter__(self) -> AsyncWaiter:
+        try:
+            self._channel = await self._subscriber._register(self._name, self)
+            await asyncio.wait_for(self._channel.confirmed.wait(), CONFIRM_WAIT)
+        except asyncio.TimeoutError:
+            pass
+        except BaseException:
+            self._subscriber._unregister(self._name, self)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._subscriber._unregister(self._name, self)
+
+    async def wait(self, timeout: float) -> bool:
+        assert self._channel is not None
+        if not self._channel.confirmed.is_set():
+            timeout = min(timeout, UNCONFIRMED_POLL)
+        woken = self.event.is_set()
+        if not woken and timeout > 0:
+            try:
+                await asyncio.wait_for(self.event.wait(), timeout)
+                woken = True
+            except asyncio.TimeoutError:
+                woken = False
+        self.event.clear()
+        return woken
+
+
+class AsyncSubscriber:
+    """The subscriber of one ``redis.asyncio`` pool in one event loop; a reader task, no thread."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._channels: dict[bytes, _AsyncChannel] = {}
+        self._conn: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    def waiter(self, channel: bytes) -> AsyncWaiter:
+        return AsyncWaiter(self, channel)
+
+    @property
+    def connections(self) -> int:
+        return 0 if self._conn is None else 1
+
+    async def _register(self, name: bytes, waiter: AsyncWaiter) -> _AsyncChannel:
+        channel = self._channels.get(name)
+        if channel is None:
+            channel = self._channels[name] = _AsyncChannel()
+            channel.waiters.append(waiter)
+            await self._send("SUBSCRIBE", name)
+        else:
+            channel.waiters.append(waiter)
+        channel.idle_since = None
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return channel
+
+    def _unregister(self, name: bytes, waiter: AsyncWaiter) -> None:
+        channel = self._channels.get(name)
+        if channel is None:
+            return
+        try:
+            channel.waiters.remove(waiter)
+        except ValueError:
+            return
+        if waiter.event.is_set():
+            channel.wake_one()
+        if not channel.waiters:
+            channel.idle_since = time.monotonic()
+
+    async def _send(self, *args: Any) -> None:
+        try:
+            if self._conn is None:
+                conn = self._pool.make_connection()
+                await conn.connect()
+                self._conn = conn
+            await self._conn.send_command(*args, check_health=False)
+        except _BROKEN as exc:
+            log.debug("redislock subscriber could not send %s: %r", args[0], exc)
+            await self._drop_connection()
+
+    async def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                await conn.disconnect(nowait=True)
+            except Exception:  # pragma: no cover - best effort on a broken socket
+                pass
+        for channel in self._channels.values():
+            channel.confirmed.clear()
+            for waiter in channel.waiters:
+                waiter.event.set()
+
+    async def _run(self) -> None:
+        failures = 0
+        try:
+            while True:
+                await self._sweep()
+                if not self._channels:
+                    return
+                if self._conn is None:
+                    await self._send("SUBSCRIBE", *self._channels)
+                conn = self._conn
+                if conn is None:
+                    failures += 1
+                    await asyncio.sleep(min(1.0, 0.02 * 2**failures))
+                    continue
+                try:
+                    reply = await conn.read_response(
+                        disable_decoding=True, timeout=_READ_SLICE, push_request=True
+                    )
+                except _BROKEN as exc:
+                    log.warning("redislock subscriber connection lost (%r); resubscribing", exc)
+                    if self._conn is conn:
+                        await self._drop_connection()
+                    continue
+                failures = 0
+                if reply is not None:
+                    self._dispatch(reply)
+        finally:
+            self._task = None
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                await conn.disconnect()
+
+    def _dispatch(self, reply: Any) -> None:
+        if not isinstance(reply, list) or len(reply) < 2:
+            return
+        channel = self._channels.get(reply[1])
+        if channel is None:
+            return
+        if reply[0] == b"message":
+            channel.wake_one()
+        elif reply[0] == b"subscribe":
+            channel.confirmed.set()
+
+    async def _sweep(self) -> None:
+        now = time.monotonic()
+        idle = [
+            name
+            for name, ch in self._channels.items()
+            if not ch.waiters and ch.idle_since is not None and now - ch.idle_since >= LINGER
+        ]
+        for name in idle:
+            del self._channels[name]
+        if idle and self._conn is not None and self._channels:
+            await self._send("UNSUBSCRIBE", *idle)
+
+
+_async_subscribers: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, AsyncSubscriber]]
+_async_subscribers = weakref.WeakKeyDictionary()
+
+
+def async_subscriber_for(client: Any) -> AsyncSubscriber:
+    """The subscriber shared by every asyncio lock on ``client``'s pool in this event loop."""
+    per_loop = _async_subscribers.setdefault(
+        asyncio.get_running_loop(), weakref.WeakKeyDictionary()
+    )
+    found = per_loop.get(client.connection_pool)
+    if found is None:
+        found = per_loop[client.connection_pool] = AsyncSubscriber(client.connection_pool)
+    return found

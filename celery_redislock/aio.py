@@ -1,0 +1,223 @@
+"""The asyncio twin: :class:`AsyncRedisLock` over ``redis.asyncio``.
+
+Same methods, arguments, scripts, errors and guarantees as
+:class:`celery_redislock.RedisLock`; the I/O is awaited. Differences:
+
+* the default owner is the calling **asyncio task** (tracked with a context
+  variable), so two coroutines on one thread are different owners unless they pass
+  the same explicit ``owner=``;
+* renewal runs as one asyncio task per connection pool per event loop, and waiters
+  are woken by one reader task per pool per loop;
+* cancellation is safe: a cancelled ``acquire`` whose command already reached Redis
+  gives the hold back before the ``CancelledError`` propagates, and a cancelled
+  ``release`` finishes (or, if Redis is unreachable, keeps the hold recorded so the
+  release can be retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+import weakref
+from typing import Any, Awaitable, TypeVar
+
+from ._base import LockBase
+from ._core import (
+    DEFAULT_PREFIX,
+    AsyncLeaseLost,
+    Hold,
+    LockKeys,
+    decode_acquire,
+    lease_ms,
+    new_owner_suffix,
+    optional_seconds,
+    process_id,
+    thread_owner,
+    validate_prefix,
+    wait_bound,
+)
+from ._renewal import async_scheduler_for
+from ._scripts import scripts_for
+from ._waiting import async_subscriber_for
+
+T = TypeVar("T")
+
+_task_owner: contextvars.ContextVar[tuple[weakref.ref[asyncio.Task[Any]], str] | None]
+_task_owner = contextvars.ContextVar("celery_redislock_task_owner", default=None)
+
+
+def task_owner() -> str:
+    """Owner id of the running asyncio task (child tasks get their own, not the parent's)."""
+    task = asyncio.current_task()
+    if task is None:
+        return thread_owner()
+    current = _task_owner.get()
+    if current is not None and current[0]() is task:
+        return current[1]
+    owner = f"{process_id()}:a{new_owner_suffix()}"
+    _task_owner.set((weakref.ref(task), owner))
+    return owner
+
+
+async def _to_completion(awaitable: Awaitable[T]) -> tuple[asyncio.Future[T], BaseException | None]:
+    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile.
+
+    Returns the finished future and the CancelledError that arrived (if any), so the
+    caller can record what Redis actually did before re-raising the cancellation.
+    """
+    future = asyncio.ensure_future(awaitable)
+    cancelled: BaseException | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            if future.cancelled():
+                raise
+            cancelled = exc
+        except Exception:
+            break
+    return future, cancelled
+
+
+class AsyncRedisLock(LockBase[AsyncLeaseLost]):
+    """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
+
+    See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
+    """
+
+    _signal_type = AsyncLeaseLost
+
+    def __init__(
+        self,
+        client: Any,
+        name: str | bytes,
+        *,
+        ttl: float = 30.0,
+        owner: str | None = None,
+        auto_renew: bool = True,
+        blocking: bool = True,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        super().__init__(
+            client,
+            name,
+            ttl=ttl,
+            owner=owner,
+            auto_renew=auto_renew,
+            blocking=blocking,
+            timeout=timeout,
+            prefix=prefix,
+        )
+        self._scripts = scripts_for(client)
+
+    def _default_owner(self) -> str:
+        return task_owner()
+
+    def _unschedule(self, hold: Hold) -> None:
+        if hold.renew:
+            async_scheduler_for(self.client).remove(hold)
+
+    async def acquire(
+        self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
+    ) -> bool:
+        """Take the lock (or re-enter it); True on success. See :meth:`RedisLock.acquire`."""
+        wait_limit = optional_seconds(timeout, "timeout")
+        lease_millis, renew = self._acquire_args(lease)
+        owner = self._current_owner()
+        if await self._try(owner, lease_millis, renew) is True:
+            return True
+        if not blocking:
+            return False
+        deadline = None if wait_limit is None else time.monotonic() + wait_limit
+        async with async_subscriber_for(self.client).waiter(self.keys.channel) as waiter:
+            while True:
+                outcome = await self._try(owner, lease_millis, renew)
+                if outcome is True:
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                await waiter.wait(wait_bound(outcome, remaining))
+
+    async def _try(self, owner: str, lease: int, renew: bool) -> bool | int:
+        sent_at = time.monotonic()
+        future, cancelled = await _to_completion(
+            self._scripts.acquire(keys=[self.keys.lock, self.keys.fence], args=[owner, lease])
+        )
+        if cancelled is not None and future.exception() is not None:
+            raise cancelled
+        reply = decode_acquire(future.result())
+        if not reply.acquired:
+            if cancelled is not None:
+                raise cancelled
+            return reply.pttl
+        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew)
+        if is_new and renew:
+            async_scheduler_for(self.client).add(hold)
+        if cancelled is not None:
+            # Redis granted it, but our caller is gone: give it straight back.
+            await _to_completion(self._release(owner))
+            raise cancelled
+        return True
+
+    async def release(self) -> None:
+        """Give back one hold of the calling owner. See :meth:`RedisLock.release`."""
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        future, cancelled = await _to_completion(self._release(owner))
+        if cancelled is not None:
+            raise cancelled
+        future.result()
+
+    async def _release(self, owner: str) -> None:
+        code = int(
+            await self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[owner])
+        )
+        self._record_released(owner, code)
+
+    async def extend(self, ttl: float) -> None:
+        """Replace the calling owner's lease with ``ttl`` seconds. See :meth:`RedisLock.extend`."""
+        lease = lease_ms(ttl, "ttl")
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        sent_at = time.monotonic()
+        codes = await self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
+        self._record_extended(owner, int(codes[0]), lease, sent_at)
+
+    async def locked(self) -> bool:
+        """Whether anyone holds the lock (server-side)."""
+        return bool(await self.client.exists(self.keys.lock))
+
+    async def owned(self) -> bool:
+        """Whether the calling owner holds the lock (server-side)."""
+        return bool(await self.client.hexists(self.keys.lock, self._current_owner()))
+
+    async def remaining(self) -> float | None:
+        """Seconds left on the current lease, whoever holds it (None: not locked)."""
+        pttl = int(await self.client.pttl(self.keys.lock))
+        if pttl == -2:
+            return None
+        return float("inf") if pttl == -1 else pttl / 1000.0
+
+    def close(self) -> None:
+        """Stop renewing this lock's holds in this loop (they expire after their lease)."""
+        for hold in list(self._holds.values()):
+            self._unschedule(hold)
+
+    @staticmethod
+    async def force_release(
+        client: Any, name: str | bytes, *, prefix: str = DEFAULT_PREFIX
+    ) -> bool:
+        """Operator's tool: delete the lock whoever holds it. See :meth:`RedisLock.force_release`."""
+        keys = LockKeys.for_name(name, validate_prefix(prefix))
+        return bool(await scripts_for(client).force_release(keys=[keys.lock, keys.channel]))
+
+    async def __aenter__(self) -> AsyncRedisLock:
+        if not await self.acquire(self.blocking, self.timeout):
+            raise self._timeout_error(self.timeout if self.blocking else None)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()

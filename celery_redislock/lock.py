@@ -1,0 +1,213 @@
+"""How a lock is taken: :class:`RedisLock`, the synchronous reentrant fenced lock.
+
+Guarantees with one Redis server (see docs/guarantees.md for replicas and quorum):
+
+* at most one owner holds a lock while its lease is valid; an owner that stops
+  renewing loses the lock when the lease expires, so a crashed holder never
+  deadlocks anyone;
+* release and extend are owner-checked: nobody deletes another owner's hold;
+* fencing tokens are strictly increasing per lock name, so a protected resource
+  that checks them (see :mod:`celery_redislock.fencing`) rejects a holder whose
+  lease expired while it was paused;
+* a lost lease is reported (``lost``, ``on_lost``, ``ensure_held()``), never silent.
+
+Not guaranteed: that work inside the lock stops when the lease is lost — the lock
+cannot stop a paused process; use the fencing token for that.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+from typing import Any
+
+from ._base import LockBase
+from ._core import (
+    DEFAULT_PREFIX,
+    Hold,
+    LeaseLost,
+    LockKeys,
+    decode_acquire,
+    lease_ms,
+    optional_seconds,
+    thread_owner,
+    validate_prefix,
+    wait_bound,
+)
+from ._renewal import scheduler_for
+from ._scripts import scripts_for
+from ._waiting import subscriber_for
+
+
+class RedisLock(LockBase[LeaseLost]):
+    """A reentrant, owner-checked, fenced lock on one Redis (or Redis Cluster) client.
+
+    Args:
+        client: a ``redis.Redis`` (or ``redis.cluster.RedisCluster``) client.
+        name: the lock's name (str or bytes, non-empty).
+        ttl: lease in seconds. With ``auto_renew`` the watchdog renews it every
+            ``ttl / 3`` while held; without, the hold ends after ``ttl``.
+        owner: who holds it. ``None`` (default) means the calling thread; pass a
+            string (a task id, say) to share one hold across threads or processes.
+        auto_renew: renew the lease in the background while held (default True).
+        blocking: default for the context-manager form (``with lock:``).
+        timeout: default wait limit of the context-manager form (None: no limit).
+        prefix: key prefix; a lock uses ``<prefix>{<name>}`` and two keys beside it.
+    """
+
+    _signal_type = LeaseLost
+
+    def __init__(
+        self,
+        client: Any,
+        name: str | bytes,
+        *,
+        ttl: float = 30.0,
+        owner: str | None = None,
+        auto_renew: bool = True,
+        blocking: bool = True,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        super().__init__(
+            client,
+            name,
+            ttl=ttl,
+            owner=owner,
+            auto_renew=auto_renew,
+            blocking=blocking,
+            timeout=timeout,
+            prefix=prefix,
+        )
+        self._scripts = scripts_for(client)
+
+    def _default_owner(self) -> str:
+        return thread_owner()
+
+    def _unschedule(self, hold: Hold) -> None:
+        if hold.renew:
+            scheduler_for(self.client).remove(hold)
+
+    # -- acquire / release -----------------------------------------------------
+
+    def acquire(
+        self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
+    ) -> bool:
+        """Take the lock (or re-enter it); True on success.
+
+        Args:
+            blocking: wait while another owner holds it (False: one attempt).
+            timeout: seconds to wait at most (None: until acquired).
+            lease: a fixed lease in seconds for this hold, not renewed (default: the
+                lock's ``ttl``, renewed while held if ``auto_renew``).
+
+        Returns False when not acquired in time. Waiting is woken by the holder's
+        release (pub/sub), never by polling; an expired holder is noticed when its
+        remaining lease, fetched with each attempt, runs out.
+        """
+        wait_limit = optional_seconds(timeout, "timeout")
+        lease_millis, renew = self._acquire_args(lease)
+        owner = self._current_owner()
+        if self._try(owner, lease_millis, renew) is True:
+            return True
+        if not blocking:
+            return False
+        deadline = None if wait_limit is None else time.monotonic() + wait_limit
+        with subscriber_for(self.client).waiter(self.keys.channel) as waiter:
+            while True:
+                outcome = self._try(owner, lease_millis, renew)
+                if outcome is True:
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                waiter.wait(wait_bound(outcome, remaining))
+
+    def _try(self, owner: str, lease: int, renew: bool) -> bool | int:
+        """One attempt: True if acquired, else the holder's remaining lease in ms."""
+        sent_at = time.monotonic()
+        reply = decode_acquire(
+            self._scripts.acquire(keys=[self.keys.lock, self.keys.fence], args=[owner, lease])
+        )
+        if not reply.acquired:
+            return reply.pttl
+        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew)
+        if is_new and renew:
+            scheduler_for(self.client).add(hold)
+        return True
+
+    def release(self) -> None:
+        """Give back one hold of the calling owner; the last one frees the lock.
+
+        Raises:
+            LockLostError: the lease was lost before the release (the work it
+                protected may have overlapped another holder's).
+            LockNotOwnedError: the caller does not hold the lock; nothing changed.
+            LockForkedError: the hold belongs to the parent of this forked process.
+            redis.exceptions.ConnectionError: Redis unreachable; the hold is kept
+                and the call can be retried.
+        """
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        code = int(self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[owner]))
+        self._record_released(owner, code)
+
+    def extend(self, ttl: float) -> None:
+        """Replace the lease of the calling owner's hold with ``ttl`` seconds from now.
+
+        Owner-checked; never recreates an expired lock. Later watchdog renewals use
+        the new lease. Raises :class:`LockLostError` if the hold is already gone.
+        """
+        lease = lease_ms(ttl, "ttl")
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        sent_at = time.monotonic()
+        codes = self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
+        self._record_extended(owner, int(codes[0]), lease, sent_at)
+
+    # -- queries ---------------------------------------------------------------
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock (server-side)."""
+        return bool(self.client.exists(self.keys.lock))
+
+    def owned(self) -> bool:
+        """Whether the calling owner holds the lock (server-side)."""
+        return bool(self.client.hexists(self.keys.lock, self._current_owner()))
+
+    def remaining(self) -> float | None:
+        """Seconds left on the current lease, whoever holds it (None: not locked)."""
+        pttl = int(self.client.pttl(self.keys.lock))
+        if pttl == -2:
+            return None
+        return float("inf") if pttl == -1 else pttl / 1000.0
+
+    def close(self) -> None:
+        """Stop renewing this lock's holds in this process (they expire after their lease)."""
+        for hold in list(self._holds.values()):
+            self._unschedule(hold)
+
+    @staticmethod
+    def force_release(client: Any, name: str | bytes, *, prefix: str = DEFAULT_PREFIX) -> bool:
+        """Operator's tool: delete the lock whoever holds it and wake its waiters.
+
+        The evicted holder learns of it at its next renewal (``lost`` with reason
+        "expired"). Returns whether a lock was deleted.
+        """
+        keys = LockKeys.for_name(name, validate_prefix(prefix))
+        return bool(scripts_for(client).force_release(keys=[keys.lock, keys.channel]))
+
+    # -- context manager -------------------------------------------------------
+
+    def __enter__(self) -> RedisLock:
+        if not self.acquire(self.blocking, self.timeout):
+            raise self._timeout_error(self.timeout if self.blocking else None)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

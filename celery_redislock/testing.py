@@ -1,0 +1,160 @@
+"""Real ``redis-server`` processes for tests, benchmarks and the demo.
+
+:class:`RedisServer` starts a private server on a free loopback port in a temporary
+directory (no persistence unless asked), and stops it by its own pid. It never
+touches a server it did not start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError(
+            "redis-server is not installed: `sudo apt-get install redis-server` "
+            "(Debian/Ubuntu) or see https://redis.io/docs/install/"
+        )
+    return found
+
+
+class RedisServer:
+    """One redis-server process owned by the caller.
+
+    Args:
+        appendonly: turn on AOF persistence (``appendfsync`` as given).
+        extra: more ``--option value`` arguments for redis-server.
+    """
+
+    def __init__(
+        self,
+        *,
+        appendonly: bool = False,
+        appendfsync: str = "always",
+        extra: list[str] | None = None,
+        directory: str | None = None,
+    ) -> None:
+        self._own_dir = directory is None
+        self.dir = Path(directory or tempfile.mkdtemp(prefix="redislock-test-"))
+        self.port = 0
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.extra = list(extra or [])
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "server not started"
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        kwargs.setdefault("socket_timeout", 5.0)
+        kwargs.setdefault("socket_connect_timeout", 5.0)
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
+
+    def start(self, port: int | None = None) -> RedisServer:
+        for _attempt in range(5):
+            self.port = port or self.port or free_port()
+            args = [
+                redis_server_binary(),
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--dir", str(self.dir),
+                "--save", "",
+                "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", self.appendfsync,
+                "--logfile", str(self.dir / "redis.log"),
+                "--daemonize", "no",
+                *self.extra,
+            ]  # fmt: skip
+            self.process = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            if self._wait_ready():
+                return self
+            self.stop()
+            if port is None:
+                self.port = 0  # the port was taken meanwhile: try another
+        raise RuntimeError(f"redis-server did not start; see {self.dir / 'redis.log'}")
+
+    def _wait_ready(self, within: float = 10.0) -> bool:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                return False
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64).startswith(b"+PONG"):
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.02)
+        return False
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL the server (no shutdown save) and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            try:
+                self.process.send_signal(signal.SIGCONT)
+                self.process.terminate()
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.process = None
+
+    def restart(self, *, delay: float = 0.0, kill: bool = True) -> None:
+        """Stop (SIGKILL by default) and start again on the same port."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        if delay:
+            time.sleep(delay)
+        self.start(self.port)
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -1,0 +1,41 @@
+"""Fixtures: real redis-server processes on free loopback ports, started and stopped here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Callable
+
+import pytest
+import redis
+
+from celery_redislock.testing import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One server shared by the session's tests; each test uses its own key prefix."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis_server.client()
+    client.flushall()  # our own server only
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
+    """Start extra private servers (for kill/restart tests); all are stopped at teardown."""
+    started: list[RedisServer] = []
+
+    def start(**options: object) -> RedisServer:
+        server = RedisServer(**options).start()  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.cleanup()
