@@ -1,0 +1,63 @@
+"""Bodies of the real processes the tests start (spawned, so nothing is inherited)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import redis
+
+from celery_redislock import RedisLock
+
+
+def hammer(port: int, name: str, iterations: int, log_key: str) -> None:
+    """Take the lock ``iterations`` times; inside, a non-atomic read-modify-write.
+
+    Every critical section is logged as (pid, enter, exit) on the shared monotonic clock
+    so the test can check that no two overlapped and that it saw them all.
+    """
+    client = redis.Redis(port=port, socket_timeout=10)
+    lock = RedisLock(client, name, ttl=10)
+    for _ in range(iterations):
+        with lock:
+            enter = time.monotonic()
+            value = int(client.get(f"{name}:counter") or 0)
+            time.sleep(0.0005)
+            client.set(f"{name}:counter", value + 1)
+            leave = time.monotonic()
+            client.rpush(log_key, f"{os.getpid()} {enter!r} {leave!r} {lock.token}")
+    client.close()
+
+
+def hold_then_report(port: int, name: str, ttl: float, owner: str | None, ready_key: str) -> None:
+    """Acquire and signal readiness, then sleep until killed."""
+    client = redis.Redis(port=port, socket_timeout=10)
+    lock = RedisLock(client, name, ttl=ttl, owner=owner, auto_renew=False)
+    assert lock.acquire(timeout=5)
+    client.rpush(ready_key, str(lock.token))
+    time.sleep(600)
+
+
+def release_as(port: int, name: str, owner: str, result_key: str) -> None:
+    """Release a hold taken in another process under an explicit owner."""
+    client = redis.Redis(port=port, socket_timeout=10)
+    try:
+        RedisLock(client, name, owner=owner).release()
+        client.rpush(result_key, "released")
+    except Exception as exc:  # reported to the test, which asserts on it
+        client.rpush(result_key, f"error {type(exc).__name__}")
+
+
+def run(target: Any, *args: Any) -> Any:
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    process.start()
+    return process
+
+
+def sigkill(process: Any) -> None:
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(10)

@@ -1,0 +1,370 @@
+"""RedisLock against a real redis-server: ownership, reentrancy, tokens, waiting, errors."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_redislock import (
+    LockConfigurationError,
+    LockNotOwnedError,
+    LockTimeoutError,
+    RedisLock,
+    RedisLockError,
+)
+from celery_redislock._scripts import scripts_for
+from celery_redislock.testing import RedisServer
+
+from . import _procs
+
+
+def in_thread(fn, *args):  # type: ignore[no-untyped-def]
+    """Run ``fn`` in a new thread (a different default owner) and return its result."""
+    box: dict[str, object] = {}
+
+    def body() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(30)
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("value")
+
+
+def test_acquire_release_round_trip(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job")
+    assert not lock.locked()
+    assert lock.acquire()
+    assert lock.locked() and lock.owned()
+    assert lock.hold_count == 1
+    assert lock.token == 1
+    lock.release()
+    assert not lock.locked()
+    assert lock.hold_count == 0 and lock.token is None
+    assert redis_client.keys("*") == [b"redislock:{job}:fence"]  # only the counter stays
+
+
+def test_reentrant_holds_need_one_release_each(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job")
+    assert lock.acquire() and lock.acquire() and lock.acquire()
+    assert lock.hold_count == 3
+    assert redis_client.hget(lock.keys.lock, RedisLock(redis_client, "job")._current_owner()) == b"3"
+    token = lock.token
+    lock.release()
+    lock.release()
+    assert lock.locked() and lock.hold_count == 1 and lock.token == token
+    assert in_thread(lambda: RedisLock(redis_client, "job").acquire(blocking=False)) is False
+    lock.release()
+    assert not lock.locked()
+
+
+def test_other_thread_is_another_owner_and_cannot_release(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job")
+    lock.acquire()
+    with pytest.raises(LockNotOwnedError, match="'job'") as info:
+        in_thread(lock.release)
+    assert "another owner holds it" in str(info.value)
+    assert lock.owned() and lock.hold_count == 1
+    lock.release()
+
+
+def test_release_when_not_locked_raises_and_changes_nothing(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job")
+    with pytest.raises(LockNotOwnedError) as info:
+        lock.release()
+    assert info.value.name == "job" and info.value.owner
+    assert isinstance(info.value, RedisLockError)
+
+
+def test_explicit_owner_hands_a_hold_across_threads(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job", owner="task-42")
+    lock.acquire()
+    assert in_thread(lambda: RedisLock(redis_client, "job", owner="task-42").owned()) is True
+    in_thread(lambda: RedisLock(redis_client, "job", owner="task-42").release())
+    assert not lock.locked()
+
+
+def test_explicit_owner_hands_a_hold_across_processes(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    holder = _procs.run(_procs.hold_then_report, redis_server.port, "job", 30.0, "task-7", "ready")
+    try:
+        assert redis_client.blpop(["ready"], timeout=20) is not None
+        _procs.run(_procs.release_as, redis_server.port, "job", "task-7", "result").join(20)
+        assert redis_client.lpop("result") == b"released"
+        assert not redis_client.exists("redislock:{job}")
+    finally:
+        _procs.sigkill(holder)
+
+
+def test_release_by_wrong_explicit_owner_is_refused(redis_client: redis.Redis) -> None:
+    RedisLock(redis_client, "job", owner="a").acquire()
+    with pytest.raises(LockNotOwnedError):
+        RedisLock(redis_client, "job", owner="b").release()
+    assert RedisLock(redis_client, "job", owner="a").owned()
+
+
+def test_tokens_strictly_increase_across_holders(redis_client: redis.Redis) -> None:
+    tokens = []
+    for i in range(5):
+        lock = RedisLock(redis_client, "job", owner=f"owner-{i}")
+        lock.acquire()
+        lock.acquire()  # re-entry keeps the token
+        tokens.append(lock.token)
+        lock.release()
+        lock.release()
+    assert tokens == sorted(set(tokens)) and len(tokens) == 5
+
+
+def test_tokens_survive_expiry_of_the_lock_key(redis_client: redis.Redis) -> None:
+    first = RedisLock(redis_client, "job", ttl=0.05, auto_renew=False)
+    first.acquire()
+    token = first.token
+    time.sleep(0.1)
+    second = RedisLock(redis_client, "job", owner="next")
+    second.acquire()
+    assert second.token is not None and token is not None and second.token > token
+
+
+def test_non_blocking_and_timed_out_acquires_return_false(redis_client: redis.Redis) -> None:
+    RedisLock(redis_client, "job", owner="holder").acquire()
+    waiter = RedisLock(redis_client, "job", owner="waiter")
+    assert waiter.acquire(blocking=False) is False
+    assert waiter.acquire(timeout=0.2) is False
+    assert waiter.hold_count == 0
+
+
+def test_context_manager_raises_lock_timeout_error(redis_client: redis.Redis) -> None:
+    RedisLock(redis_client, "job", owner="holder").acquire()
+    with pytest.raises(LockTimeoutError, match="'job'") as info:
+        with RedisLock(redis_client, "job", owner="waiter", timeout=0.1):
+            pytest.fail("body must not run")
+    assert isinstance(info.value, TimeoutError)
+    with pytest.raises(LockTimeoutError, match="non-blocking"):
+        with RedisLock(redis_client, "job", owner="waiter", blocking=False):
+            pytest.fail("body must not run")
+
+
+def test_context_manager_releases_on_exception(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job")
+    with pytest.raises(KeyError):
+        with lock:
+            assert lock.owned()
+            raise KeyError("boom")
+    assert not lock.locked()
+
+
+def test_waiter_is_woken_by_release_not_by_expiry(redis_client: redis.Redis) -> None:
+    holder = RedisLock(redis_client, "job", ttl=60, auto_renew=False)
+    holder.acquire()
+    result: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: result.append(RedisLock(redis_client, "job").acquire(timeout=20))
+    )
+    waiter.start()
+    time.sleep(0.3)
+    assert result == []  # still waiting: the holder has 60 s left
+    holder.release()
+    waiter.join(20)
+    # Acquired long before the 60 s lease could have expired: only the release can have woken it.
+    assert result == [True]
+
+
+def test_waiter_acquires_after_a_killed_holders_lease_expires(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    holder = _procs.run(_procs.hold_then_report, redis_server.port, "job", 1.0, None, "ready")
+    ready = redis_client.blpop(["ready"], timeout=20)
+    assert ready is not None
+    _procs.sigkill(holder)  # no release will ever be published
+    lock = RedisLock(redis_client, "job")
+    assert lock.acquire(timeout=15)
+    assert lock.token == int(ready[1]) + 1
+
+
+def test_one_release_wakes_one_waiter_per_process(redis_client: redis.Redis) -> None:
+    holder = RedisLock(redis_client, "job", ttl=60, auto_renew=False)
+    holder.acquire()
+    results: list[bool] = []
+    go = threading.Event()
+
+    def wait_then_pass_on() -> None:
+        lock = RedisLock(redis_client, "job", ttl=60, auto_renew=False)
+        ok = lock.acquire(timeout=30)
+        results.append(ok)
+        if ok:
+            go.wait(30)
+            lock.release()  # wakes the next waiter
+
+    waiters = [threading.Thread(target=wait_then_pass_on) for _ in range(5)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.5)  # all five subscribed and asleep
+    redis_client.config_resetstat()
+    holder.release()
+    deadline = time.monotonic() + 10
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    evalsha_calls = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    # The release itself, then exactly one woken waiter's attempt: no herd of five.
+    assert results == [True]
+    assert evalsha_calls == 2
+    go.set()  # each winner releases in turn and wakes the next
+    for w in waiters:
+        w.join(30)
+    assert results == [True] * 5
+
+
+def test_many_waited_locks_share_one_subscriber_connection(redis_client: redis.Redis) -> None:
+    holders = [RedisLock(redis_client, f"job-{i}", ttl=60, auto_renew=False) for i in range(20)]
+    for h in holders:
+        h.acquire()
+    before = {c["id"] for c in redis_client.client_list() if int(c.get("sub", 0)) > 0}
+    results: list[bool] = []
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.append(
+                RedisLock(redis_client, f"job-{i}", owner=f"w{i}").acquire(timeout=30)
+            )
+        )
+        for i in range(20)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    subscribers = [
+        c for c in redis_client.client_list() if int(c.get("sub", 0)) > 0 and c["id"] not in before
+    ]
+    assert len(subscribers) == 1
+    assert int(subscribers[0]["sub"]) == 20
+    for h in holders:
+        h.release()
+    for t in threads:
+        t.join(30)
+    assert results == [True] * 20
+
+
+def test_extend_replaces_the_ttl_and_is_owner_checked(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job", ttl=5, auto_renew=False)
+    lock.acquire()
+    lock.extend(100)
+    remaining = lock.remaining()
+    assert remaining is not None and 90 < remaining <= 100
+    lock.extend(1)  # replaces, does not add
+    remaining = lock.remaining()
+    assert remaining is not None and remaining <= 1
+    with pytest.raises(LockNotOwnedError):
+        RedisLock(redis_client, "job", owner="other").extend(10)
+
+
+def test_extend_never_resurrects_an_expired_lock(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job", ttl=0.05, auto_renew=False)
+    lock.acquire()
+    time.sleep(0.1)
+    with pytest.raises(LockNotOwnedError):
+        lock.extend(10)
+    assert not redis_client.exists(lock.keys.lock)
+
+
+def test_remaining_reports_server_side_ttl(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job", ttl=10)
+    assert lock.remaining() is None
+    lock.acquire()
+    remaining = lock.remaining()
+    assert remaining is not None and 0 < remaining <= 10
+    redis_client.persist(lock.keys.lock)
+    assert lock.remaining() == math.inf
+
+
+def test_force_release_evicts_any_holder_and_wakes_waiters(redis_client: redis.Redis) -> None:
+    RedisLock(redis_client, "job", ttl=60, owner="stuck").acquire()
+    result: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: result.append(RedisLock(redis_client, "job").acquire(timeout=20))
+    )
+    waiter.start()
+    time.sleep(0.3)
+    assert RedisLock.force_release(redis_client, "job") is True
+    waiter.join(20)
+    assert result == [True]
+    assert RedisLock.force_release(redis_client, "nothing-here") is False
+
+
+def test_release_survives_a_network_error_and_can_be_retried(
+    redis_server_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    server = redis_server_factory()
+    client = server.client(socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
+    lock = RedisLock(client, "job", ttl=60, auto_renew=False)
+    lock.acquire()
+    server.signal(19)  # SIGSTOP: the release cannot get an answer
+    try:
+        with pytest.raises(redis.exceptions.TimeoutError):
+            lock.release()
+        assert lock.hold_count == 1  # still known, still releasable
+    finally:
+        server.signal(18)  # SIGCONT
+    # The first release may or may not have run once the server resumed; either way the
+    # caller can finish it and nobody else's hold is touched.
+    if client.exists(lock.keys.lock):
+        lock.release()
+    assert not client.exists(lock.keys.lock)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"ttl": 0}, "ttl"),
+        ({"ttl": -5}, "ttl"),
+        ({"ttl": math.nan}, "ttl"),
+        ({"ttl": None}, "ttl"),
+        ({"owner": ""}, "owner"),
+        ({"timeout": -1}, "timeout"),
+        ({"prefix": "x{"}, "prefix"),
+        ({"auto_renew": "yes"}, "auto_renew"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(
+    redis_client: redis.Redis, kwargs: dict[str, object], argument: str
+) -> None:
+    with pytest.raises(LockConfigurationError, match=argument):
+        RedisLock(redis_client, "job", **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_call_arguments_are_refused_before_any_io(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job")
+    with pytest.raises(LockConfigurationError, match="timeout"):
+        lock.acquire(timeout=-1)
+    with pytest.raises(LockConfigurationError, match="lease"):
+        lock.acquire(lease=0)
+    with pytest.raises(LockConfigurationError, match="ttl"):
+        lock.extend(math.inf)
+    assert not lock.locked()
+
+
+def test_scripts_refuse_a_non_positive_lease_themselves(redis_client: redis.Redis) -> None:
+    scripts = scripts_for(redis_client)
+    for lease in (0, -1, "abc"):
+        with pytest.raises(redis.exceptions.ResponseError, match="lease"):
+            scripts.acquire(keys=["redislock:{x}", "redislock:{x}:fence"], args=["o", lease])
+    assert not redis_client.exists("redislock:{x}")
+
+
+def test_bytes_and_odd_names_work(redis_client: redis.Redis) -> None:
+    for name in (b"\x00\xff", "a}b{", "ünï"):
+        lock = RedisLock(redis_client, name)
+        with lock:
+            assert lock.owned()
+        assert not lock.locked()
