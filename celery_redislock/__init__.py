@@ -6,7 +6,7 @@ integration lives in :mod:`celery_redislock.task` on top of them.
 
 from __future__ import annotations
 
-from ._core import DEFAULT_PREFIX, LeaseLost, LockKeys
+from ._core import DEFAULT_PREFIX, AsyncLeaseLost, LeaseLost, LockKeys
 from ._errors import (
     LockConfigurationError,
     LockForkedError,
@@ -15,7 +15,7 @@ from ._errors import (
     LockTimeoutError,
     RedisLockError,
 )
-from .aio import AsyncLeaseLost, AsyncRedisLock
+from .aio import AsyncRedisLock
 from .fencing import FencedResource
 from .lock import RedisLock
 

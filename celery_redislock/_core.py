@@ -45,7 +45,7 @@ def lease_ms(value: object, argument: str) -> int:
         raise LockConfigurationError(
             f"{argument} must be a finite number of seconds (int or float), got {value!r}"
         )
-    millis = int(round(float(value) * 1000))  # type: ignore[arg-type]
+    millis = round(float(value) * 1000)  # type: ignore[arg-type]
     if millis < 1:
         raise LockConfigurationError(
             f"{argument} must be at least 0.001 seconds (1 ms), got {value!r}"
@@ -247,8 +247,12 @@ class LossSignal:
         return self._flag
 
     def _set(self, reason: str) -> None:
+        """Mark lost at once (``is_set()``); waiters are woken by :meth:`_wake`."""
         self.reason = reason
         self._flag = True
+
+    def _wake(self) -> None:
+        """Wake whoever waits on it (after the on_lost callbacks ran)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} lost={self._flag} reason={self.reason!r}>"
@@ -268,8 +272,7 @@ class LeaseLost(LossSignal):
     def wait(self, timeout: float | None = None) -> bool:
         return self._event.wait(timeout)
 
-    def _set(self, reason: str) -> None:
-        super()._set(reason)
+    def _wake(self) -> None:
         self._event.set()
 
 
@@ -278,50 +281,58 @@ class AsyncLeaseLost(LossSignal):
 
     def __init__(self) -> None:
         super().__init__()
-        self._waiters: list[asyncio.Future[None]] = []
+        self._events: list[asyncio.Event] = []
 
     async def wait(self, timeout: float | None = None) -> bool:
         if self._flag:
             return True
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(future)
+        event = asyncio.Event()
+        self._events.append(event)
         try:
-            await asyncio.wait_for(asyncio.shield(future), timeout)
-        except asyncio.TimeoutError:
-            return False
+            return await wait_event(event, timeout)
         finally:
-            self._waiters.remove(future)
+            self._events.remove(event)
+
+    def _wake(self) -> None:
+        for event in self._events:
+            event.set()
+
+
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait for ``event`` at most ``timeout`` seconds; True if it was set.
+
+    Not ``asyncio.wait_for``: before Python 3.12 it swallows a cancellation that
+    arrives just as the awaited thing completes, and a swallowed cancel would keep a
+    cancelled ``acquire`` waiting.
+    """
+    if event.is_set():
         return True
-
-    def _set(self, reason: str) -> None:
-        super()._set(reason)
-        for future in self._waiters:
-            if not future.done():
-                future.get_loop().call_soon_threadsafe(_resolve, future)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+    return bool(done)
 
 
 class Hold:
     """Local bookkeeping for one owner's hold on one lock in this process."""
 
     __slots__ = (
-        "keys",
-        "owner",
-        "count",
-        "token",
-        "lease",
-        "renew",
-        "pid",
-        "deadline",
-        "next_due",
-        "failures",
-        "lost",
-        "notify",
         "__weakref__",
+        "count",
+        "deadline",
+        "failures",
+        "keys",
+        "lease",
+        "lost",
+        "next_due",
+        "notify",
+        "owner",
+        "pid",
+        "renew",
+        "token",
     )
 
     def __init__(
@@ -366,7 +377,10 @@ class Hold:
         if self.lost.is_set():
             return False
         self.lost._set(reason)
-        self.notify(self, reason)
+        try:
+            self.notify(self, reason)
+        finally:
+            self.lost._wake()
         return True
 
 

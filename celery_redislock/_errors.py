@@ -5,9 +5,9 @@
     RedisLockError                      root of every error raised by this package
     ├── LockConfigurationError          bad argument or setting (also a ValueError)
     ├── LockTimeoutError                not acquired within the timeout (also a TimeoutError)
-    ├── LockNotOwnedError               releasing/extending a hold the caller does not have
-    │   └── LockLostError               the caller had the hold, but its lease was lost
-    └── LockForkedError                 a hold inherited over fork used in the child
+    └── LockNotOwnedError               releasing/extending a hold the caller does not have
+        ├── LockLostError               the caller had the hold, but its lease was lost
+        └── LockForkedError             a hold inherited over fork used in the child
 
 Connection problems are not wrapped: redis-py's own ``redis.exceptions.ConnectionError``
 and ``TimeoutError`` propagate, so existing retry policies keep working.
@@ -61,7 +61,7 @@ class LockLostError(LockNotOwnedError):
         self.reason = reason
 
 
-class LockForkedError(_NamedLockError):
+class LockForkedError(LockNotOwnedError):
     """A hold taken in a parent process was used in a forked child.
 
     A child neither renews nor releases its parent's holds; create the lock's work

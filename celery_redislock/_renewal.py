@@ -21,6 +21,7 @@ Forked children start with an empty registry: they never renew their parent's ho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -28,10 +29,17 @@ import time
 import weakref
 from typing import Any, Sequence
 
-from redis.exceptions import NoScriptError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
-from ._core import RENEW_OK, Hold, backoff, batched, loss_reason_from_renew, renew_args
+from ._core import (
+    RENEW_OK,
+    Hold,
+    backoff,
+    batched,
+    loss_reason_from_renew,
+    renew_args,
+    wait_event,
+)
 from ._scripts import scripts_for
 
 log = logging.getLogger(__name__)
@@ -54,7 +62,7 @@ def _own_client(client: Any) -> Any:
     kwargs = dict(pool.connection_kwargs)
     for option in ("socket_timeout", "socket_connect_timeout"):
         current = kwargs.get(option)
-        kwargs[option] = RENEW_SOCKET_TIMEOUT if current is None else min(current, RENEW_SOCKET_TIMEOUT)
+        kwargs[option] = min(current or RENEW_SOCKET_TIMEOUT, RENEW_SOCKET_TIMEOUT)
     own_pool = type(pool)(connection_class=pool.connection_class, max_connections=2, **kwargs)
     return type(client)(connection_pool=own_pool)
 
@@ -217,24 +225,26 @@ class AsyncRenewalScheduler(_SchedulerBase):
     def running(self) -> bool:
         return self._task is not None
 
+    async def aclose(self) -> None:
+        """Stop renewing (held locks then expire after their lease) and close connections."""
+        task = self._task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     async def _run(self) -> None:
         try:
             while True:
                 wait, due = self._next_wait()
                 if wait is None:
                     self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), IDLE_EXIT)
-                    except asyncio.TimeoutError:
-                        if not self._holds:
-                            return
+                    if not await wait_event(self._wake, IDLE_EXIT) and not self._holds:
+                        return
                     continue
                 if not due:
                     self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), wait)
-                    except asyncio.TimeoutError:
-                        pass
+                    await wait_event(self._wake, wait)
                     continue
                 await self._renew(due)
         finally:
@@ -281,16 +291,16 @@ def scheduler_for(client: Any) -> RenewalScheduler:
         return found
 
 
-_async_schedulers: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, AsyncRenewalScheduler]]
-_async_schedulers = weakref.WeakKeyDictionary()
+_PerLoop = weakref.WeakKeyDictionary[Any, AsyncRenewalScheduler]
+_async_schedulers: weakref.WeakKeyDictionary[Any, _PerLoop] = weakref.WeakKeyDictionary()
 
 
-def async_scheduler_for(client: Any) -> AsyncRenewalScheduler:
+def async_scheduler_for(client: Any, *, create: bool = True) -> AsyncRenewalScheduler | None:
     """The watchdog task shared by every asyncio lock on ``client``'s pool in this loop."""
     per_loop = _async_schedulers.setdefault(asyncio.get_running_loop(), weakref.WeakKeyDictionary())
     key = getattr(client, "connection_pool", client)
     found = per_loop.get(key)
-    if found is None:
+    if found is None and create:
         found = per_loop[key] = AsyncRenewalScheduler(client)
     return found
 

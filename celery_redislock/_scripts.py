@@ -14,7 +14,7 @@ from typing import Any
 SCRIPT_NAMES = ("acquire", "release", "renew", "force_release", "fence")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source(name: str) -> str:
     return (resources.files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 

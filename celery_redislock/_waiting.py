@@ -16,6 +16,7 @@ again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -27,6 +28,8 @@ from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._core import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ _BROKEN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class _Channel:
-    __slots__ = ("waiters", "confirmed", "idle_since")
+    __slots__ = ("confirmed", "idle_since", "waiters")
 
     def __init__(self) -> None:
         self.waiters: deque[Waiter] = deque()
@@ -58,7 +61,7 @@ class _Channel:
 class Waiter:
     """One blocked acquire's registration; use as a context manager around the retry loop."""
 
-    __slots__ = ("_subscriber", "_name", "_channel", "event")
+    __slots__ = ("_channel", "_name", "_subscriber", "event")
 
     def __init__(self, subscriber: Subscriber, name: bytes) -> None:
         self._subscriber = subscriber
@@ -156,10 +159,8 @@ class Subscriber:
 
     def _drop_connection_locked(self) -> None:
         if self._conn is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort on a broken socket
                 self._conn.disconnect()
-            except Exception:  # pragma: no cover - best effort on a broken socket
-                pass
             self._conn = None
         for channel in self._channels.values():
             channel.confirmed.clear()
@@ -258,7 +259,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _AsyncChannel:
-    __slots__ = ("waiters", "confirmed", "idle_since")
+    __slots__ = ("confirmed", "idle_since", "waiters")
 
     def __init__(self) -> None:
         self.waiters: deque[AsyncWaiter] = deque()
@@ -275,7 +276,7 @@ class _AsyncChannel:
 class AsyncWaiter:
     """The asyncio twin of :class:`Waiter` (``async with``)."""
 
-    __slots__ = ("_subscriber", "_name", "_channel", "event")
+    __slots__ = ("_channel", "_name", "_subscriber", "event")
 
     def __init__(self, subscriber: AsyncSubscriber, name: bytes) -> None:
         self._subscriber = subscriber
@@ -286,9 +287,7 @@ class AsyncWaiter:
     async def __aenter__(self) -> AsyncWaiter:
         try:
             self._channel = await self._subscriber._register(self._name, self)
-            await asyncio.wait_for(self._channel.confirmed.wait(), CONFIRM_WAIT)
-        except asyncio.TimeoutError:
-            pass
+            await wait_event(self._channel.confirmed, CONFIRM_WAIT)
         except BaseException:
             self._subscriber._unregister(self._name, self)
             raise
@@ -301,13 +300,7 @@ class AsyncWaiter:
         assert self._channel is not None
         if not self._channel.confirmed.is_set():
             timeout = min(timeout, UNCONFIRMED_POLL)
-        woken = self.event.is_set()
-        if not woken and timeout > 0:
-            try:
-                await asyncio.wait_for(self.event.wait(), timeout)
-                woken = True
-            except asyncio.TimeoutError:
-                woken = False
+        woken = self.event.is_set() or (timeout > 0 and await wait_event(self.event, timeout))
         self.event.clear()
         return woken
 
@@ -320,6 +313,7 @@ class AsyncSubscriber:
         self._channels: dict[bytes, _AsyncChannel] = {}
         self._conn: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._send_lock = asyncio.Lock()  # one connection, however many tasks subscribe at once
 
     def waiter(self, channel: bytes) -> AsyncWaiter:
         return AsyncWaiter(self, channel)
@@ -355,23 +349,30 @@ class AsyncSubscriber:
             channel.idle_since = time.monotonic()
 
     async def _send(self, *args: Any) -> None:
-        try:
-            if self._conn is None:
-                conn = self._pool.make_connection()
-                await conn.connect()
-                self._conn = conn
-            await self._conn.send_command(*args, check_health=False)
-        except _BROKEN as exc:
-            log.debug("redislock subscriber could not send %s: %r", args[0], exc)
-            await self._drop_connection()
+        async with self._send_lock:
+            try:
+                if self._conn is None:
+                    conn = self._pool.make_connection()
+                    await conn.connect()
+                    self._conn = conn
+                await self._conn.send_command(*args, check_health=False)
+            except _BROKEN as exc:
+                log.debug("redislock subscriber could not send %s: %r", args[0], exc)
+                await self._drop_connection()
+
+    async def aclose(self) -> None:
+        """Stop the reader task and close the connection (waiters retry on their own)."""
+        task = self._task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort on a broken socket
                 await conn.disconnect(nowait=True)
-            except Exception:  # pragma: no cover - best effort on a broken socket
-                pass
         for channel in self._channels.values():
             channel.confirmed.clear()
             for waiter in channel.waiters:
@@ -437,12 +438,12 @@ _async_subscribers: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any
 _async_subscribers = weakref.WeakKeyDictionary()
 
 
-def async_subscriber_for(client: Any) -> AsyncSubscriber:
+def async_subscriber_for(client: Any, *, create: bool = True) -> AsyncSubscriber | None:
     """The subscriber shared by every asyncio lock on ``client``'s pool in this event loop."""
     per_loop = _async_subscribers.setdefault(
         asyncio.get_running_loop(), weakref.WeakKeyDictionary()
     )
     found = per_loop.get(client.connection_pool)
-    if found is None:
+    if found is None and create:
         found = per_loop[client.connection_pool] = AsyncSubscriber(client.connection_pool)
     return found

@@ -37,7 +37,7 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
-from ._renewal import async_scheduler_for
+from ._renewal import AsyncRenewalScheduler, async_scheduler_for
 from ._scripts import scripts_for
 from ._waiting import async_subscriber_for
 
@@ -45,6 +45,12 @@ T = TypeVar("T")
 
 _task_owner: contextvars.ContextVar[tuple[weakref.ref[asyncio.Task[Any]], str] | None]
 _task_owner = contextvars.ContextVar("celery_redislock_task_owner", default=None)
+
+
+def _scheduler(client: Any) -> AsyncRenewalScheduler:
+    found = async_scheduler_for(client)
+    assert found is not None
+    return found
 
 
 def task_owner() -> str:
@@ -78,6 +84,21 @@ async def _to_completion(awaitable: Awaitable[T]) -> tuple[asyncio.Future[T], Ba
         except Exception:
             break
     return future, cancelled
+
+
+async def aclose_background(client: Any) -> None:
+    """Stop this event loop's subscriber and watchdog tasks for ``client``.
+
+    They stop by themselves a moment after the last wait or hold ends; call this
+    before closing the client or the loop sooner (tests, shutdown hooks). Holds still
+    held stop being renewed and expire after their lease.
+    """
+    subscriber = async_subscriber_for(client, create=False)
+    if subscriber is not None:
+        await subscriber.aclose()
+    scheduler = async_scheduler_for(client, create=False)
+    if scheduler is not None:
+        await scheduler.aclose()
 
 
 class AsyncRedisLock(LockBase[AsyncLeaseLost]):
@@ -117,7 +138,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
 
     def _unschedule(self, hold: Hold) -> None:
         if hold.renew:
-            async_scheduler_for(self.client).remove(hold)
+            _scheduler(self.client).remove(hold)
 
     async def acquire(
         self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
@@ -131,7 +152,9 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         if not blocking:
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
-        async with async_subscriber_for(self.client).waiter(self.keys.channel) as waiter:
+        subscriber = async_subscriber_for(self.client)
+        assert subscriber is not None
+        async with subscriber.waiter(self.keys.channel) as waiter:
             while True:
                 outcome = await self._try(owner, lease_millis, renew)
                 if outcome is True:
@@ -155,7 +178,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
             return reply.pttl
         hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew)
         if is_new and renew:
-            async_scheduler_for(self.client).add(hold)
+            _scheduler(self.client).add(hold)
         if cancelled is not None:
             # Redis granted it, but our caller is gone: give it straight back.
             await _to_completion(self._release(owner))
@@ -210,7 +233,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
     async def force_release(
         client: Any, name: str | bytes, *, prefix: str = DEFAULT_PREFIX
     ) -> bool:
-        """Operator's tool: delete the lock whoever holds it. See :meth:`RedisLock.force_release`."""
+        """Operator's tool: delete the lock whoever holds it (see ``RedisLock.force_release``)."""
         keys = LockKeys.for_name(name, validate_prefix(prefix))
         return bool(await scripts_for(client).force_release(keys=[keys.lock, keys.channel]))
 

@@ -57,7 +57,8 @@ class FencedResource:
 
     async def admit_async(self, token: int) -> bool:
         """:meth:`admit` for a ``redis.asyncio`` client."""
-        return bool(await scripts_for(self.client).fence(keys=[self.key], args=[self._check(token)]))
+        script = scripts_for(self.client).fence
+        return bool(await script(keys=[self.key], args=[self._check(token)]))
 
     async def write_async(self, token: int, key: str | bytes, value: Any) -> bool:
         """:meth:`write` for a ``redis.asyncio`` client."""

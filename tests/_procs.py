@@ -61,3 +61,47 @@ def run(target: Any, *args: Any) -> Any:
 def sigkill(process: Any) -> None:
     os.kill(process.pid, signal.SIGKILL)
     process.join(10)
+
+
+def try_steal(port: int, name: str, seconds: float, result_key: str) -> None:
+    """Try a non-blocking acquire every 20 ms for ``seconds``; report how many succeeded."""
+    client = redis.Redis(port=port, socket_timeout=10)
+    lock = RedisLock(client, name, ttl=5, auto_renew=False)
+    stolen = attempts = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        attempts += 1
+        if lock.acquire(blocking=False):
+            stolen += 1
+            lock.release()
+        time.sleep(0.02)
+    client.rpush(result_key, f"{stolen} {attempts}")
+
+
+def hold_until_lost(port: int, name: str, ttl: float, report_key: str) -> None:
+    """Hold with the watchdog on; once the loss is reported, show what the holder sees."""
+    from celery_redislock import FencedResource, LockLostError
+
+    client = redis.Redis(port=port, socket_timeout=10)
+    lock = RedisLock(client, name, ttl=ttl)
+    reasons: list[str] = []
+    lock.on_lost(lambda _lock, error: reasons.append(error.reason))
+    assert lock.acquire(timeout=5)
+    token = lock.token
+    assert token is not None
+    assert FencedResource(client, "ledger").write(token, "ledger:value", "first holder")
+    client.rpush(report_key, f"ready {token}")
+    signalled = lock.lost.wait(60)  # the test SIGSTOPs us past the lease, then SIGCONTs
+    client.rpush(report_key, f"lost {signalled} {lock.lost.reason} callbacks={','.join(reasons)}")
+    try:
+        lock.ensure_held()
+        client.rpush(report_key, "ensure_held passed")
+    except LockLostError as exc:
+        client.rpush(report_key, f"ensure_held raised {exc.reason}")
+    admitted = FencedResource(client, "ledger").write(token, "ledger:value", "stale holder")
+    client.rpush(report_key, f"fenced write admitted={admitted}")
+    try:
+        lock.release()
+        client.rpush(report_key, "release passed")
+    except LockLostError as exc:
+        client.rpush(report_key, f"release raised {type(exc).__name__}")

@@ -59,7 +59,7 @@ def test_reentrant_holds_need_one_release_each(redis_client: redis.Redis) -> Non
     lock = RedisLock(redis_client, "job")
     assert lock.acquire() and lock.acquire() and lock.acquire()
     assert lock.hold_count == 3
-    assert redis_client.hget(lock.keys.lock, RedisLock(redis_client, "job")._current_owner()) == b"3"
+    assert redis_client.hget(lock.keys.lock, lock._current_owner()) == b"3"
     token = lock.token
     lock.release()
     lock.release()
@@ -158,10 +158,9 @@ def test_context_manager_raises_lock_timeout_error(redis_client: redis.Redis) ->
 
 def test_context_manager_releases_on_exception(redis_client: redis.Redis) -> None:
     lock = RedisLock(redis_client, "job")
-    with pytest.raises(KeyError):
-        with lock:
-            assert lock.owned()
-            raise KeyError("boom")
+    with pytest.raises(KeyError), lock:
+        assert lock.owned()
+        raise KeyError("boom")
     assert not lock.locked()
 
 

@@ -32,9 +32,7 @@ def test_eight_processes_never_overlap_and_lose_no_update(
     assert len({pid for _, _, pid, _ in sections}) == PROCESSES
     # ...none of them overlapped another (CLOCK_MONOTONIC is shared by all processes)...
     sections.sort()
-    overlaps = [
-        (a, b) for a, b in zip(sections, sections[1:]) if b[0] < a[1]
-    ]
+    overlaps = [(a, b) for a, b in zip(sections, sections[1:]) if b[0] < a[1]]
     assert overlaps == []
     # ...each holder had a fresh fencing token, increasing in the order they held it...
     tokens = [token for *_, token in sections]
