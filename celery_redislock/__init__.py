@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._core import DEFAULT_PREFIX, AsyncLeaseLost, LeaseLost, LockKeys
 from ._errors import (
     LockConfigurationError,
+    LockContendedError,
     LockForkedError,
     LockLostError,
     LockNotOwnedError,
@@ -17,22 +18,40 @@ from ._errors import (
 )
 from .aio import AsyncRedisLock
 from .fencing import FencedResource
+from .keys import KeyTemplate, LockKeyError
 from .lock import RedisLock
 
 __version__ = "0.1.0"
 
+_CELERY_LAYER = {"LockedTask", "LockedRequest"}
+
+
+def __getattr__(name: str) -> object:
+    # The Celery layer is imported on first use only: the core never imports Celery.
+    if name in _CELERY_LAYER:
+        from . import task
+
+        return getattr(task, name)
+    raise AttributeError(f"module 'celery_redislock' has no attribute {name!r}")
+
+
 __all__ = [
-    "DEFAULT_PREFIX",
     "AsyncLeaseLost",
     "AsyncRedisLock",
+    "DEFAULT_PREFIX",
     "FencedResource",
+    "KeyTemplate",
     "LeaseLost",
     "LockConfigurationError",
+    "LockContendedError",
     "LockForkedError",
+    "LockKeyError",
     "LockKeys",
     "LockLostError",
     "LockNotOwnedError",
     "LockTimeoutError",
+    "LockedRequest",
+    "LockedTask",
     "RedisLock",
     "RedisLockError",
     "__version__",

@@ -175,12 +175,21 @@ class AcquireReply:
     hold_count: int = 0
     #: Milliseconds left on another owner's lease (-1: the key has no expiry; -2: just vanished).
     pttl: int = 0
+    #: The owner's "done" marker exists: it already finished its work under this lock.
+    finished: bool = False
 
 
 def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
-    if int(reply[0]) == 1:
+    code = int(reply[0])
+    if code == 1:
         return AcquireReply(True, token=int(reply[1]), hold_count=int(reply[2]))
+    if code == -1:
+        return AcquireReply(False, finished=True)
     return AcquireReply(False, pttl=int(reply[1]))
+
+
+class OwnerFinished(Exception):
+    """Internal: the acquire script found the owner's "done" marker (a finished task)."""
 
 
 RELEASE_EXPIRED = -1

@@ -5,6 +5,7 @@
     RedisLockError                      root of every error raised by this package
     ├── LockConfigurationError          bad argument or setting (also a ValueError)
     ├── LockTimeoutError                not acquired within the timeout (also a TimeoutError)
+    ├── LockContendedError              a task (or locked call) found its lock held and gave up
     └── LockNotOwnedError               releasing/extending a hold the caller does not have
         ├── LockLostError               the caller had the hold, but its lease was lost
         └── LockForkedError             a hold inherited over fork used in the child
@@ -42,6 +43,14 @@ class LockTimeoutError(_NamedLockError, TimeoutError):
     """The lock was not acquired within the allowed time."""
 
 
+class LockContendedError(_NamedLockError):
+    """The lock was held by someone else and the contention policy gave up.
+
+    Raised by ``LockedTask`` with ``on_contention="raise"``, when re-queues are
+    exhausted, and by :func:`celery_redislock.locked` calls that time out.
+    """
+
+
 class LockNotOwnedError(_NamedLockError):
     """The caller does not hold the lock it tried to release or extend."""
 
@@ -71,6 +80,7 @@ class LockForkedError(LockNotOwnedError):
 
 __all__ = [
     "LockConfigurationError",
+    "LockContendedError",
     "LockForkedError",
     "LockLostError",
     "LockNotOwnedError",

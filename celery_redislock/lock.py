@@ -27,6 +27,7 @@ from ._core import (
     Hold,
     LeaseLost,
     LockKeys,
+    OwnerFinished,
     decode_acquire,
     lease_ms,
     optional_seconds,
@@ -84,6 +85,9 @@ class RedisLock(LockBase[LeaseLost]):
     def _default_owner(self) -> str:
         return thread_owner()
 
+    def _acquire_keys(self) -> list[bytes]:
+        return [self.keys.lock, self.keys.fence]
+
     def _unschedule(self, hold: Hold) -> None:
         if hold.renew:
             scheduler_for(self.client).remove(hold)
@@ -127,9 +131,11 @@ class RedisLock(LockBase[LeaseLost]):
         """One attempt: True if acquired, else the holder's remaining lease in ms."""
         sent_at = time.monotonic()
         reply = decode_acquire(
-            self._scripts.acquire(keys=[self.keys.lock, self.keys.fence], args=[owner, lease])
+            self._scripts.acquire(keys=self._acquire_keys(), args=[owner, lease])
         )
         if not reply.acquired:
+            if reply.finished:
+                raise OwnerFinished(self.name)
             return reply.pttl
         hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew)
         if is_new and renew:

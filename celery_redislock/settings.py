@@ -1,0 +1,196 @@
+"""The ``redislock_*`` settings: read once from a Celery app's configuration and validated.
+
+This module does not import Celery: it reads any mapping (``app.conf`` is one), so the
+same rules check task attributes at decoration time and app settings at worker start.
+
+Settings (task attributes of the same meaning override them per task):
+
+* ``redislock_url`` — Redis for locks (``redis://``, ``rediss://``, ``unix://``); default:
+  the broker URL when the broker is Redis, else an error at worker start.
+* ``redislock_redis_options`` (``{}``) — extra ``redis.Redis.from_url`` keyword arguments
+  (pool size, timeouts, retry, keepalive, TLS files).
+* ``redislock_prefix`` (``"redislock:"``) — key prefix of every lock.
+* ``redislock_ttl`` (``30.0``, task: ``lock_ttl``) — lease in seconds, renewed while running.
+* ``redislock_on_contention`` (``"requeue"``, task: ``on_contention``) — ``requeue``,
+  ``wait``, ``skip`` or ``raise``.
+* ``redislock_wait`` (``10.0``, task: ``lock_wait``) — how long ``wait`` blocks.
+* ``redislock_wait_fallback`` (``"requeue"``) — after ``wait`` times out: ``requeue``/``raise``.
+* ``redislock_max_requeues`` (``100``) — re-queues of one task before the exhausted action.
+* ``redislock_requeue_backoff`` (``(0.05, 5.0)``) — (base, cap) of the jittered backoff.
+* ``redislock_requeue_exhausted`` (``"fail"``) — ``fail`` (``LockContendedError``) or ``drop``.
+* ``redislock_release_on_retry`` (``True``) — release when the task calls ``self.retry()``.
+* ``redislock_done_ttl`` (``86400.0``) — how long a finished task id is remembered (dedup).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ._core import DEFAULT_PREFIX, lease_ms, validate_prefix
+from ._errors import LockConfigurationError
+
+CONTENTION_POLICIES = ("requeue", "wait", "skip", "raise")
+WAIT_FALLBACKS = ("requeue", "raise")
+EXHAUSTED_ACTIONS = ("fail", "drop")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):  # type: ignore[arg-type,operator]
+        return float(value)  # type: ignore[arg-type]
+    bound = ">= 0" if allow_zero else "> 0"
+    raise LockConfigurationError(
+        f"{name} must be a finite number of seconds {bound}, got {value!r}"
+    )
+
+
+def _choice(value: object, name: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise LockConfigurationError(
+            f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+        )
+    return str(value)
+
+
+def _bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise LockConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _count(value: object, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise LockConfigurationError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _backoff(value: object, name: str) -> tuple[float, float]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise LockConfigurationError(f"{name} must be a (base, cap) pair of seconds, got {value!r}")
+    base, cap = _seconds(value[0], f"{name}[0]"), _seconds(value[1], f"{name}[1]")
+    if cap < base:
+        raise LockConfigurationError(f"{name}: cap ({cap}) must be >= base ({base})")
+    return base, cap
+
+
+@dataclass(frozen=True)
+class LockOptions:
+    """Everything that decides how a task takes its lock (settings merged with task overrides)."""
+
+    ttl: float = 30.0
+    prefix: str = DEFAULT_PREFIX
+    on_contention: str = "requeue"
+    wait: float = 10.0
+    wait_fallback: str = "requeue"
+    max_requeues: int = 100
+    requeue_backoff: tuple[float, float] = (0.05, 5.0)
+    requeue_exhausted: str = "fail"
+    release_on_retry: bool = True
+    done_ttl: float = 86400.0
+    hold: float = 0.0
+
+    def merged(self, overrides: Mapping[str, Any]) -> LockOptions:
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+#: option name -> (task attribute, setting name, validator)
+_FIELDS: dict[str, tuple[str, str, Any]] = {
+    "ttl": ("lock_ttl", "redislock_ttl", lambda v, n: (lease_ms(v, n), float(v))[1]),
+    "prefix": ("lock_prefix", "redislock_prefix", lambda v, n: _prefix(v, n)),
+    "on_contention": (
+        "on_contention",
+        "redislock_on_contention",
+        lambda v, n: _choice(v, n, CONTENTION_POLICIES),
+    ),
+    "wait": ("lock_wait", "redislock_wait", lambda v, n: _seconds(v, n, allow_zero=True)),
+    "wait_fallback": (
+        "lock_wait_fallback",
+        "redislock_wait_fallback",
+        lambda v, n: _choice(v, n, WAIT_FALLBACKS),
+    ),
+    "max_requeues": ("lock_max_requeues", "redislock_max_requeues", _count),
+    "requeue_backoff": ("lock_requeue_backoff", "redislock_requeue_backoff", _backoff),
+    "requeue_exhausted": (
+        "lock_requeue_exhausted",
+        "redislock_requeue_exhausted",
+        lambda v, n: _choice(v, n, EXHAUSTED_ACTIONS),
+    ),
+    "release_on_retry": ("lock_release_on_retry", "redislock_release_on_retry", _bool),
+    "done_ttl": ("lock_done_ttl", "redislock_done_ttl", _seconds),
+    "hold": ("lock_hold", None, lambda v, n: _seconds(v, n, allow_zero=True)),  # type: ignore[dict-item]
+}
+
+
+def _prefix(value: object, name: str) -> str:
+    try:
+        return validate_prefix(value)
+    except LockConfigurationError as exc:
+        raise LockConfigurationError(f"{name}: {exc}") from None
+
+
+def task_overrides(attributes: Mapping[str, Any], task_name: str) -> dict[str, Any]:
+    """Validate a task's ``lock_*`` attributes; errors name the task and the option."""
+    found: dict[str, Any] = {}
+    for option, (attribute, _setting, check) in _FIELDS.items():
+        value = attributes.get(attribute)
+        if value is None:
+            continue
+        try:
+            found[option] = check(value, attribute)
+        except LockConfigurationError as exc:
+            raise LockConfigurationError(f"task {task_name!r}: {exc}") from None
+    return found
+
+
+@dataclass(frozen=True)
+class LockSettings:
+    """The app-wide settings: where Redis is, and the default :class:`LockOptions`."""
+
+    url: str
+    url_source: str
+    redis_options: Mapping[str, Any] = field(default_factory=dict)
+    defaults: LockOptions = LockOptions()
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> LockSettings:
+        """Read and validate ``redislock_*`` from a Celery ``app.conf`` (or any mapping)."""
+        url, source = _url(conf)
+        options = conf.get("redislock_redis_options") or {}
+        if not isinstance(options, Mapping):
+            raise LockConfigurationError(
+                f"redislock_redis_options must be a dict of redis.Redis.from_url keyword "
+                f"arguments, got {options!r}"
+            )
+        values: dict[str, Any] = {}
+        for option, (_attribute, setting, check) in _FIELDS.items():
+            if setting is None:
+                continue
+            value = conf.get(setting)
+            if value is not None:
+                values[option] = check(value, setting)
+        return cls(
+            url=url, url_source=source, redis_options=dict(options), defaults=LockOptions(**values)
+        )
+
+
+def _url(conf: Mapping[str, Any]) -> tuple[str, str]:
+    url = conf.get("redislock_url")
+    if url is not None:
+        if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
+            raise LockConfigurationError(
+                f"redislock_url must be a Redis URL starting with {', '.join(REDIS_SCHEMES)}, "
+                f"got {url!r}"
+            )
+        return url, "redislock_url"
+    broker = conf.get("broker_url")
+    if isinstance(broker, str) and broker.startswith(REDIS_SCHEMES):
+        return broker, "broker_url (redislock_url is not set; the broker is Redis)"
+    shown = broker.split("@")[-1] if isinstance(broker, str) else broker
+    raise LockConfigurationError(
+        f"redislock_url is not set and the broker ({shown!r}) is not Redis: set "
+        f"app.conf.redislock_url = 'redis://host:6379/0'"
+    )

@@ -1,0 +1,106 @@
+"""Real ``celery worker`` / ``celery beat`` subprocesses for the integration tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class CeleryProcess:
+    """A celery sub-command run as a real process, logging to a file; stopped by its pid."""
+
+    def __init__(self, args: list[str], *, url: str, log: Path, env: dict[str, str] | None = None):
+        self.args = args
+        self.log = log
+        self.env = {**os.environ, "REDISLOCK_TEST_URL": url, **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> CeleryProcess:
+        handle = self.log.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.celery_app", *self.args],
+            cwd=ROOT,
+            env=self.env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        handle.close()
+        return self
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for_log(self, needle: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.text():
+                return
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"celery exited ({self.process.returncode}):\n{self.text()}")
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} not seen within {timeout}s:\n{self.text()[-4000:]}")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Warm shutdown (SIGTERM), then SIGKILL of the whole process group if it hangs."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        # children left behind by a killed main process
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.returncode
+
+
+def worker(
+    url: str,
+    log: Path,
+    *,
+    concurrency: int = 4,
+    pool: str = "prefork",
+    name: str = "w1",
+    env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+) -> CeleryProcess:
+    args = [
+        "worker",
+        "-P", pool,
+        "-c", str(concurrency),
+        "-l", "info",
+        "-n", f"{name}@localhost",
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+        *(extra or []),
+    ]  # fmt: skip
+    proc = CeleryProcess(args, url=url, log=log, env=env).start()
+    proc.wait_for_log("ready.")
+    return proc
+
+
+def wait_until(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")

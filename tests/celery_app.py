@@ -1,0 +1,146 @@
+"""The Celery app real test workers run (``celery -A tests.celery_app worker``).
+
+Everything points at the private redis-server whose URL the test passes in
+``REDISLOCK_TEST_URL``: broker, result backend and locks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import Reject
+
+from celery_redislock import FencedResource
+from celery_redislock.task import LockedTask
+
+URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6399/0")
+
+app = Celery("redislock_tests", broker=URL, backend=URL)
+app.conf.update(
+    redislock_ttl=float(os.environ.get("REDISLOCK_TEST_TTL", "3")),
+    redislock_requeue_backoff=(0.02, 0.5),
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("REDISLOCK_TEST_VT", "3600"))
+    },
+    result_expires=600,
+    worker_hijack_root_logger=False,
+)
+
+_r: redis.Redis | None = None
+
+
+def r() -> redis.Redis:
+    global _r
+    if _r is None:
+        _r = redis.Redis.from_url(URL)
+    return _r
+
+
+def section(kind: str, key: Any, task_id: str, enter: float, leave: float) -> None:
+    r().rpush(f"sections:{kind}", f"{key} {task_id} {enter!r} {leave!r}")
+
+
+@app.task(bind=True, base=LockedTask, lock_key="account:{account_id}")
+def settle(self: Any, account_id: int, amount: int, work: float = 0.02) -> int:
+    enter = time.monotonic()
+    balance = int(r().get(f"balance:{account_id}") or 0)
+    time.sleep(work)  # the window in which an unlocked update is lost
+    r().set(f"balance:{account_id}", balance + amount)
+    section("settle", account_id, self.request.id, enter, time.monotonic())
+    return balance + amount
+
+
+@app.task(bind=True)
+def settle_unlocked(self: Any, account_id: int, amount: int, work: float = 0.02) -> int:
+    balance = int(r().get(f"balance:{account_id}") or 0)
+    time.sleep(work)
+    r().set(f"balance:{account_id}", balance + amount)
+    return balance + amount
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}", soft_time_limit=30)
+def hold_for(self: Any, name: str, seconds: float, fence: bool = False) -> int | None:
+    """Hold the lock ``seconds``; reports the attempt's token; fenced write at the end."""
+    lock = self.lock
+    token = lock.token
+    r().rpush(f"started:{name}", f"{self.request.id} {token} {os.getpid()}")
+    time.sleep(seconds)
+    if fence:
+        admitted = FencedResource(r(), f"res:{name}").write(token, f"res:{name}:value", token)
+        r().rpush(f"fenced:{name}", f"{token} {admitted}")
+    return token
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}", time_limit=1.0, soft_time_limit=1.0)
+def exceed_hard_limit(self: Any, name: str) -> None:
+    r().rpush(f"started:{name}", self.request.id)
+    try:
+        time.sleep(30)
+    except BaseException:  # ignore the soft limit: only the hard kill stops this task
+        time.sleep(30)
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}", time_limit=60, soft_time_limit=0.5)
+def exceed_soft_limit(self: Any, name: str) -> None:
+    r().rpush(f"started:{name}", self.request.id)
+    time.sleep(30)
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}", max_retries=2)
+def retry_once(self: Any, name: str) -> str:
+    r().rpush(f"attempts:{name}", f"{self.request.retries} {self.lock.owned()}")
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.5)
+    return "done"
+
+
+@app.task(
+    bind=True, base=LockedTask, lock_key="job:{name}", max_retries=2, lock_release_on_retry=False
+)
+def retry_keeping(self: Any, name: str) -> str:
+    r().rpush(f"attempts:{name}", f"{self.request.retries} {self.lock.hold_count}")
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.5)
+    return "done"
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}")
+def reject(self: Any, name: str) -> None:
+    raise Reject("no", requeue=False)
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}")
+def fail(self: Any, name: str) -> None:
+    raise RuntimeError("task failed on purpose")
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}", on_contention="skip")
+def skip_if_busy(self: Any, name: str) -> str:
+    return "ran"
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}", on_contention="raise")
+def raise_if_busy(self: Any, name: str) -> str:
+    return "ran"
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}", on_contention="wait", lock_wait=20)
+def wait_if_busy(self: Any, name: str) -> str:
+    return "ran"
+
+
+@app.task(base=LockedTask, lock_key="user:{user[id]}")
+def bad_value(user: dict[str, Any]) -> None:
+    return None
+
+
+@app.task(base=LockedTask, on_contention="skip", lock_hold=4.0)
+def nightly() -> None:
+    r().rpush("nightly:runs", f"{time.time()!r}")

@@ -1,0 +1,217 @@
+"""LockedTask with real `celery worker` processes (prefork) against a real Redis broker."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections import defaultdict
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_redislock import FencedResource
+from celery_redislock.testing import RedisServer
+
+from . import celery_app as ca
+from ._celery import CeleryProcess, wait_until, worker
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[RedisServer]:
+    """A private redis-server for broker, results and locks of this module's workers."""
+    with RedisServer() as server:
+        ca.app.conf.update(broker_url=server.url, result_backend=server.url)
+        ca.URL = server.url
+        ca._r = None
+        yield server
+        ca.app.pool.force_close_all()
+        ca.app.backend.client.close()
+
+
+@pytest.fixture(scope="module")
+def r(broker: RedisServer) -> Iterator[redis.Redis]:
+    client = broker.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def shared_worker(
+    broker: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CeleryProcess]:
+    """A prefork worker (concurrency 4, lock TTL 30 s) shared by this module's tests."""
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    proc = worker(broker.url, log, env={"REDISLOCK_TEST_TTL": "30"})
+    yield proc
+    proc.stop()
+
+
+def sections(r: redis.Redis, kind: str) -> list[tuple[str, str, float, float]]:
+    found = []
+    for raw in r.lrange(f"sections:{kind}", 0, -1):
+        key, task_id, enter, leave = raw.decode().split()
+        found.append((key, task_id, float(enter), float(leave)))
+    return found
+
+
+def lock_key(name: str) -> str:
+    return "redislock:{" + name + "}"
+
+
+def test_payment_settlement_is_exact_and_serialised_per_account(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    rng = random.Random(7)
+    payments = [(rng.randrange(5), rng.randrange(1, 100)) for _ in range(300)]
+    results = [ca.settle.delay(account, amount) for account, amount in payments]
+    for result in results:
+        result.get(timeout=120)
+    expected: dict[int, int] = defaultdict(int)
+    for account, amount in payments:
+        expected[account] += amount
+    balances = {a: int(r.get(f"balance:{a}") or 0) for a in expected}
+    assert balances == dict(expected)  # no lost update
+
+    seen = sections(r, "settle")
+    assert len(seen) == len(payments)  # it saw every critical section...
+    assert sorted(t for _, t, _, _ in seen) == sorted(res.id for res in results)  # each ran once
+    by_account: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for key, _, enter, leave in seen:
+        by_account[key].append((enter, leave))
+    for spans in by_account.values():  # ...and none overlapped another on its account
+        spans.sort()
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
+    assert not r.keys("redislock:{account:*}")  # every lock was released
+
+
+def test_without_the_lock_updates_are_lost(r: redis.Redis, shared_worker: CeleryProcess) -> None:
+    """The control experiment: the same workload unlocked really does lose updates."""
+    results = [ca.settle_unlocked.delay(900 + i % 2, 1) for i in range(60)]
+    for result in results:
+        result.get(timeout=60)
+    total = int(r.get("balance:900") or 0) + int(r.get("balance:901") or 0)
+    assert total < 60
+
+
+def test_worker_child_sigkilled_lock_freed_task_redelivered_and_fenced(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    result = ca.hold_for.delay("killed", 3.0, fence=True)
+    first = wait_until(lambda: r.lindex("started:killed", 0))
+    _, token, pid = first.decode().split()
+    os.kill(int(pid), signal.SIGKILL)
+    # The worker's main process releases at once (the lease is 30 s)...
+    wait_until(lambda: not r.hexists(lock_key("job:killed"), result.id), timeout=10)
+    # ...the message is redelivered (acks_late + reject_on_worker_lost) and completes once.
+    assert result.get(timeout=60) == int(token) + 1
+    starts = [line.decode().split() for line in r.lrange("started:killed", 0, -1)]
+    assert [s[0] for s in starts] == [result.id, result.id]
+    assert int(starts[1][1]) > int(token)
+    # The killed attempt's late write, with its older token, cannot land.
+    assert FencedResource(r, "res:killed").write(int(token), "res:killed:value", "stale") is False
+    assert int(r.get("res:killed:value") or 0) == int(starts[1][1])
+
+
+def test_hard_time_limit_frees_the_lock_at_once(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    result = ca.exceed_hard_limit.delay("hard")
+    wait_until(lambda: r.llen("started:hard"))
+    wait_until(lambda: r.exists(lock_key("job:hard")))
+    wait_until(lambda: not r.exists(lock_key("job:hard")), timeout=15)  # lease is 30 s
+    assert result.state in {"FAILURE", "PENDING", "STARTED"}
+
+
+def test_soft_time_limit_releases_from_the_task(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    result = ca.exceed_soft_limit.delay("soft")
+    with pytest.raises(Exception, match="SoftTimeLimitExceeded"):
+        result.get(timeout=30, propagate=True)
+    assert not r.exists(lock_key("job:soft"))
+
+
+def test_revoke_terminate_frees_the_lock_at_once(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    result = ca.hold_for.delay("revoked", 60.0)
+    wait_until(lambda: r.llen("started:revoked"))
+    result.revoke(terminate=True)
+    wait_until(lambda: not r.exists(lock_key("job:revoked")), timeout=15)
+
+
+def test_exception_and_reject_release_the_lock(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    failed = ca.fail.delay("failing")
+    with pytest.raises(RuntimeError):
+        failed.get(timeout=30)
+    rejected = ca.reject.delay("rejecting")
+    wait_until(lambda: rejected.state == "FAILURE", timeout=30)
+    assert not r.exists(lock_key("job:failing")) and not r.exists(lock_key("job:rejecting"))
+
+
+def test_retry_releases_by_default(r: redis.Redis, shared_worker: CeleryProcess) -> None:
+    result = ca.retry_once.delay("retried")
+    assert result.get(timeout=30) == "done"
+    attempts = [a.decode() for a in r.lrange("attempts:retried", 0, -1)]
+    assert attempts == ["0 True", "1 True"]
+    assert not r.exists(lock_key("job:retried"))
+
+
+def test_retry_can_keep_the_lock_for_the_next_attempt(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    result = ca.retry_keeping.delay("kept")
+    wait_until(lambda: r.llen("attempts:kept") == 1)
+    # Between the attempts the lock stays with this task id.
+    assert r.hexists(lock_key("job:kept"), result.id)
+    assert ca.raise_if_busy.delay("kept").get(timeout=30, propagate=False) is not None
+    assert result.get(timeout=30) == "done"
+    attempts = [a.decode() for a in r.lrange("attempts:kept", 0, -1)]
+    assert attempts == ["0 1", "1 1"]  # adopted, not double-held
+    assert not r.exists(lock_key("job:kept"))
+
+
+def test_contention_policies(r: redis.Redis, shared_worker: CeleryProcess) -> None:
+    holder = ca.hold_for.delay("busy", 2.0)
+    wait_until(lambda: r.llen("started:busy"))
+    skipped = ca.skip_if_busy.delay("busy")
+    raised = ca.raise_if_busy.delay("busy")
+    waited = ca.wait_if_busy.delay("busy")
+    wait_until(lambda: skipped.state == "SKIPPED", timeout=30)
+    with pytest.raises(Exception, match=r"LockContendedError|is held by another task"):
+        raised.get(timeout=30)
+    assert waited.get(timeout=30) == "ran"
+    holder.get(timeout=30)
+
+
+def test_a_second_delivery_of_a_running_task_does_not_run_twice(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    first = ca.hold_for.delay("dup", 2.0)
+    wait_until(lambda: r.llen("started:dup"))
+    # Exactly what a visibility-timeout redelivery produces: the same message again.
+    ca.hold_for.apply_async(("dup", 2.0), task_id=first.id)
+    assert first.get(timeout=30) is not None
+    # The copy was re-queued; when it comes back it finds the task done and does nothing.
+    wait_until(lambda: "duplicate delivery ignored" in shared_worker.text(), timeout=30)
+    assert r.llen("started:dup") == 1
+
+
+def test_a_value_that_cannot_be_rendered_fails_the_task_and_takes_nothing(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    result = ca.bad_value.delay({"name": "no id here"})
+    with pytest.raises(Exception, match="user"):
+        result.get(timeout=30)
+    assert not r.keys("redislock:{user:*")
+
+
+def test_send_task_by_name_is_locked_too(r: redis.Redis, shared_worker: CeleryProcess) -> None:
+    results = [ca.app.send_task("tests.celery_app.settle", args=[950, 1]) for _ in range(20)]
+    for result in results:
+        result.get(timeout=60)
+    assert int(r.get("balance:950") or 0) == 20

@@ -1,0 +1,71 @@
+"""redislock_* settings and task options: validated once, errors naming the setting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from celery_redislock import LockConfigurationError
+from celery_redislock.settings import LockOptions, LockSettings, task_overrides
+
+
+def test_defaults_and_broker_fallback() -> None:
+    settings = LockSettings.from_conf({"broker_url": "redis://127.0.0.1:6379/1"})
+    assert settings.url == "redis://127.0.0.1:6379/1"
+    assert "broker_url" in settings.url_source and "the broker is Redis" in settings.url_source
+    assert settings.defaults == LockOptions()
+
+
+def test_explicit_url_wins_over_the_broker() -> None:
+    settings = LockSettings.from_conf(
+        {"broker_url": "amqp://guest@localhost//", "redislock_url": "rediss://cache:6380/0"}
+    )
+    assert settings.url == "rediss://cache:6380/0" and settings.url_source == "redislock_url"
+
+
+def test_missing_url_with_a_non_redis_broker_is_a_clear_error() -> None:
+    with pytest.raises(LockConfigurationError, match="redislock_url is not set") as info:
+        LockSettings.from_conf({"broker_url": "amqp://guest:secret@rabbit//"})
+    assert "secret" not in str(info.value)  # credentials are not echoed
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("redislock_url", "http://x"),
+        ("redislock_ttl", 0),
+        ("redislock_ttl", math.nan),
+        ("redislock_on_contention", "block"),
+        ("redislock_wait", -1),
+        ("redislock_wait_fallback", "skip"),
+        ("redislock_max_requeues", -1),
+        ("redislock_max_requeues", 1.5),
+        ("redislock_requeue_backoff", (1.0,)),
+        ("redislock_requeue_backoff", (5.0, 1.0)),
+        ("redislock_requeue_exhausted", "retry"),
+        ("redislock_release_on_retry", "yes"),
+        ("redislock_prefix", "a{b"),
+        ("redislock_done_ttl", 0),
+        ("redislock_redis_options", ["socket_timeout"]),
+    ],
+)
+def test_each_bad_setting_is_named(setting: str, value: object) -> None:
+    conf = {"broker_url": "redis://localhost", setting: value}
+    with pytest.raises(LockConfigurationError, match=setting):
+        LockSettings.from_conf(conf)
+
+
+def test_task_overrides_name_the_task_and_option() -> None:
+    with pytest.raises(LockConfigurationError, match=r"task 'billing.settle': on_contention"):
+        task_overrides({"on_contention": "sometimes"}, "billing.settle")
+    with pytest.raises(LockConfigurationError, match=r"task 't': lock_hold"):
+        task_overrides({"lock_hold": -3}, "t")
+    found = task_overrides({"lock_ttl": 5, "lock_wait": 0, "on_contention": None}, "t")
+    assert found == {"ttl": 5.0, "wait": 0.0}
+
+
+def test_overrides_merge_over_app_defaults() -> None:
+    defaults = LockOptions(ttl=60.0, on_contention="wait")
+    merged = defaults.merged({"ttl": 5.0})
+    assert merged.ttl == 5.0 and merged.on_contention == "wait"
