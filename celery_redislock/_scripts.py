@@ -11,7 +11,7 @@ import weakref
 from importlib import resources
 from typing import Any
 
-SCRIPT_NAMES = ("acquire", "release", "renew", "force_release", "fence")
+SCRIPT_NAMES = ("acquire", "release", "renew", "force_release", "fence", "park", "handoff", "sweep")
 
 
 @functools.cache
@@ -28,6 +28,9 @@ class Scripts:
         self.renew = client.register_script(source("renew"))
         self.force_release = client.register_script(source("force_release"))
         self.fence = client.register_script(source("fence"))
+        self.park = client.register_script(source("park"))
+        self.handoff = client.register_script(source("handoff"))
+        self.sweep = client.register_script(source("sweep"))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()

@@ -75,6 +75,8 @@ import functools
 import logging
 import os
 import random
+import threading
+import time
 import weakref
 from typing import Any, ClassVar
 
@@ -83,9 +85,11 @@ from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import Task, signals
 from celery.exceptions import Ignore, Retry
 from celery.worker.request import Request
+from kombu.utils import json as kombu_json
 
-from ._core import OwnerFinished, backoff, lease_ms
+from ._core import OwnerFinished, backoff, decode_acquire, lease_ms
 from ._errors import LockConfigurationError, LockContendedError, LockLostError, LockNotOwnedError
+from ._renewal import scheduler_for
 from ._scripts import scripts_for
 from .keys import KeyTemplate
 from .lock import RedisLock
@@ -104,18 +108,71 @@ class TaskLock(RedisLock):
     def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
         super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
         self.done_key = self.keys.lock + b":done:" + task_id.encode()
+        self.parked = self.keys.lock + b":parked"
+        self.parked_messages = self.keys.lock + b":parked:messages"
+        self.dispatched = self.keys.lock + b":parked:dispatched"
 
     def _acquire_keys(self) -> list[bytes]:
         return [self.keys.lock, self.keys.fence, self.done_key]
 
-    def finish(self, *, hold: float, done_ttl: float | None) -> None:
+    def park(self, message: str, keep_for: float) -> bool | int:
+        """Take the lock, or park ``message`` behind the holder: True, or the holder's pttl.
+
+        The lock is also entered in the registry the workers' sweeper scans (same round
+        trip, pipelined).
+        """
+        owner = self._current_owner()
+        sent_at = time.monotonic()
+        keys = [*self._acquire_keys(), self.parked, self.parked_messages, self.dispatched]
+        args = [owner, self._lease, message, lease_ms(keep_for, "parking lifetime")]
+        pipe = self.client.pipeline(transaction=False)
+        self._scripts.park(keys=keys, args=args, client=pipe)
+        pipe.zadd(self.prefix + "parked", {self.keys.lock: time.time()})
+        reply = decode_acquire(pipe.execute()[0])
+        if reply.finished:
+            raise OwnerFinished(self.name)
+        if not reply.acquired:
+            return reply.pttl
+        hold, is_new = self._record_acquired(owner, reply, sent_at, self._lease, True)
+        if is_new:
+            scheduler_for(self.client).add(hold)
+        return True
+
+    def handoff_args(
+        self, owner: str, mode: str, done_ttl: float | None
+    ) -> tuple[list[bytes], list[Any]]:
+        keys = [
+            self.keys.lock,
+            self.keys.channel,
+            self.keys.fence,
+            self.parked,
+            self.parked_messages,
+            self.done_key,
+            self.dispatched,
+        ]
+        done_ms = 0 if done_ttl is None else lease_ms(done_ttl, "lock_done_ttl")
+        return keys, [owner, mode, self._lease, done_ms]
+
+    def finish(self, *, hold: float, done_ttl: float | None) -> str | None:
         """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
 
         With ``done_ttl``, also mark the task id done so a later delivery of the same
-        message does not run again.
+        message does not run again. Returns the message of the parked task the lock was
+        handed to (publish it), if any. Raises like :meth:`release` when the hold was
+        lost — after recording any hand-over on the exception's ``handed_to``.
         """
         owner = self._current_owner()
-        mode, hold_ms = ("hold", lease_ms(hold, "lock_hold")) if hold > 0 else ("one", 0)
+        if hold <= 0:
+            handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl)
+            reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
+            message = _text(reply[1]) if len(reply) > 1 else None
+            try:
+                self._record_released(owner, int(reply[0]))
+            except LockNotOwnedError as exc:
+                exc.handed_to = message  # type: ignore[attr-defined]
+                raise
+            return message
+        mode, hold_ms = "hold", lease_ms(hold, "lock_hold")
         keys = [self.keys.lock, self.keys.channel]
         args: list[Any] = [owner, mode, hold_ms]
         if done_ttl is not None:
@@ -123,6 +180,7 @@ class TaskLock(RedisLock):
             args.append(lease_ms(done_ttl, "lock_done_ttl"))
         code = int(self._scripts.release(keys=keys, args=args))
         self._record_released(owner, code)
+        return None
 
 
 # ------------------------------------------------------------------ per-app state
@@ -257,8 +315,11 @@ class LockedTask(Task):  # type: ignore[misc]
                 return self._contended(request, args, kwargs, options, name, duplicate=True)
             # else: the hold our previous attempt kept across self.retry(): adopt it.
         if outcome is not True:
-            if options.on_contention == "wait" and lock.acquire(timeout=options.wait):
-                outcome = True
+            policy = options.on_contention
+            if policy == "wait" and lock.acquire(timeout=options.wait):
+                pass
+            elif policy == "requeue" and self._park(lock, request, args, kwargs, options, name):
+                pass  # the lock came free meanwhile
             else:
                 return self._contended(request, args, kwargs, options, name, duplicate=False)
         request.redislock = lock
@@ -338,7 +399,7 @@ class LockedTask(Task):  # type: ignore[misc]
             owner=request.id,
         )
 
-    def _requeue(
+    def _next_delivery(
         self,
         request: Any,
         args: tuple[Any, ...],
@@ -347,7 +408,11 @@ class LockedTask(Task):  # type: ignore[misc]
         name: str,
         *,
         duplicate: bool,
-    ) -> Any:
+    ) -> tuple[Any, int]:
+        """The signature that runs this task again (same id, links, chain), counted.
+
+        Raises the exhausted action once ``lock_max_requeues`` is reached.
+        """
         headers = dict(request.headers or {})
         done = int(headers.get(REQUEUE_HEADER) or getattr(request, REQUEUE_HEADER, 0) or 0)
         if done >= options.max_requeues:
@@ -364,25 +429,92 @@ class LockedTask(Task):  # type: ignore[misc]
                 log.warning("redislock: %s; dropping it", message)
                 raise Ignore()
             raise LockContendedError(message, name=name, owner=request.id)
+        headers[REQUEUE_HEADER] = done + 1
+        return self.signature_from_request(request, args, kwargs, headers=headers), done + 1
+
+    def _park(
+        self,
+        lock: TaskLock,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: LockOptions,
+        name: str,
+    ) -> bool:
+        """Park behind the holder, who hands the lock over at release. True if acquired.
+
+        The worker slot is given back at once. In case the hand-over never comes (the
+        releasing worker dies, Redis restarts), a fallback copy of the task is also
+        published with a countdown; whichever copy runs first runs the task, the other
+        finds it done (or running) and does nothing. False if the message cannot be
+        parked (arguments not JSON-serialisable): then the plain re-queue is used.
+        """
+        signature, count = self._next_delivery(
+            request, args, kwargs, options, name, duplicate=False
+        )
+        try:
+            message = _dumps(dict(signature))
+        except TypeError:
+            return False
+        fallback = self._fallback_delay(options)
+        try:
+            outcome = lock.park(message, keep_for=max(options.done_ttl, fallback * 4 + options.ttl))
+        except OwnerFinished:
+            raise Ignore() from None
+        if outcome is True:
+            return True
+        log.info(
+            "redislock: %s[%s] parked behind the holder of %r (%d); fallback in %.1fs",
+            self.name,
+            request.id,
+            name,
+            count,
+            fallback,
+        )
+        raise Ignore()
+
+    def _fallback_delay(self, options: LockOptions) -> float:
+        return min(max(options.ttl, options.requeue_backoff[1]), _visibility_timeout(self.app) / 4)
+
+    def _requeue(
+        self,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: LockOptions,
+        name: str,
+        *,
+        duplicate: bool,
+    ) -> Any:
+        signature, count = self._next_delivery(
+            request, args, kwargs, options, name, duplicate=duplicate
+        )
         base, cap = options.requeue_backoff
         cap = min(cap, _visibility_timeout(self.app) / 4)
         # A duplicate delivery waits the full cap: the copy holding the lock is still working.
-        countdown = cap if duplicate else backoff(done, base=base, cap=max(cap, base), rng=_rng)
-        headers[REQUEUE_HEADER] = done + 1
-        signature = self.signature_from_request(
-            request, args, kwargs, countdown=countdown, headers=headers
+        countdown = (
+            cap if duplicate else backoff(count - 1, base=base, cap=max(cap, base), rng=_rng)
         )
-        signature.apply_async()
+        signature.apply_async(countdown=countdown)
         log.info(
             "redislock: %s[%s] re-queued in %.3fs (%d): %r is held%s",
             self.name,
             request.id,
             countdown,
-            done + 1,
+            count,
             name,
             " by another delivery of this task" if duplicate else "",
         )
         raise Ignore()
+
+    def publish_handed_over(self, message: str | None) -> None:
+        """Publish the message of the parked task the lock was just handed to."""
+        if message is None:
+            return
+        try:
+            self.app.signature(_loads(message)).apply_async()
+        except Exception:  # its fallback copy still runs it
+            log.exception("redislock: could not publish the task the lock was handed to")
 
     def _call_locally(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         options = self.lock_options()
@@ -417,6 +549,33 @@ class LockedTask(Task):  # type: ignore[misc]
 _rng = random.Random()
 
 
+def _park_fallback(app: Any) -> bool:
+    """Whether parked tasks also get a delayed fallback copy in the broker.
+
+    Parked messages live in the lock Redis. If that is the broker's own Redis, they share
+    its fate and the sweeper covers a dead releasing worker; a separate lock Redis could
+    lose them alone (a restart without persistence), so a copy is kept in the broker.
+    """
+    setting = app.conf.get("redislock_park_fallback", "auto")
+    if setting == "auto":
+        return not settings_for(app).url_source.startswith("broker_url") and (
+            settings_for(app).url != app.conf.get("broker_url")
+        )
+    return bool(setting)
+
+
+def _dumps(value: Any) -> str:
+    return str(kombu_json.dumps(value))  # type: ignore[no-untyped-call]
+
+
+def _loads(text: str) -> dict[str, Any]:
+    return dict(kombu_json.loads(text))  # type: ignore[no-untyped-call]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _visibility_timeout(app: Any) -> float:
     options = app.conf.get("broker_transport_options") or {}
     return float(options.get("visibility_timeout") or 3600.0)
@@ -424,8 +583,9 @@ def _visibility_timeout(app: Any) -> float:
 
 def _finish_quietly(lock: TaskLock, task: Any, options: LockOptions) -> None:
     try:
-        lock.finish(hold=options.hold, done_ttl=options.done_ttl)
+        task.publish_handed_over(lock.finish(hold=options.hold, done_ttl=options.done_ttl))
     except LockNotOwnedError as exc:  # includes LockLostError: reported by the caller
+        task.publish_handed_over(getattr(exc, "handed_to", None))
         log.warning(
             "redislock: %s[%s] could not release %r: %s", task.name, task.request.id, lock.name, exc
         )
@@ -477,10 +637,11 @@ class LockedRequest(Request):  # type: ignore[misc]
         try:
             options = task.lock_options()
             name = task.lock_name(self.args, self.kwargs)
-            lock = RedisLock(client_for(task.app), name, owner=self.id, prefix=options.prefix)
-            code = scripts_for(lock.client).release(
-                keys=[lock.keys.lock, lock.keys.channel], args=[self.id, "all"]
-            )
+            lock = TaskLock(client_for(task.app), name, task_id=self.id, options=options)
+            keys, args = lock.handoff_args(self.id, "all", None)
+            reply = scripts_for(lock.client).handoff(keys=keys, args=args)
+            code = int(reply[0])
+            task.publish_handed_over(_text(reply[1]) if len(reply) > 1 else None)
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
@@ -506,3 +667,88 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
 
 
 signals.worker_init.connect(_check_settings_at_worker_start, weak=False)
+
+
+# ------------------------------------------------------------------ the sweeper
+
+
+class Sweeper(threading.Thread):
+    """The worker main process's safety net for parked tasks.
+
+    Every few seconds, for each lock with parked tasks: if its holder vanished without
+    releasing (lease expired), hand the lock to the next parked task; if a handed-over
+    task's message never started it (the releasing worker died before publishing), publish
+    it again. Several workers sweeping at once is safe: each step is one atomic script.
+    """
+
+    def __init__(self, app: Any) -> None:
+        super().__init__(name="redislock-sweeper", daemon=True)
+        self.app = app
+        self.stopping = threading.Event()
+        settings = settings_for(app)
+        self.ttl = settings.defaults.ttl
+        self.interval = max(0.5, min(self.ttl / 6, 5.0))
+        self.prefixes = sorted(
+            {t.lock_options().prefix for t in app.tasks.values() if isinstance(t, LockedTask)}
+        )
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.interval):
+            try:
+                self.sweep_once()
+            except Exception:
+                log.exception("redislock: sweeping parked tasks failed; retrying")
+
+    def sweep_once(self) -> int:
+        """One pass; returns how many messages it published."""
+        client = client_for(self.app)
+        scripts = scripts_for(client)
+        published = 0
+        for prefix in self.prefixes:
+            registry = prefix + "parked"
+            members: list[bytes] = list(client.zrange(registry, 0, -1))  # type: ignore[arg-type]
+            for lock_key in members:
+                keys = [
+                    lock_key,
+                    lock_key + b":released",
+                    lock_key + b":fence",
+                    lock_key + b":parked",
+                    lock_key + b":parked:messages",
+                    lock_key + b":parked:unused",
+                    lock_key + b":parked:dispatched",
+                ]
+                args = [lease_ms(self.ttl, "redislock_ttl"), lease_ms(self.ttl / 2, "stale")]
+                reply = scripts.sweep(keys=keys, args=args)
+                code = int(reply[0])
+                if code == -1:
+                    client.zrem(registry, lock_key)
+                elif code == 1 and reply[1] is not None:
+                    log.warning(
+                        "redislock: sweeper hands %r to parked task %s (holder or hand-over lost)",
+                        lock_key,
+                        _text(reply[2]),
+                    )
+                    self.app.signature(_loads(_text(reply[1]))).apply_async()
+                    published += 1
+        return published
+
+
+_sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()
+
+
+def _start_sweeper(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None or not any(isinstance(t, LockedTask) for t in app.tasks.values()):
+        return
+    if app not in _sweepers:
+        sweeper = _sweepers[app] = Sweeper(app)
+        sweeper.start()
+
+
+def _stop_sweeper(sender: Any = None, **_: Any) -> None:
+    for sweeper in list(_sweepers.values()):
+        sweeper.stopping.set()
+
+
+signals.worker_ready.connect(_start_sweeper, weak=False)
+signals.worker_shutdown.connect(_stop_sweeper, weak=False)

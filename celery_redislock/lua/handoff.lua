@@ -1,0 +1,52 @@
+-- A task's release: give the hold back and hand the lock straight to the first parked task.
+-- KEYS[1]  lock hash
+-- KEYS[2]  release channel
+-- KEYS[3]  fence counter
+-- KEYS[4]  parked queue (list of task ids)
+-- KEYS[5]  parked messages (hash task id -> message)
+-- KEYS[6]  "done" marker of the releasing task id
+-- KEYS[7]  dispatched: hash task id -> ms time its message was last published (for the sweeper)
+-- ARGV[1]  releasing task id (the owner)
+-- ARGV[2]  mode: "one" one hold; "all" every hold (the worker releasing for a dead process)
+-- ARGV[3]  lease in milliseconds for the task the lock is handed to
+-- ARGV[4]  lifetime of the done marker in milliseconds (0: do not mark done)
+-- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it)
+--          {0}                     released; nobody parked: waiters notified
+--          {0, message, task id}   released and handed over: publish message now
+local exists = redis.call('exists', KEYS[1]) == 1
+if exists and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+  return {-2}
+end
+local code = 0
+if not exists then
+  code = -1
+elseif ARGV[2] == 'one' then
+  local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
+  if count > 0 then
+    return {count}
+  end
+end
+if tonumber(ARGV[4]) > 0 then
+  redis.call('set', KEYS[6], '1', 'px', ARGV[4])
+end
+redis.call('hdel', KEYS[5], ARGV[1])
+redis.call('hdel', KEYS[7], ARGV[1])
+redis.call('del', KEYS[1])
+while true do
+  local next_id = redis.call('lpop', KEYS[4])
+  if not next_id then
+    break
+  end
+  local message = redis.call('hget', KEYS[5], next_id)
+  if message then
+    local now = redis.call('time')
+    redis.call('hset', KEYS[7], next_id, now[1] * 1000 + math.floor(now[2] / 1000))
+    local token = redis.call('incr', KEYS[3])
+    -- hold count 0: handed over, not yet started; the task's own acquire makes it 1
+    redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
+    redis.call('pexpire', KEYS[1], ARGV[3])
+    return {code, message, next_id}
+  end
+end
+redis.call('publish', KEYS[2], '1')
+return {code}

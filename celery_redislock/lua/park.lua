@@ -1,0 +1,43 @@
+-- A task's acquire in "requeue" mode: take the lock, or park the task behind its holder.
+-- A parked task's message is kept here; the holder's release hands the lock to the first
+-- parked task and returns its message for the releasing worker to publish at once.
+-- KEYS[1]  lock hash
+-- KEYS[2]  fence counter
+-- KEYS[3]  "done" marker of this task id
+-- KEYS[4]  parked queue: list of task ids, oldest first
+-- KEYS[5]  parked messages: hash task id -> message (kept until that task finishes)
+-- KEYS[6]  dispatched: hash task id -> ms its hand-over was published (see handoff.lua)
+-- ARGV[1]  task id (the owner)
+-- ARGV[2]  lease in milliseconds (a positive integer)
+-- ARGV[3]  the task's message, to publish again when the lock is handed to it
+-- ARGV[4]  lifetime of the parked structures in milliseconds
+-- returns  {1, token, hold_count}  taken (or re-entered: hold_count > 1)
+--          {0, pttl}               parked (or already parked) behind the holder
+--          {-1, 0}                 this task id already finished
+local lease = tonumber(ARGV[2])
+if not lease or lease <= 0 then
+  return redis.error_reply('ERR redislock: lease must be a positive number of milliseconds')
+end
+if redis.call('exists', KEYS[3]) == 1 then
+  return {-1, 0}
+end
+if redis.call('exists', KEYS[1]) == 0 then
+  local token = redis.call('incr', KEYS[2])
+  redis.call('hset', KEYS[1], ARGV[1], 1, '__fence__', token)
+  redis.call('pexpire', KEYS[1], lease)
+  return {1, token, 1}
+end
+if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
+  local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
+  redis.call('pexpire', KEYS[1], lease)
+  return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')), count}
+end
+-- Queue it unless it is queued already (a second copy of the same task parking).
+if redis.call('hsetnx', KEYS[5], ARGV[1], ARGV[3]) == 1 or redis.call('hdel', KEYS[6], ARGV[1]) == 1 then
+  redis.call('hset', KEYS[5], ARGV[1], ARGV[3])
+  redis.call('rpush', KEYS[4], ARGV[1])
+end
+redis.call('pexpire', KEYS[4], ARGV[4])
+redis.call('pexpire', KEYS[5], ARGV[4])
+redis.call('pexpire', KEYS[6], ARGV[4])
+return {0, redis.call('pttl', KEYS[1])}

@@ -1,0 +1,46 @@
+-- The worker's safety net for parked tasks (run every few seconds per lock with parked tasks).
+-- Hands a lock whose holder vanished without releasing (lease expired) to the next parked
+-- task, and re-publishes a handed-over task whose message never started it (the releasing
+-- worker died before publishing, or the message was lost).
+-- KEYS[1..7]  as handoff.lua: lock, channel, fence, parked queue, parked messages,
+--             (unused done marker slot), dispatched
+-- ARGV[1]     lease in milliseconds for a task the lock is handed to
+-- ARGV[2]     milliseconds after which a published hand-over counts as lost
+-- returns     {0}                     nothing to do, tasks still parked
+--             {-1}                    nothing parked or dispatched any more: forget this lock
+--             {1, message, task id}   publish this message now
+local now = redis.call('time')
+local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+if redis.call('exists', KEYS[1]) == 0 then
+  while true do
+    local next_id = redis.call('lpop', KEYS[4])
+    if not next_id then
+      break
+    end
+    local message = redis.call('hget', KEYS[5], next_id)
+    if message then
+      redis.call('hset', KEYS[7], next_id, now_ms)
+      local token = redis.call('incr', KEYS[3])
+      redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
+      redis.call('pexpire', KEYS[1], ARGV[1])
+      return {1, message, next_id}
+    end
+  end
+end
+local dispatched = redis.call('hgetall', KEYS[7])
+for i = 1, #dispatched, 2 do
+  local task_id = dispatched[i]
+  if redis.call('hget', KEYS[1], task_id) == '0' then
+    if now_ms - tonumber(dispatched[i + 1]) > tonumber(ARGV[2]) then
+      redis.call('hset', KEYS[7], task_id, now_ms)
+      redis.call('pexpire', KEYS[1], ARGV[1])
+      return {1, redis.call('hget', KEYS[5], task_id), task_id}
+    end
+  else
+    redis.call('hdel', KEYS[7], task_id)
+  end
+end
+if redis.call('llen', KEYS[4]) == 0 and redis.call('hlen', KEYS[7]) == 0 then
+  return {-1}
+end
+return {0}
