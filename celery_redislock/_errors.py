@@ -33,10 +33,17 @@ class LockConfigurationError(RedisLockError, ValueError):
 
 
 class _NamedLockError(RedisLockError):
-    def __init__(self, message: str, *, name: str | bytes, owner: str | None = None) -> None:
+    # name/owner are keyword-optional so result backends can rebuild the error from its
+    # message alone (Celery serialises exceptions as type + message).
+    def __init__(
+        self, message: str, *, name: str | bytes | None = None, owner: str | None = None
+    ) -> None:
         super().__init__(message)
         self.name = name
         self.owner = owner
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args, self.__dict__))
 
 
 class LockTimeoutError(_NamedLockError, TimeoutError):
@@ -64,7 +71,12 @@ class LockLostError(LockNotOwnedError):
     """
 
     def __init__(
-        self, message: str, *, name: str | bytes, owner: str | None = None, reason: str
+        self,
+        message: str,
+        *,
+        name: str | bytes | None = None,
+        owner: str | None = None,
+        reason: str = "expired",
     ) -> None:
         super().__init__(message, name=name, owner=owner)
         self.reason = reason
@@ -76,6 +88,15 @@ class LockForkedError(LockNotOwnedError):
     A child neither renews nor releases its parent's holds; create the lock's work
     in the child, or release in the parent.
     """
+
+
+def _rebuild(
+    cls: type[RedisLockError], args: tuple[object, ...], state: dict[str, object]
+) -> RedisLockError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 __all__ = [

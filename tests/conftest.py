@@ -39,3 +39,17 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
     yield start
     for server in started:
         server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def celery_broker() -> Iterator[RedisServer]:
+    """A private redis-server for Celery tests: broker, results and locks (one per session,
+    because Celery caches its backend per app)."""
+    from . import celery_app
+
+    with RedisServer() as server:
+        celery_app.app.conf.update(broker_url=server.url, result_backend=server.url)
+        celery_app.URL = server.url
+        celery_app._r = None
+        yield server
+        celery_app.app.close()

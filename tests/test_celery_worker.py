@@ -19,15 +19,8 @@ from ._celery import CeleryProcess, wait_until, worker
 
 
 @pytest.fixture(scope="module")
-def broker() -> Iterator[RedisServer]:
-    """A private redis-server for broker, results and locks of this module's workers."""
-    with RedisServer() as server:
-        ca.app.conf.update(broker_url=server.url, result_backend=server.url)
-        ca.URL = server.url
-        ca._r = None
-        yield server
-        ca.app.pool.force_close_all()
-        ca.app.backend.client.close()
+def broker(celery_broker: RedisServer) -> RedisServer:
+    return celery_broker
 
 
 @pytest.fixture(scope="module")

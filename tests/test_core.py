@@ -127,3 +127,20 @@ def test_backoff_stays_within_its_bounds() -> None:
     for attempt in range(40):
         delay = backoff(attempt, base=0.02, cap=0.5, rng=rng)
         assert 0.01 <= delay <= 0.5
+
+
+def test_errors_survive_pickling_and_rebuilding_from_their_message() -> None:
+    import pickle
+
+    from celery_redislock import LockContendedError, LockLostError
+
+    lost = LockLostError("gone", name="job", owner="o", reason="stolen")
+    again = pickle.loads(pickle.dumps(lost))
+    assert (type(again), again.args, again.name, again.owner, again.reason) == (
+        LockLostError,
+        ("gone",),
+        "job",
+        "o",
+        "stolen",
+    )
+    assert str(LockContendedError("held")) == "held"  # a backend rebuilds it from the message

@@ -1,0 +1,122 @@
+"""More LockedTask behaviour with real workers: the parking safety net, pools, two beats."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_redislock import RedisLock
+from celery_redislock._scripts import scripts_for
+from celery_redislock.task import TaskLock, settings_for
+from celery_redislock.testing import RedisServer
+
+from . import celery_app as ca
+from ._celery import CeleryProcess, wait_until, worker
+
+
+@pytest.fixture
+def broker(celery_broker: RedisServer) -> RedisServer:
+    """The session's Celery Redis, emptied: these tests run their own workers."""
+    client = celery_broker.client()
+    client.flushall()
+    client.close()
+    return celery_broker
+
+
+def test_parked_tasks_survive_a_holder_that_never_releases_and_a_lost_hand_over(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    r = broker.client()
+    proc = worker(broker.url, tmp_path / "w.log", env={"REDISLOCK_TEST_TTL": "4"})
+    try:
+        # A holder that will never release (its host "died"): only its 2 s lease ends it.
+        RedisLock(r, "job:stuck", ttl=2, owner="dead-host", auto_renew=False).acquire()
+        results = [ca.hold_for.delay("stuck", 0.05) for _ in range(3)]
+        wait_until(lambda: r.llen("redislock:{job:stuck}:parked") == 3, timeout=30)
+        # The sweeper hands the expired lock to the first parked task; each hands to the next.
+        for result in results:
+            result.get(timeout=60)
+        assert r.llen("started:stuck") == 3
+
+        # Now a releaser that dies between handing over and publishing: the message is
+        # dropped on the floor here, and the sweeper has to publish it again.
+        RedisLock(r, "job:lost", ttl=60, owner="releaser", auto_renew=False).acquire()
+        parked = [ca.hold_for.delay("lost", 0.05) for _ in range(2)]
+        wait_until(lambda: r.llen("redislock:{job:lost}:parked") == 2, timeout=30)
+        options = ca.hold_for.lock_options()
+        lock = TaskLock(r, "job:lost", task_id="releaser", options=options)
+        keys, args = lock.handoff_args("releaser", "one", None)
+        reply = scripts_for(r).handoff(keys=keys, args=args)
+        assert reply[2].decode() in {p.id for p in parked}  # handed over, never published
+        for result in parked:
+            result.get(timeout=60)
+        assert r.llen("started:lost") == 2
+        assert "sweeper hands" in proc.text()
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_settlement_under_threads_and_solo_pools(
+    broker: RedisServer, tmp_path: Path, pool: str
+) -> None:
+    r = broker.client()
+    concurrency = 1 if pool == "solo" else 4
+    proc = worker(
+        broker.url,
+        tmp_path / "w.log",
+        pool=pool,
+        concurrency=concurrency,
+        env={"REDISLOCK_TEST_TTL": "0.6"},
+    )
+    try:
+        # 0.6 s leases and 0.9 s tasks: only the watchdog keeps the locks alive.
+        results = [ca.settle.delay(i % 2, 1, work=0.05) for i in range(12)]
+        long_one = ca.hold_for.delay("long", 0.9)
+        for result in results:
+            result.get(timeout=60)
+        assert long_one.get(timeout=60) is not None
+        assert int(r.get("balance:0") or 0) == 6 and int(r.get("balance:1") or 0) == 6
+        sections = [line.decode().split() for line in r.lrange("sections:settle", 0, -1)]
+        assert len(sections) == 12
+        for account in ("0", "1"):
+            spans = sorted((float(e), float(x)) for k, _, e, x in sections if k == account)
+            assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
+        assert "lost lock" not in proc.text()
+    finally:
+        proc.stop()
+
+
+def test_two_beats_fire_the_nightly_job_but_it_runs_once_per_period(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    r = broker.client()
+    proc = worker(broker.url, tmp_path / "w.log")
+    env = {"REDISLOCK_TEST_BEAT": "1"}
+    beats = [
+        CeleryProcess(
+            ["beat", "-s", str(tmp_path / f"schedule-{i}"), "-l", "info",
+             "--pidfile", str(tmp_path / f"beat-{i}.pid")],
+            url=broker.url, log=tmp_path / f"beat-{i}.log", env=env,
+        ).start()
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        time.sleep(9.0)  # about four periods of 2 s; each job holds its lock 4 s
+    finally:
+        for beat in beats:
+            beat.stop()
+        time.sleep(1.0)
+        proc.stop()
+    sent = sum(beat.text().count("Sending due task nightly") for beat in beats)
+    runs = sorted(float(x) for x in r.lrange("nightly:runs", 0, -1))
+    assert sent >= 6  # both beats really fired, several times
+    assert 1 <= len(runs) < sent  # duplicates were skipped...
+    assert all(b - a >= 3.5 for a, b in zip(runs, runs[1:]))  # ...never two within a hold
+
+
+def test_settings_come_from_the_app(broker: RedisServer) -> None:
+    settings = settings_for(ca.app)
+    assert settings.url.startswith("redis://")
