@@ -17,6 +17,7 @@ from ._errors import (
     RedisLockError,
 )
 from .aio import AsyncRedisLock
+from .decorators import current_lock, locked
 from .fencing import FencedResource
 from .keys import KeyTemplate, LockKeyError
 from .lock import RedisLock
@@ -54,5 +55,7 @@ __all__ = [
     "LockedTask",
     "RedisLock",
     "RedisLockError",
+    "current_lock",
+    "locked",
     "__version__",
 ]
