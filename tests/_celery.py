@@ -22,11 +22,12 @@ class CeleryProcess:
         self.log = log
         self.env = {**os.environ, "REDISLOCK_TEST_URL": url, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
+        self.app = "tests.celery_app"
 
     def start(self) -> CeleryProcess:
         handle = self.log.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.celery_app", *self.args],
+            [sys.executable, "-m", "celery", "-A", self.app, *self.args],
             cwd=ROOT,
             env=self.env,
             stdout=handle,
