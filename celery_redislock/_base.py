@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any, Callable, Generic, TypeVar
 
+from . import signals
 from ._core import (
     DEFAULT_PREFIX,
     AcquireReply,
@@ -171,7 +172,13 @@ class LockBase(Generic[Signal]):
         return lease_ms(lease, "lease"), False
 
     def _record_acquired(
-        self, owner: str, reply: AcquireReply, sent_at: float, lease: int, renew: bool
+        self,
+        owner: str,
+        reply: AcquireReply,
+        sent_at: float,
+        lease: int,
+        renew: bool,
+        started: float | None = None,
     ) -> tuple[Hold, bool]:
         """Update the hold table; returns (hold, is_new) — a new hold needs the watchdog."""
         hold = self._live_hold(owner)
@@ -196,6 +203,11 @@ class LockBase(Generic[Signal]):
             hold.count = reply.hold_count
             self._holds[owner] = hold
             log.debug("lock %r acquired by %s (token %d)", self.name, owner, reply.token)
+            if signals.lock_acquired.receivers:
+                waited = 0.0 if started is None else max(0.0, sent_at - started)
+                signals.lock_acquired.send(
+                    self, name=self.name, owner=owner, token=reply.token, waited=waited
+                )
             return hold, True
         hold.count = reply.hold_count
         hold.renewed(sent_at)
@@ -212,6 +224,9 @@ class LockBase(Generic[Signal]):
                 self._forget(hold)
                 self._signals.pop(owner, None)
                 log.debug("lock %r released by %s", self.name, owner)
+                if signals.lock_released.receivers:
+                    held = time.monotonic() - hold.acquired_at
+                    signals.lock_released.send(self, name=self.name, owner=owner, held=held)
                 return hold
             return None
         if hold is None:
@@ -265,8 +280,14 @@ class LockBase(Generic[Signal]):
             owner=self._current_owner(),
         )
 
+    def _contended(self, owner: str) -> None:
+        log.debug("lock %r contended (owner %s waits)", self.name, owner)
+        if signals.lock_contended.receivers:
+            signals.lock_contended.send(self, name=self.name, owner=owner)
+
     def _report_lost(self, hold: Hold, reason: str) -> None:
         error = lost_error(self.name, hold.owner, reason)
+        signals.lock_lost.send(self, name=self.name, owner=hold.owner, reason=reason)
         log.warning(
             "redislock: lost lock %r (owner %s, token %d): %s",
             self.name,

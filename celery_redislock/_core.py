@@ -330,6 +330,7 @@ class Hold:
 
     __slots__ = (
         "__weakref__",
+        "acquired_at",
         "count",
         "deadline",
         "failures",
@@ -368,6 +369,7 @@ class Hold:
         self.failures = 0
         self.lost = lost
         self.notify = notify
+        self.acquired_at = sent_at
 
     @property
     def renew_interval(self) -> float:

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError, RedisError
 
+from . import signals
 from ._core import (
     RENEW_OK,
     Hold,
@@ -107,6 +108,7 @@ class _SchedulerBase:
         return pipe, chunks
 
     def _apply(self, chunks: list[Sequence[Hold]], replies: list[Any], sent_at: float) -> None:
+        renewed = 0
         for chunk, reply in zip(chunks, replies):
             codes = reply if isinstance(reply, list) else [reply] * len(chunk)
             for hold, code in zip(chunk, codes):
@@ -114,9 +116,12 @@ class _SchedulerBase:
                     self._failed([hold], code)
                 elif int(code) == RENEW_OK:
                     hold.renewed(sent_at)
+                    renewed += 1
                 else:
                     self._holds.pop(id(hold), None)
                     hold.mark_lost(loss_reason_from_renew(int(code)))
+        if renewed and signals.lock_renewed.receivers:
+            signals.lock_renewed.send(self, count=renewed)
 
     def _failed(self, holds: Sequence[Hold], exc: BaseException) -> None:
         now = time.monotonic()

@@ -147,8 +147,10 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         wait_limit = optional_seconds(timeout, "timeout")
         lease_millis, renew = self._acquire_args(lease)
         owner = self._current_owner()
+        started = time.monotonic()
         if await self._try(owner, lease_millis, renew) is True:
             return True
+        self._contended(owner)
         if not blocking:
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
@@ -156,7 +158,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         assert subscriber is not None
         async with subscriber.waiter(self.keys.channel) as waiter:
             while True:
-                outcome = await self._try(owner, lease_millis, renew)
+                outcome = await self._try(owner, lease_millis, renew, started)
                 if outcome is True:
                     return True
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -164,7 +166,9 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
                     return False
                 await waiter.wait(wait_bound(outcome, remaining))
 
-    async def _try(self, owner: str, lease: int, renew: bool) -> bool | int:
+    async def _try(
+        self, owner: str, lease: int, renew: bool, started: float | None = None
+    ) -> bool | int:
         sent_at = time.monotonic()
         future, cancelled = await _to_completion(
             self._scripts.acquire(keys=[self.keys.lock, self.keys.fence], args=[owner, lease])
@@ -176,7 +180,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
             if cancelled is not None:
                 raise cancelled
             return reply.pttl
-        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew)
+        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew, started)
         if is_new and renew:
             _scheduler(self.client).add(hold)
         if cancelled is not None:

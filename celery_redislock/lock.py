@@ -112,14 +112,16 @@ class RedisLock(LockBase[LeaseLost]):
         wait_limit = optional_seconds(timeout, "timeout")
         lease_millis, renew = self._acquire_args(lease)
         owner = self._current_owner()
+        started = time.monotonic()
         if self._try(owner, lease_millis, renew) is True:
             return True
+        self._contended(owner)
         if not blocking:
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         with subscriber_for(self.client).waiter(self.keys.channel) as waiter:
             while True:
-                outcome = self._try(owner, lease_millis, renew)
+                outcome = self._try(owner, lease_millis, renew, started)
                 if outcome is True:
                     return True
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -127,7 +129,7 @@ class RedisLock(LockBase[LeaseLost]):
                     return False
                 waiter.wait(wait_bound(outcome, remaining))
 
-    def _try(self, owner: str, lease: int, renew: bool) -> bool | int:
+    def _try(self, owner: str, lease: int, renew: bool, started: float | None = None) -> bool | int:
         """One attempt: True if acquired, else the holder's remaining lease in ms."""
         sent_at = time.monotonic()
         reply = decode_acquire(
@@ -137,7 +139,7 @@ class RedisLock(LockBase[LeaseLost]):
             if reply.finished:
                 raise OwnerFinished(self.name)
             return reply.pttl
-        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew)
+        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew, started)
         if is_new and renew:
             scheduler_for(self.client).add(hold)
         return True

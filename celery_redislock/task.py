@@ -82,11 +82,13 @@ from typing import Any, ClassVar
 
 import redis
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
-from celery import Task, signals
+from celery import Task
+from celery import signals as celery_signals
 from celery.exceptions import Ignore, Retry
 from celery.worker.request import Request
 from kombu.utils import json as kombu_json
 
+from . import metrics, signals
 from ._core import OwnerFinished, backoff, decode_acquire, lease_ms
 from ._errors import LockConfigurationError, LockContendedError, LockLostError, LockNotOwnedError
 from ._renewal import scheduler_for
@@ -463,13 +465,17 @@ class LockedTask(Task):  # type: ignore[misc]
             raise Ignore() from None
         if outcome is True:
             return True
+        with_fallback = _park_fallback(self.app)
+        if with_fallback:
+            signature.apply_async(countdown=fallback)
+        signals.task_parked.send(self, name=name, task_id=request.id)
         log.info(
-            "redislock: %s[%s] parked behind the holder of %r (%d); fallback in %.1fs",
+            "redislock: %s[%s] parked behind the holder of %r (%d)%s",
             self.name,
             request.id,
             name,
             count,
-            fallback,
+            f"; fallback copy in {fallback:.1f}s" if with_fallback else "",
         )
         raise Ignore()
 
@@ -496,6 +502,7 @@ class LockedTask(Task):  # type: ignore[misc]
             cap if duplicate else backoff(count - 1, base=base, cap=max(cap, base), rng=_rng)
         )
         signature.apply_async(countdown=countdown)
+        signals.task_requeued.send(self, name=name, task_id=request.id, countdown=countdown)
         log.info(
             "redislock: %s[%s] re-queued in %.3fs (%d): %r is held%s",
             self.name,
@@ -508,12 +515,23 @@ class LockedTask(Task):  # type: ignore[misc]
         raise Ignore()
 
     def publish_handed_over(self, message: str | None) -> None:
-        """Publish the message of the parked task the lock was just handed to."""
+        """Publish the message of the parked task the lock was just handed to.
+
+        It goes to ``<its queue>.redislock``, which every worker consuming ``<its queue>``
+        also consumes: a task that already owns its lock does not wait behind the backlog
+        of the queue it was first sent to.
+        """
         if message is None:
             return
         try:
-            self.app.signature(_loads(message)).apply_async()
-        except Exception:  # its fallback copy still runs it
+            signature = self.app.signature(_loads(message))
+            options = dict(signature.options)
+            queue = options.pop("queue", None) or self.app.conf.task_default_queue
+            options.pop("exchange", None)
+            options.pop("routing_key", None)
+            signature.options = options
+            signature.apply_async(queue=handoff_queue(queue))
+        except Exception:  # the sweeper (or its fallback copy) still runs it
             log.exception("redislock: could not publish the task the lock was handed to")
 
     def _call_locally(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -582,6 +600,10 @@ def _visibility_timeout(app: Any) -> float:
 
 
 def _finish_quietly(lock: TaskLock, task: Any, options: LockOptions) -> None:
+    try:
+        metrics.flush_to_redis(lock.client, options.prefix)
+    except Exception:  # stats are best effort; the lock is not
+        log.debug("redislock: could not flush stats", exc_info=True)
     try:
         task.publish_handed_over(lock.finish(hold=options.hold, done_ttl=options.done_ttl))
     except LockNotOwnedError as exc:  # includes LockLostError: reported by the caller
@@ -662,11 +684,12 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or not any(isinstance(t, LockedTask) for t in app.tasks.values()):
         return
+    metrics.enable()
     settings = settings_for(app)
     log.info("redislock: locks in %s (from %s)", settings.url.split("@")[-1], settings.url_source)
 
 
-signals.worker_init.connect(_check_settings_at_worker_start, weak=False)
+celery_signals.worker_init.connect(_check_settings_at_worker_start, weak=False)
 
 
 # ------------------------------------------------------------------ the sweeper
@@ -736,6 +759,22 @@ class Sweeper(threading.Thread):
 _sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()
 
 
+def handoff_queue(queue: str) -> str:
+    """The queue a task handed its lock is published to: ``<queue>.redislock``."""
+    return queue if queue.endswith(".redislock") else f"{queue}.redislock"
+
+
+def _consume_handoff_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """Every worker also consumes ``<q>.redislock`` for each queue ``q`` it consumes."""
+    app = getattr(instance, "app", None)
+    if app is None or not any(isinstance(t, LockedTask) for t in app.tasks.values()):
+        return
+    queues = app.amqp.queues
+    for name in list(queues.consume_from or queues):
+        if not name.endswith(".redislock"):
+            queues.select_add(handoff_queue(name))
+
+
 def _start_sweeper(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or not any(isinstance(t, LockedTask) for t in app.tasks.values()):
@@ -750,5 +789,17 @@ def _stop_sweeper(sender: Any = None, **_: Any) -> None:
         sweeper.stopping.set()
 
 
-signals.worker_ready.connect(_start_sweeper, weak=False)
-signals.worker_shutdown.connect(_stop_sweeper, weak=False)
+def _flush_stats_at_exit(**_: Any) -> None:
+    for app, (pid, client) in list(_clients.items()):
+        if pid == os.getpid():
+            try:
+                metrics.flush_to_redis(client, settings_for(app).defaults.prefix, force=True)
+            except Exception:
+                log.debug("redislock: could not flush stats at exit", exc_info=True)
+
+
+celery_signals.worker_process_shutdown.connect(_flush_stats_at_exit, weak=False)
+celery_signals.worker_shutdown.connect(_flush_stats_at_exit, weak=False)
+celery_signals.celeryd_after_setup.connect(_consume_handoff_queues, weak=False)
+celery_signals.worker_ready.connect(_start_sweeper, weak=False)
+celery_signals.worker_shutdown.connect(_stop_sweeper, weak=False)

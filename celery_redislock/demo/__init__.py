@@ -1,0 +1,1 @@
+"""The live demo: ``python -m celery_redislock.demo`` (or ``./dev demo``)."""

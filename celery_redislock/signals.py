@@ -1,0 +1,101 @@
+"""Signals users can connect to, shaped like Celery's (``connect``, ``sender=`` filters).
+
+::
+
+    from celery_redislock import signals
+
+    @signals.lock_lost.connect
+    def page_someone(sender, name, owner, reason, **kwargs):
+        ...
+
+=====================  =======================================  ================================
+signal                 sent when                                keyword arguments
+=====================  =======================================  ================================
+``lock_acquired``      a new hold is taken (not re-entries)     name, owner, token, waited
+``lock_contended``     an acquire found the lock held           name, owner
+``lock_released``      the last hold is given back              name, owner, held
+``lock_lost``          a hold's lease is known lost             name, owner, reason
+``lock_renewed``       the watchdog renewed a batch             count
+``task_parked``        a LockedTask was parked behind a holder  name, task_id
+``task_requeued``      a LockedTask was re-queued (countdown)   name, task_id, countdown
+=====================  =======================================  ================================
+
+``sender`` is the lock object (the task for ``task_*``, the watchdog for
+``lock_renewed``). Receivers run synchronously in the thread that sent the signal —
+for ``lock_lost`` and ``lock_renewed`` that is the watchdog — so keep them short.
+Exceptions in receivers are logged and never reach the lock. This module does not
+import Celery.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+Receiver = Callable[..., Any]
+
+
+class Signal:
+    """A minimal synchronous signal: ``connect`` (also as a decorator), ``disconnect``, ``send``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._receivers: list[tuple[Receiver, object]] = []
+        self._mutex = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Signal {self.name}>"
+
+    @property
+    def receivers(self) -> bool:
+        """Whether anyone listens (senders skip building arguments when not)."""
+        return bool(self._receivers)
+
+    def connect(self, receiver: Receiver | None = None, *, sender: object = None) -> Any:
+        """Connect ``receiver(sender, **kwargs)``; only for ``sender`` when given."""
+
+        def add(func: Receiver) -> Receiver:
+            if not callable(func):
+                raise TypeError(f"signal receiver must be callable, got {func!r}")
+            with self._mutex:
+                if (func, sender) not in self._receivers:
+                    self._receivers = [*self._receivers, (func, sender)]
+            return func
+
+        return add if receiver is None else add(receiver)
+
+    def disconnect(self, receiver: Receiver, *, sender: object = None) -> None:
+        with self._mutex:
+            self._receivers = [r for r in self._receivers if r != (receiver, sender)]
+
+    def send(self, sender: object, **kwargs: Any) -> None:
+        for receiver, only in self._receivers:
+            if only is not None and only is not sender:
+                continue
+            try:
+                receiver(sender=sender, signal=self, **kwargs)
+            except Exception:
+                log.exception("redislock: receiver %r of %s failed", receiver, self.name)
+
+
+lock_acquired = Signal("lock_acquired")
+lock_contended = Signal("lock_contended")
+lock_released = Signal("lock_released")
+lock_lost = Signal("lock_lost")
+lock_renewed = Signal("lock_renewed")
+task_parked = Signal("task_parked")
+task_requeued = Signal("task_requeued")
+
+__all__ = [
+    "Signal",
+    "lock_acquired",
+    "lock_contended",
+    "lock_lost",
+    "lock_released",
+    "lock_renewed",
+    "task_parked",
+    "task_requeued",
+]
