@@ -274,15 +274,24 @@ class LeaseLost(LossSignal):
     ``lock.lost.reason`` why, ``lock.lost.wait(timeout)`` blocks until it happens.
     """
 
+    _events_mutex = threading.Lock()
+
     def __init__(self) -> None:
         super().__init__()
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made on first wait(): most holds never wait
 
     def wait(self, timeout: float | None = None) -> bool:
+        with self._events_mutex:
+            if self._event is None:
+                self._event = threading.Event()
+                if self._flag:
+                    self._event.set()
         return self._event.wait(timeout)
 
     def _wake(self) -> None:
-        self._event.set()
+        with self._events_mutex:
+            if self._event is not None:
+                self._event.set()
 
 
 class AsyncLeaseLost(LossSignal):
@@ -341,6 +350,7 @@ class Hold:
         "notify",
         "owner",
         "pid",
+        "releasing",
         "renew",
         "token",
     )
@@ -370,6 +380,8 @@ class Hold:
         self.lost = lost
         self.notify = notify
         self.acquired_at = sent_at
+        #: Releases of this hold in flight (a renewal crossing one must not cry "lost").
+        self.releasing = 0
 
     @property
     def renew_interval(self) -> float:

@@ -75,6 +75,8 @@ class _SchedulerBase:
         self._client = _own_client(client)
         self._scripts = scripts_for(self._client)
         self._holds: dict[int, Hold] = {}
+        #: When the watchdog next wakes by itself; an added hold due later needs no wake-up.
+        self._wake_at = float("inf")
         self.pid = os.getpid()
         #: Round trips made (one per pipelined renewal pass); read by benchmarks and tests.
         self.round_trips = 0
@@ -89,11 +91,14 @@ class _SchedulerBase:
         times settle into shared passes instead of one round trip each.
         """
         if not self._holds:
+            self._wake_at = float("inf")
             return None, []
         now = time.monotonic()
         first = min(h.next_due for h in self._holds.values())
         if first > now:
+            self._wake_at = first
             return first - now, []
+        self._wake_at = now
         return 0.0, [h for h in self._holds.values() if h.next_due <= now + h.renew_interval / 2]
 
     def _pipeline(self, holds: Sequence[Hold]) -> tuple[Any, list[Sequence[Hold]]]:
@@ -112,11 +117,17 @@ class _SchedulerBase:
         for chunk, reply in zip(chunks, replies):
             codes = reply if isinstance(reply, list) else [reply] * len(chunk)
             for hold, code in zip(chunk, codes):
+                if id(hold) not in self._holds:
+                    continue  # released (or closed) while the renewal was in flight
                 if isinstance(code, Exception):
                     self._failed([hold], code)
                 elif int(code) == RENEW_OK:
                     hold.renewed(sent_at)
                     renewed += 1
+                elif hold.releasing:
+                    # A release crossed this renewal: its own reply says whether the hold
+                    # was given back or had been lost before.
+                    self._holds.pop(id(hold), None)
                 else:
                     self._holds.pop(id(hold), None)
                     hold.mark_lost(loss_reason_from_renew(int(code)))
@@ -126,6 +137,8 @@ class _SchedulerBase:
     def _failed(self, holds: Sequence[Hold], exc: BaseException) -> None:
         now = time.monotonic()
         for hold in holds:
+            if id(hold) not in self._holds or hold.releasing:
+                continue
             if hold.past_deadline(now):
                 self._holds.pop(id(hold), None)
                 hold.mark_lost("unreachable")
@@ -159,11 +172,15 @@ class RenewalScheduler(_SchedulerBase):
                     target=self._run, name="redislock-watchdog", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            elif hold.next_due < self._wake_at:
+                self._cond.notify()  # due before the watchdog would wake by itself
 
     def remove(self, hold: Hold) -> None:
+        # No wake-up as a rule: the watchdog finds one hold fewer when it next wakes. Only
+        # when the last hold goes and that wake is far off, wake it to start its idle exit.
         with self._cond:
-            if self._holds.pop(id(hold), None) is not None:
+            self._holds.pop(id(hold), None)
+            if not self._holds and self._wake_at - time.monotonic() > IDLE_EXIT:
                 self._cond.notify()
 
     @property
@@ -178,6 +195,7 @@ class RenewalScheduler(_SchedulerBase):
                     if wait is None:
                         # Linger briefly: a lock taken and released in a loop should
                         # not cost a thread start per acquisition.
+                        self._wake_at = time.monotonic() + IDLE_EXIT
                         self._cond.wait(IDLE_EXIT)
                         wait, due = self._next_wait()
                         if wait is None:
@@ -220,10 +238,12 @@ class AsyncRenewalScheduler(_SchedulerBase):
         self._holds[id(hold)] = hold
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
-        self._wake.set()
+        elif hold.next_due < self._wake_at:
+            self._wake.set()
 
     def remove(self, hold: Hold) -> None:
-        if self._holds.pop(id(hold), None) is not None:
+        self._holds.pop(id(hold), None)
+        if not self._holds and self._wake_at - time.monotonic() > IDLE_EXIT:
             self._wake.set()
 
     @property
@@ -244,6 +264,7 @@ class AsyncRenewalScheduler(_SchedulerBase):
                 wait, due = self._next_wait()
                 if wait is None:
                     self._wake.clear()
+                    self._wake_at = time.monotonic() + IDLE_EXIT
                     if not await wait_event(self._wake, IDLE_EXIT) and not self._holds:
                         return
                     continue

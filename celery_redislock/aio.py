@@ -199,9 +199,16 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         future.result()
 
     async def _release(self, owner: str) -> None:
-        code = int(
-            await self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[owner])
-        )
+        hold = self._holds.get(owner)
+        if hold is not None:
+            hold.releasing += 1
+        try:
+            code = int(
+                await self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[owner])
+            )
+        finally:
+            if hold is not None:
+                hold.releasing -= 1
         self._record_released(owner, code)
 
     async def extend(self, ttl: float) -> None:

@@ -17,6 +17,7 @@ cannot stop a paused process; use the fencing token for that.
 
 from __future__ import annotations
 
+import os
 import time
 from types import TracebackType
 from typing import Any
@@ -35,7 +36,7 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
-from ._renewal import scheduler_for
+from ._renewal import RenewalScheduler, scheduler_for
 from ._scripts import scripts_for
 from ._waiting import subscriber_for
 
@@ -81,6 +82,7 @@ class RedisLock(LockBase[LeaseLost]):
             prefix=prefix,
         )
         self._scripts = scripts_for(client)
+        self._cached_scheduler: RenewalScheduler | None = None
 
     def _default_owner(self) -> str:
         return thread_owner()
@@ -88,9 +90,16 @@ class RedisLock(LockBase[LeaseLost]):
     def _acquire_keys(self) -> list[bytes]:
         return [self.keys.lock, self.keys.fence]
 
+    def _scheduler(self) -> RenewalScheduler:
+        # Cached per process: a forked child must get (and cache) its own.
+        cached = self._cached_scheduler
+        if cached is None or cached.pid != os.getpid():
+            cached = self._cached_scheduler = scheduler_for(self.client)
+        return cached
+
     def _unschedule(self, hold: Hold) -> None:
         if hold.renew:
-            scheduler_for(self.client).remove(hold)
+            self._scheduler().remove(hold)
 
     # -- acquire / release -----------------------------------------------------
 
@@ -141,7 +150,7 @@ class RedisLock(LockBase[LeaseLost]):
             return reply.pttl
         hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew, started)
         if is_new and renew:
-            scheduler_for(self.client).add(hold)
+            self._scheduler().add(hold)
         return True
 
     def release(self) -> None:
@@ -157,7 +166,16 @@ class RedisLock(LockBase[LeaseLost]):
         """
         owner = self._current_owner()
         self._check_not_inherited(owner)
-        code = int(self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[owner]))
+        hold = self._holds.get(owner)
+        if hold is not None:
+            hold.releasing += 1
+        try:
+            code = int(
+                self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[owner])
+            )
+        finally:
+            if hold is not None:
+                hold.releasing -= 1
         self._record_released(owner, code)
 
     def extend(self, ttl: float) -> None:

@@ -164,25 +164,31 @@ class TaskLock(RedisLock):
         lost — after recording any hand-over on the exception's ``handed_to``.
         """
         owner = self._current_owner()
-        if hold <= 0:
-            handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl)
-            reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
-            message = _text(reply[1]) if len(reply) > 1 else None
-            try:
-                self._record_released(owner, int(reply[0]))
-            except LockNotOwnedError as exc:
-                exc.handed_to = message  # type: ignore[attr-defined]
-                raise
-            return message
-        mode, hold_ms = "hold", lease_ms(hold, "lock_hold")
-        keys = [self.keys.lock, self.keys.channel]
-        args: list[Any] = [owner, mode, hold_ms]
-        if done_ttl is not None:
-            keys.append(self.done_key)
-            args.append(lease_ms(done_ttl, "lock_done_ttl"))
-        code = int(self._scripts.release(keys=keys, args=args))
-        self._record_released(owner, code)
-        return None
+        held = self._holds.get(owner)
+        if held is not None:
+            held.releasing += 1  # a renewal crossing this release must not report a loss
+        try:
+            if hold <= 0:
+                handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl)
+                reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
+                code = int(reply[0])
+                message = _text(reply[1]) if len(reply) > 1 else None
+            else:
+                keys = [self.keys.lock, self.keys.channel]
+                args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold")]
+                if done_ttl is not None:
+                    keys.append(self.done_key)
+                    args.append(lease_ms(done_ttl, "lock_done_ttl"))
+                code, message = int(self._scripts.release(keys=keys, args=args)), None
+        finally:
+            if held is not None:
+                held.releasing -= 1
+        try:
+            self._record_released(owner, code)
+        except LockNotOwnedError as exc:
+            exc.handed_to = message  # type: ignore[attr-defined]
+            raise
+        return message
 
 
 # ------------------------------------------------------------------ per-app state
