@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,3 +121,31 @@ def test_two_beats_fire_the_nightly_job_but_it_runs_once_per_period(
 def test_settings_come_from_the_app(broker: RedisServer) -> None:
     settings = settings_for(ca.app)
     assert settings.url.startswith("redis://")
+
+
+def test_parked_tasks_survive_a_restart_of_a_separate_lock_redis(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path
+) -> None:
+    """Locks in their own Redis (no persistence): a restart loses the parked messages, and
+    the fallback copies kept in the broker still run every task exactly once."""
+    locks = redis_server_factory()
+    r = broker.client()
+    lr = locks.client()
+    proc = worker(
+        broker.url,
+        tmp_path / "w.log",
+        env={"REDISLOCK_TEST_TTL": "2", "REDISLOCK_TEST_LOCK_URL": locks.url},
+    )
+    try:
+        RedisLock(lr, "job:restart", ttl=60, owner="holder", auto_renew=False).acquire()
+        results = [ca.hold_for.delay("restart", 0.05) for _ in range(3)]
+        wait_until(lambda: lr.llen("redislock:{job:restart}:parked") == 3, timeout=30)
+        locks.restart()  # everything parked (and the stuck holder) is gone
+        assert not lr.exists("redislock:{job:restart}:parked")
+        for result in results:
+            result.get(timeout=60)
+        started = [line.decode().split()[0] for line in r.lrange("started:restart", 0, -1)]
+        assert sorted(started) == sorted(res.id for res in results)  # each ran exactly once
+        assert "fallback copy" in proc.text()
+    finally:
+        proc.stop()
