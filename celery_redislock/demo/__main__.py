@@ -97,15 +97,23 @@ def stop_worker(process: subprocess.Popen[bytes]) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def wait_ready(app: Any, process: subprocess.Popen[bytes] | None, log: Any, timeout: float) -> None:
+def wait_ready(
+    store: redis.Redis,
+    prefix: str,
+    process: subprocess.Popen[bytes] | None,
+    log: Any,
+    timeout: float,
+) -> None:
+    """Wait for the worker's ready mark (no remote-control ping: it leaves broker state)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             log.seek(0)
             err = log.read().decode(errors="replace")
             raise SystemExit(f"the worker exited ({process.returncode}):\n{err[-3000:]}")
-        if app.control.ping(timeout=0.5):
+        if store.exists(f"{prefix}worker-ready"):
             return
+        time.sleep(0.1)
     raise SystemExit("no worker answered within the timeout")
 
 
@@ -174,8 +182,10 @@ def cleanup(store: redis.Redis, prefix: str, queue: str, broker_is_store: bool) 
     for key in store.scan_iter(match=f"{prefix}*", count=500):
         removed += int(store.delete(key))
     if broker_is_store:
-        for key in (queue, f"_kombu.binding.{queue}"):
-            removed += int(store.delete(key))
+        # The demo's own queues (and their hand-over twins) and kombu's bindings for them.
+        for name in (queue, f"{queue}.redislock"):
+            for key in (name, f"_kombu.binding.{name}", f"_kombu.binding_permanent.{name}"):
+                removed += int(store.delete(key))
     return removed
 
 
@@ -216,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"worker: prefork x{args.concurrency}; {args.payments} payments over "
                 f"{args.accounts} accounts, {args.work * 1000:.0f} ms read-modify-write each"
             )
-            wait_ready(demo.app, worker, log, 60)
+            if worker is not None:
+                wait_ready(store, prefix, worker, log, 60)
             unlocked_time = run_phase(
                 "without a lock",
                 demo.settle_unlocked,

@@ -31,6 +31,8 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     worker_hijack_root_logger=False,
+    # No remote control: its pidbox bindings would outlive the demo in the broker.
+    worker_enable_remote_control=False,
 )
 
 _store: redis.Redis | None = None
@@ -73,7 +75,14 @@ def _count_parked(sender: Any = None, **_: Any) -> None:
     store().incr(f"{PREFIX}parked")
 
 
+def _announce_ready(sender: Any = None, **_: Any) -> None:
+    store().set(f"{PREFIX}worker-ready", os.getpid())
+
+
 # Counted through the package's own signal, as an operator would.
+from celery import signals as _celery_signals  # noqa: E402
+
 from celery_redislock import signals as _signals  # noqa: E402
 
 _signals.task_parked.connect(_count_parked)
+_celery_signals.worker_ready.connect(_announce_ready, weak=False)

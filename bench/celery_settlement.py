@@ -1,0 +1,473 @@
+"""Account settlement with a real prefork Celery worker: no lock, three usual locks, LockedTask.
+
+    /tmp/venv/bin/python -m bench.celery_settlement              # ~2-3 minutes on 2 cores
+    /tmp/venv/bin/python -m bench.celery_settlement --repeat 3   # medians of 3 runs
+
+Every task does a 20 ms non-atomic read-modify-write of an account balance (GET, sleep,
+SET +1) and logs its section. Variants (columns): a. no lock; b. the Celery cookbook
+recipe (non-blocking redis-py lock, ``self.retry(countdown=1)`` when held); c. a blocking
+redis-py lock in the task; d. a blocking python-redis-lock in the task; e. ``LockedTask``
+(requeue mode, default settings). Workloads: W1 100 tasks over 4 accounts (seeded
+random); W2 200 tasks, a quarter on one hot account, the rest each on its own account.
+
+Prints one table (rows: metric per workload; columns: variants) and a targets block;
+writes bench/results/settlement.json. One private redis-server on a free loopback port
+(broker, locks and balances) is started and stopped here by pid; each variant gets a
+fresh queue and its own worker (``celery -A bench._settlement_app worker -P prefork -c 4``),
+started in its own process group, stopped with SIGTERM and then ``os.killpg`` SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from celery_redislock.testing import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = ("nolock", "recipe", "redispy", "prl", "locked")
+LABELS = {
+    "nolock": "a. no lock",
+    "recipe": "b. recipe",
+    "redispy": "c. redis-py",
+    "prl": "d. prl",
+    "locked": "e. LockedTask",
+}
+WORKLOADS = ("W1", "W2")
+monotonic = time.monotonic
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def workload(name: str, seed: int) -> list[str]:
+    """The account (suffix) of each task, in publish order."""
+    rng = random.Random(f"{seed}:{name}")
+    if name == "W1":
+        return [f"acct{rng.randrange(4)}" for _ in range(100)]
+    hot = ["hot"] * 50
+    own = [f"own{i}" for i in range(150)]
+    tasks = hot + own
+    rng.shuffle(tasks)
+    return tasks
+
+
+def ideal_of(accounts: list[str], work: float, concurrency: int) -> float:
+    hottest = Counter(accounts).most_common(1)[0][1]
+    return max(hottest * work, len(accounts) * work / concurrency)
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class Worker:
+    """``celery worker`` for one variant on its own queue; its own session, killed by pgid."""
+
+    def __init__(self, variant: str, env: dict[str, str], args: argparse.Namespace) -> None:
+        self.variant = variant
+        self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
+            prefix=f"settle-{variant}-", suffix=".log", delete=False
+        )
+        command = [
+            sys.executable, "-m", "celery", "-A", "bench._settlement_app", "worker",
+            "-P", "prefork", "-c", str(args.concurrency),
+            "-Q", env["SETTLE_QUEUE"], "-n", f"settle-{variant}-{secrets.token_hex(3)}@%h",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-l", args.log_level,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: os.killpg reaches the children
+        )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def text(self) -> str:
+        return Path(self.log_file.name).read_text(errors="replace")
+
+    def stop(self, keep_log: Path | None = None) -> None:
+        proc = self.process
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # warm shutdown
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):  # children left by the main process
+            os.killpg(proc.pid, signal.SIGKILL)
+        self.log_file.close()
+        if keep_log is not None:
+            keep_log.parent.mkdir(parents=True, exist_ok=True)
+            keep_log.write_text(self.text())
+        os.unlink(self.log_file.name)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def publish(task: Any, run: str, accounts: list[str], queue: str) -> float:
+    """Publish every task through one producer; returns the first publish's time."""
+    app = task.app
+    first = 0.0
+    with app.producer_or_acquire() as producer:
+        for i, account in enumerate(accounts):
+            if i == 0:
+                first = monotonic()
+            task.apply_async((run, f"{run}:{account}"), queue=queue, producer=producer)
+    return first
+
+
+def wait_done(
+    store: redis.Redis, sa: Any, run: str, n: int, worker: Worker, timeout: float
+) -> bool:
+    deadline = monotonic() + timeout
+    while monotonic() < deadline:
+        if int(store.get(sa.done_key(run)) or 0) >= n:
+            return True
+        if not worker.alive():
+            raise SystemExit(f"the {worker.variant} worker exited:\n{worker.text()[-3000:]}")
+        time.sleep(0.02)
+    return False
+
+
+def analyse(
+    store: redis.Redis,
+    sa: Any,
+    run: str,
+    accounts: list[str],
+    t0: float,
+    work: float,
+    concurrency: int,
+    complete: bool,
+) -> dict[str, Any]:
+    sections: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for raw in store.lrange(sa.log_key(run), 0, -1):
+        account, enter, leave, _pid = raw.decode().split("|")
+        sections[account.split(":", 1)[1]].append((float(enter), float(leave)))
+    expected = Counter(accounts)
+    lost = 0
+    extra = 0
+    for account, count in expected.items():
+        actual = int(store.get(sa.balance_key(f"{run}:{account}")) or 0)
+        lost += max(0, count - actual)
+        extra += max(0, actual - count)
+    overlaps = 0
+    gaps: list[float] = []
+    for secs in sections.values():
+        secs.sort()
+        for i, (_enter, leave) in enumerate(secs):
+            j = i + 1
+            while j < len(secs) and secs[j][0] < leave:
+                overlaps += 1
+                j += 1
+            if i + 1 < len(secs) and secs[i + 1][0] >= leave:
+                gaps.append(secs[i + 1][0] - leave)
+    leaves = [leave for secs in sections.values() for _e, leave in secs]
+    unrelated = [leave for a, secs in sections.items() if a.startswith("own") for _e, leave in secs]
+    hot = max(expected, key=lambda a: expected[a])
+    hot_secs = sections.get(hot, [])
+    makespan = (max(leaves) - t0) if complete and leaves else None
+    ideal = ideal_of(accounts, work, concurrency)
+    return {
+        "tasks": len(accounts),
+        "completed": sum(len(s) for s in sections.values()),
+        "complete": complete,
+        "makespan": makespan,
+        "ideal": ideal,
+        "ratio": None if makespan is None else makespan / ideal,
+        "lost": lost,
+        "extra": extra,
+        "overlaps": overlaps,
+        "gap_p50_ms": statistics.median(gaps) * 1e3 if gaps else None,
+        "gap_p90_ms": (
+            statistics.quantiles(gaps, n=10)[-1] * 1e3 if len(gaps) >= 2 else None
+        ),
+        "hot_first_enter": (hot_secs[0][0] - t0) if hot_secs else None,
+        "hot_span": (hot_secs[-1][1] - hot_secs[0][0]) if hot_secs else None,
+        "unrelated_done": (max(unrelated) - t0) if unrelated and complete else None,
+    }
+
+
+def run_variant(
+    variant: str,
+    url: str,
+    store: redis.Redis,
+    sa: Any,
+    args: argparse.Namespace,
+    repeat: int,
+) -> dict[str, Any]:
+    token = secrets.token_hex(3)
+    queue = f"settle-{variant}-{token}"
+    env = {
+        **os.environ,
+        "SETTLE_URL": url,
+        "SETTLE_PREFIX": sa.PREFIX,
+        "SETTLE_QUEUE": queue,
+        "SETTLE_WORK": str(args.work),
+        "SETTLE_PREFETCH": str(args.prefetch),
+        "SETTLE_TASKS": variant,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    task = sa.TASKS[variant]
+    worker = Worker(variant, env, args)
+    out: dict[str, Any] = {}
+    try:
+        # Warm-up (also the readiness check): every child imports, connects and loads its
+        # scripts; a contended group loads the contended paths (park/hand-over, waits).
+        run = f"{token}-warm"
+        warm = [f"w{i}" for i in range(2 * args.concurrency)] + ["wc"] * (2 * args.concurrency)
+        publish(task, run, warm, queue)
+        if not wait_done(store, sa, run, len(warm), worker, args.start_timeout):
+            raise SystemExit(f"{variant}: warm-up not done in {args.start_timeout}s:\n"
+                             f"{worker.text()[-3000:]}")
+        time.sleep(0.3)
+        for name in WORKLOADS:
+            accounts = workload(name, args.seed)
+            run = f"{token}-{name}"
+            parked0 = int(store.get(sa.parked_key()) or 0)
+            t0 = publish(task, run, accounts, queue)
+            complete = wait_done(store, sa, run, len(accounts), worker, args.timeout)
+            time.sleep(0.05)
+            res = analyse(store, sa, run, accounts, t0, args.work, args.concurrency, complete)
+            res["parked"] = int(store.get(sa.parked_key()) or 0) - parked0
+            res["retries"] = int(store.get(sa.retries_key(run)) or 0)
+            out[name] = res
+            ratio = "timeout" if res["ratio"] is None else f"{res['ratio']:.2f}x"
+            log(
+                f"  [{repeat + 1}] {LABELS[variant]:14s} {name}: "
+                f"{res['completed']}/{len(accounts)} done, makespan/ideal {ratio}, "
+                f"lost {res['lost']}, overlaps {res['overlaps']}, "
+                f"parked {res['parked']}, retries {res['retries']}"
+            )
+            if not complete:
+                log(f"  {variant} {name} did not finish within {args.timeout}s; skipping the rest")
+                break
+            time.sleep(0.3)
+    finally:
+        keep = None
+        if args.keep_logs:
+            keep = Path(args.keep_logs) / f"{variant}-r{repeat + 1}.log"
+        worker.stop(keep)
+        store.delete(queue, f"{queue}.redislock")
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def median_of(runs: list[dict[str, Any]], variant: str, wl: str, key: str) -> Any:
+    values = [r[variant][wl][key] for r in runs if wl in r.get(variant, {})]
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    if isinstance(values[0], bool):
+        return all(values)
+    return statistics.median(values)
+
+
+def fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) -> list[str]:
+    width = 14
+    lines = [f"{'':38}" + "".join(f"{LABELS[v]:>{width}}" for v in variants)]
+    rows = [
+        ("makespan (s)", "makespan", ".2f", ""),
+        ("ideal (s)", "ideal", ".2f", ""),
+        ("makespan / ideal", "ratio", ".2f", "x"),
+        ("lost updates", "lost", ".0f", ""),
+        ("overlapping sections", "overlaps", ".0f", ""),
+        ("parked (e) / retries (b)", None, ".0f", ""),
+        ("same-account gap p50 (ms)", "gap_p50_ms", ".1f", ""),
+        ("same-account gap p90 (ms)", "gap_p90_ms", ".1f", ""),
+    ]
+    descriptions = {
+        "W1": "W1 100 tasks / 4 accounts",
+        "W2": "W2 200 tasks, 50 on a hot account",
+    }
+    for wl in WORKLOADS:
+        lines.append(descriptions[wl])
+        wl_rows = list(rows)
+        if wl == "W2":
+            wl_rows.append(("last unrelated task done (s)", "unrelated_done", ".2f", ""))
+        for label, key, spec, suffix in wl_rows:
+            cells = []
+            for v in variants:
+                m = med.get(v, {}).get(wl)
+                if m is None:
+                    cells.append("n/a")
+                    continue
+                if key is None:
+                    value = m["parked"] if v == "locked" else m["retries"] if v == "recipe" else None
+                    cells.append(fmt(value, spec))
+                elif key in ("makespan", "ratio") and not m["complete"]:
+                    cells.append("timeout")
+                else:
+                    text = fmt(m[key], spec)
+                    cells.append(text + suffix if text != "-" else text)
+            lines.append(f"  {label:36}" + "".join(f"{c:>{width}}" for c in cells))
+    return lines
+
+
+def target_lines(med: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    def ratio(v: str, wl: str) -> str:
+        m = med.get(v, {}).get(wl)
+        if m is None:
+            return "n/a"
+        return "timeout" if m["ratio"] is None else f"{m['ratio']:.2f}x"
+
+    lines = []
+    for wl in WORKLOADS:
+        m = med.get("locked", {}).get(wl)
+        verdict = ""
+        if m is not None and m["ratio"] is not None:
+            verdict = "  (met)" if m["ratio"] <= 1.2 else "  (NOT met)"
+        lines.append(f"LockedTask makespan/ideal {wl}: {ratio('locked', wl)}   target <= 1.20x{verdict}")
+    for wl in WORKLOADS:
+        lines.append(
+            f"for comparison {wl}: recipe {ratio('recipe', wl)}, redis-py blocking "
+            f"{ratio('redispy', wl)}, python-redis-lock blocking {ratio('prl', wl)}"
+        )
+    lines.append(
+        f"floor (no lock; Celery's own per-task overhead here): W1 {ratio('nolock', 'W1')}, "
+        f"W2 {ratio('nolock', 'W2')}"
+    )
+    return lines
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.celery_settlement",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="runs per variant; medians (1)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {VARIANTS}")
+    ap.add_argument("--concurrency", type=int, default=4, help="worker processes (4)")
+    ap.add_argument("--work", type=float, default=0.02, help="seconds per section (0.02)")
+    ap.add_argument("--prefetch", type=int, default=1, help="worker_prefetch_multiplier (1)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=240.0, help="per workload (240 s)")
+    ap.add_argument("--start-timeout", type=float, default=60.0, help="worker start + warm-up")
+    ap.add_argument("--log-level", default="warning", help="worker log level (warning)")
+    ap.add_argument("--keep-logs", metavar="DIR", help="keep each worker's log in DIR")
+    ap.add_argument("--no-json", action="store_true", help="do not write settlement.json")
+    args = ap.parse_args(argv)
+    if args.repeat < 1 or args.concurrency < 1 or args.work <= 0:
+        ap.error("--repeat and --concurrency must be >= 1, --work > 0")
+    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variant_list if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = monotonic()
+    runs: list[dict[str, Any]] = []
+    with RedisServer() as server:
+        url = server.url
+        prefix = f"settle:{secrets.token_hex(3)}:"
+        os.environ.update({"SETTLE_URL": url, "SETTLE_PREFIX": prefix})
+        os.environ.pop("SETTLE_TASKS", None)
+        from bench import _settlement_app as sa  # reads SETTLE_* at import: after the server
+
+        store = server.client()
+        version = store.info("server")["redis_version"]
+        log(f"private redis-server {version} at {url} (pid {server.pid})")
+        try:
+            for rep in range(args.repeat):
+                results: dict[str, Any] = {}
+                for variant in args.variant_list:
+                    results[variant] = run_variant(variant, url, store, sa, args, rep)
+                runs.append(results)
+        finally:
+            sa.app.close()
+            store.close()
+    elapsed = monotonic() - started
+
+    med: dict[str, dict[str, dict[str, Any]]] = {}
+    for v in args.variant_list:
+        for wl in WORKLOADS:
+            if not any(wl in r.get(v, {}) for r in runs):
+                continue
+            keys = runs[0][v].get(wl, next(r[v][wl] for r in runs if wl in r[v])).keys()
+            med.setdefault(v, {})[wl] = {k: median_of(runs, v, wl, k) for k in keys}
+            med[v][wl]["complete"] = all(r[v][wl]["complete"] for r in runs if wl in r[v])
+            if not med[v][wl]["complete"]:
+                med[v][wl]["ratio"] = med[v][wl]["makespan"] = None
+
+    import celery
+
+    lines = [
+        "",
+        f"Celery settlement: prefork worker x{args.concurrency}, {args.work * 1e3:.0f} ms "
+        f"read-modify-write per task, prefetch multiplier {args.prefetch}, acks_late; "
+        f"broker + locks on one private redis-server {version}; {os.cpu_count()} CPUs, "
+        f"Python {sys.version.split()[0]}, Celery {celery.__version__}, redis-py "
+        f"{redis.__version__}; "
+        + (f"median of {args.repeat} runs" if args.repeat > 1 else "1 run"),
+        "",
+        *build_table(med, args.variant_list),
+        "",
+        "Targets:",
+        *("  " + x for x in target_lines(med)),
+        "",
+        "Notes:",
+        "  makespan = first publish -> last section's end; ideal = max(hottest account's tasks"
+        f" x {args.work:g} s, tasks x {args.work:g} s / {args.concurrency})",
+        "  same-account gap = next section's start - previous section's end on one account "
+        "(hand-over time as the work sees it)",
+        f"  total run time {elapsed:.0f}s",
+    ]
+    print("\n".join(lines))
+    if not args.no_json:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = {
+            "elapsed_s": elapsed,
+            "args": {k: v for k, v in vars(args).items() if k != "variant_list"},
+            "variants": args.variant_list,
+            "median": med,
+            "runs": runs,
+        }
+        (RESULTS / "settlement.json").write_text(json.dumps(out, indent=1))
+        print(f"  results: {RESULTS / 'settlement.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
