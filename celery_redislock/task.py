@@ -78,7 +78,7 @@ import random
 import threading
 import time
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import redis
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
@@ -102,6 +102,16 @@ log = logging.getLogger(__name__)
 #: Message header counting re-queues (kept apart from Celery's ``retries``).
 REQUEUE_HEADER = "redislock_requeues"
 SKIPPED = "SKIPPED"
+
+
+class _Call(NamedTuple):
+    """One execution's particulars, passed between the contention steps."""
+
+    request: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    options: LockOptions
+    name: str
 
 
 class TaskLock(RedisLock):
@@ -304,6 +314,7 @@ class LockedTask(Task):  # type: ignore[misc]
         options = self.lock_options()
         name = self.lock_name(args, kwargs)  # a bad value fails the task here: nothing taken
         lock = TaskLock(client_for(self.app), name, task_id=request.id, options=options)
+        call = _Call(request, args, kwargs, options, name)
         try:
             outcome = lock._try(request.id, lock._lease, True)
         except OwnerFinished:
@@ -320,16 +331,16 @@ class LockedTask(Task):  # type: ignore[misc]
             if not (request.retries and not options.release_on_retry):
                 # Another delivery of this very task is running (or just died).
                 lock.close()
-                return self._contended(request, args, kwargs, options, name, duplicate=True)
+                return self._contended(call, duplicate=True)
             # else: the hold our previous attempt kept across self.retry(): adopt it.
         if outcome is not True:
             policy = options.on_contention
             if policy == "wait" and lock.acquire(timeout=options.wait):
                 pass
-            elif policy == "requeue" and self._park(lock, request, args, kwargs, options, name):
+            elif policy == "requeue" and self._park(lock, call):
                 pass  # the lock came free meanwhile
             else:
-                return self._contended(request, args, kwargs, options, name, duplicate=False)
+                return self._contended(call, duplicate=False)
         request.redislock = lock
         return self._run_holding(lock, options, args, kwargs)
 
@@ -380,21 +391,18 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _contended(
         self,
-        request: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        options: LockOptions,
-        name: str,
+        call: _Call,
         *,
         duplicate: bool,
     ) -> Any:
+        request, options, name = call.request, call.options, call.name
         policy = options.on_contention
         if (
             duplicate
             or policy == "requeue"
             or (policy == "wait" and options.wait_fallback == "requeue")
         ):
-            return self._requeue(request, args, kwargs, options, name, duplicate=duplicate)
+            return self._requeue(call, duplicate=duplicate)
         if policy == "skip":
             log.info("redislock: %s[%s] skipped: %r is held", self.name, request.id, name)
             if not self.ignore_result and request.id:
@@ -409,11 +417,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _next_delivery(
         self,
-        request: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        options: LockOptions,
-        name: str,
+        call: _Call,
         *,
         duplicate: bool,
     ) -> tuple[Any, int]:
@@ -421,6 +425,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
         Raises the exhausted action once ``lock_max_requeues`` is reached.
         """
+        request, args, kwargs, options, name = call
         headers = dict(request.headers or {})
         done = int(headers.get(REQUEUE_HEADER) or getattr(request, REQUEUE_HEADER, 0) or 0)
         if done >= options.max_requeues:
@@ -443,11 +448,7 @@ class LockedTask(Task):  # type: ignore[misc]
     def _park(
         self,
         lock: TaskLock,
-        request: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        options: LockOptions,
-        name: str,
+        call: _Call,
     ) -> bool:
         """Park behind the holder, who hands the lock over at release. True if acquired.
 
@@ -457,9 +458,8 @@ class LockedTask(Task):  # type: ignore[misc]
         finds it done (or running) and does nothing. False if the message cannot be
         parked (arguments not JSON-serialisable): then the plain re-queue is used.
         """
-        signature, count = self._next_delivery(
-            request, args, kwargs, options, name, duplicate=False
-        )
+        request, options, name = call.request, call.options, call.name
+        signature, count = self._next_delivery(call, duplicate=False)
         try:
             message = _dumps(dict(signature))
         except TypeError:
@@ -490,17 +490,12 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _requeue(
         self,
-        request: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        options: LockOptions,
-        name: str,
+        call: _Call,
         *,
         duplicate: bool,
     ) -> Any:
-        signature, count = self._next_delivery(
-            request, args, kwargs, options, name, duplicate=duplicate
-        )
+        request, options, name = call.request, call.options, call.name
+        signature, count = self._next_delivery(call, duplicate=duplicate)
         base, cap = options.requeue_backoff
         cap = min(cap, _visibility_timeout(self.app) / 4)
         # A duplicate delivery waits the full cap: the copy holding the lock is still working.
