@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._core import wait_event
@@ -39,6 +40,8 @@ CONFIRM_WAIT = 1.0
 UNCONFIRMED_POLL = 0.05
 #: A channel with no waiters is unsubscribed after this long.
 LINGER = 2.0
+#: A subscription Redis refused (an ACL without the channel) is tried again this often.
+REFUSED_RETRY = 2.0
 _READ_SLICE = 0.5
 _BROKEN = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -149,7 +152,8 @@ class Subscriber:
         """Send a command; on failure leave the reader thread to reconnect and resubscribe."""
         try:
             if self._conn is None:
-                conn = self._pool.make_connection()
+                # Not pool.make_connection(): that counts against max_connections for good.
+                conn = self._pool.connection_class(**self._pool.connection_kwargs)
                 conn.connect()
                 self._conn = conn
             self._conn.send_command(*args, check_health=False)
@@ -167,6 +171,11 @@ class Subscriber:
             for waiter in channel.waiters:
                 waiter.event.set()  # a release may have been missed: everyone retries
 
+    def _resubscribe_unconfirmed_locked(self) -> None:
+        names = [n for n, ch in self._channels.items() if ch.waiters and not ch.confirmed.is_set()]
+        if names:
+            self._send_locked("SUBSCRIBE", *names)
+
     def _reconnect_locked(self) -> None:
         names = list(self._channels)
         if names:
@@ -175,7 +184,16 @@ class Subscriber:
     # -- the reader thread -----------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._read_loop()
+        finally:
+            with self._mutex:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _read_loop(self) -> None:
         failures = 0
+        next_retry = 0.0
         while True:
             with self._mutex:
                 self._sweep_locked()
@@ -187,6 +205,9 @@ class Subscriber:
                     return
                 if self._conn is None:
                     self._reconnect_locked()
+                elif time.monotonic() >= next_retry:
+                    self._resubscribe_unconfirmed_locked()
+                    next_retry = time.monotonic() + REFUSED_RETRY
                 conn = self._conn
             if conn is None:
                 failures += 1
@@ -196,10 +217,21 @@ class Subscriber:
                 if not conn.can_read(timeout=_READ_SLICE):
                     continue
                 reply = conn.read_response(disable_decoding=True, push_request=True)
-            except _BROKEN as exc:
-                log.warning("redislock subscriber connection lost (%r); resubscribing", exc)
+            except ResponseError as exc:
+                # e.g. NOPERM: the ACL grants the lock keys but not their channels. Waiters
+                # keep polling; the subscription is retried every REFUSED_RETRY seconds.
+                log.error(
+                    "redislock: Redis refused a subscription (%s); waiters poll every %.2fs "
+                    "until it is allowed (grant the channel pattern '&<prefix>*')",
+                    exc,
+                    UNCONFIRMED_POLL,
+                )
+                next_retry = time.monotonic() + REFUSED_RETRY
+                continue
+            except Exception as exc:  # broken, or closed under us by a failed send
                 with self._mutex:
                     if self._conn is conn:
+                        log.warning("redislock subscriber connection lost (%r); resubscribing", exc)
                         self._drop_connection_locked()
                 continue
             failures = 0
@@ -352,7 +384,7 @@ class AsyncSubscriber:
         async with self._send_lock:
             try:
                 if self._conn is None:
-                    conn = self._pool.make_connection()
+                    conn = self._pool.connection_class(**self._pool.connection_kwargs)
                     await conn.connect()
                     self._conn = conn
                 await self._conn.send_command(*args, check_health=False)

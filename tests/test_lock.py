@@ -367,3 +367,33 @@ def test_bytes_and_odd_names_work(redis_client: redis.Redis) -> None:
         with lock:
             assert lock.owned()
         assert not lock.locked()
+
+
+def test_waiting_never_exhausts_the_connection_pool(redis_server: RedisServer) -> None:
+    """Regression: each subscriber (re)connect once took a pool slot for good."""
+    from celery_redislock._waiting import subscriber_for
+
+    client = redis_server.client(max_connections=6)
+    for i in range(12):  # more subscriber connections over time than the pool allows
+        holder = RedisLock(client, f"slot-{i}", owner="holder", ttl=30, auto_renew=False)
+        holder.acquire()
+        waiter = RedisLock(client, f"slot-{i}", owner="waiter", ttl=30, auto_renew=False)
+        result: list[bool] = []
+        thread = threading.Thread(target=lambda w=waiter: result.append(w.acquire(timeout=10)))
+        thread.start()
+        subscriber = subscriber_for(client)
+        deadline = time.monotonic() + 5
+        channel = None
+        while time.monotonic() < deadline:
+            channel = subscriber._channels.get(waiter.keys.channel)
+            if channel is not None and channel.confirmed.is_set():
+                break
+            time.sleep(0.01)
+        assert channel is not None and channel.confirmed.is_set(), f"not subscribed at wait {i}"
+        holder.release()
+        thread.join(15)
+        assert result == [True]
+        waiter.release()
+        with subscriber._mutex:
+            subscriber._drop_connection_locked()  # the next wait connects afresh
+    assert client.ping()

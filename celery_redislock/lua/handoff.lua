@@ -21,10 +21,26 @@ local code = 0
 if not exists then
   code = -1
 elseif ARGV[2] == 'one' then
-  local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
-  if count > 0 then
-    return {count}
+  local count = tonumber(redis.call('hget', KEYS[1], ARGV[1]))
+  if count > 1 then
+    return {redis.call('hincrby', KEYS[1], ARGV[1], -1)}
   end
+end
+-- Find the first parked task whose message is still here.
+local next_id, message = nil, nil
+while true do
+  local candidate = redis.call('lpop', KEYS[4])
+  if not candidate then
+    break
+  end
+  message = redis.call('hget', KEYS[5], candidate)
+  if message then
+    next_id = candidate
+    break
+  end
+end
+if not next_id then
+  redis.call('publish', KEYS[2], '1')  -- first: a refused PUBLISH changes nothing
 end
 if tonumber(ARGV[4]) > 0 then
   redis.call('set', KEYS[6], '1', 'px', ARGV[4])
@@ -32,21 +48,13 @@ end
 redis.call('hdel', KEYS[5], ARGV[1])
 redis.call('hdel', KEYS[7], ARGV[1])
 redis.call('del', KEYS[1])
-while true do
-  local next_id = redis.call('lpop', KEYS[4])
-  if not next_id then
-    break
-  end
-  local message = redis.call('hget', KEYS[5], next_id)
-  if message then
-    local now = redis.call('time')
-    redis.call('hset', KEYS[7], next_id, now[1] * 1000 + math.floor(now[2] / 1000))
-    local token = redis.call('incr', KEYS[3])
-    -- hold count 0: handed over, not yet started; the task's own acquire makes it 1
-    redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
-    redis.call('pexpire', KEYS[1], ARGV[3])
-    return {code, message, next_id}
-  end
+if next_id then
+  local now = redis.call('time')
+  redis.call('hset', KEYS[7], next_id, now[1] * 1000 + math.floor(now[2] / 1000))
+  local token = redis.call('incr', KEYS[3])
+  -- hold count 0: handed over, not yet started; the task's own acquire makes it 1
+  redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
+  redis.call('pexpire', KEYS[1], ARGV[3])
+  return {code, message, next_id}
 end
-redis.call('publish', KEYS[2], '1')
 return {code}

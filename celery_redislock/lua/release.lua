@@ -18,10 +18,15 @@ if redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
 end
 local mode = ARGV[2] or 'one'
 if mode == 'one' then
-  local count = redis.call('hincrby', KEYS[1], ARGV[1], -1)
-  if count > 0 then
-    return count
+  local count = tonumber(redis.call('hget', KEYS[1], ARGV[1]))
+  if count > 1 then
+    return redis.call('hincrby', KEYS[1], ARGV[1], -1)
   end
+end
+-- Given back in full. Publish first: the script is atomic, so woken waiters retry after it
+-- ends, and a PUBLISH an ACL refuses fails the script before anything was changed.
+if mode ~= 'hold' then
+  redis.call('publish', KEYS[2], '1')
 end
 if KEYS[3] then
   redis.call('set', KEYS[3], '1', 'px', ARGV[4])
@@ -36,5 +41,4 @@ if mode == 'hold' then
   return 0
 end
 redis.call('del', KEYS[1])
-redis.call('publish', KEYS[2], '1')
 return 0
