@@ -76,6 +76,8 @@ class LockBase(Generic[Signal]):
         self._holds: dict[str, Hold] = {}
         self._signals: dict[str, Signal] = {}
         self._callbacks: list[LostCallback] = []
+        #: Redis's hold count for the owner after this object's last acquire (all objects).
+        self._server_count = 0
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} ttl={self.ttl!r} owner={self.owner!r}>"
@@ -118,7 +120,11 @@ class LockBase(Generic[Signal]):
 
     @property
     def hold_count(self) -> int:
-        """How many times the calling owner holds the lock (0: not held)."""
+        """How many times the calling owner holds the lock through this object (0: none).
+
+        Another object for the same name and owner (a nested ``locked`` call, say) counts
+        its own holds; Redis counts them all and frees the lock when every one is back.
+        """
         hold = self._live_hold(self._current_owner())
         return 0 if hold is None else hold.count
 
@@ -181,6 +187,7 @@ class LockBase(Generic[Signal]):
         started: float | None = None,
     ) -> tuple[Hold, bool]:
         """Update the hold table; returns (hold, is_new) — a new hold needs the watchdog."""
+        self._server_count = reply.hold_count
         hold = self._live_hold(owner)
         if hold is not None and reply.hold_count == 1:
             # We thought we held it, but Redis handed out a fresh hold: ours had expired.
@@ -200,7 +207,7 @@ class LockBase(Generic[Signal]):
                 lost=signal,
                 notify=self._report_lost,
             )
-            hold.count = reply.hold_count
+            hold.count = 1
             self._holds[owner] = hold
             log.debug("lock %r acquired by %s (token %d)", self.name, owner, reply.token)
             if signals.lock_acquired.receivers:
@@ -209,7 +216,7 @@ class LockBase(Generic[Signal]):
                     self, name=self.name, owner=owner, token=reply.token, waited=waited
                 )
             return hold, True
-        hold.count = reply.hold_count
+        hold.count += 1
         hold.renewed(sent_at)
         return hold, False
 
@@ -219,8 +226,8 @@ class LockBase(Generic[Signal]):
         if code >= 0:
             if hold is None:
                 return None
-            hold.count = code
-            if code == 0:
+            hold.count -= 1
+            if code == 0 or hold.count <= 0:  # this object's last hold: stop renewing it
                 self._forget(hold)
                 self._signals.pop(owner, None)
                 log.debug("lock %r released by %s", self.name, owner)

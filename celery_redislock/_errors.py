@@ -4,6 +4,7 @@
 
     RedisLockError                      root of every error raised by this package
     ├── LockConfigurationError          bad argument or setting (also a ValueError)
+    ├── LockKeyError (keys.py)          a lock_key that cannot be rendered for a call (ValueError)
     ├── LockTimeoutError                not acquired within the timeout (also a TimeoutError)
     ├── LockContendedError              a task (or locked call) found its lock held and gave up
     └── LockNotOwnedError               releasing/extending a hold the caller does not have
@@ -65,9 +66,10 @@ class LockNotOwnedError(_NamedLockError):
 class LockLostError(LockNotOwnedError):
     """The caller held the lock, but its lease is gone.
 
-    ``reason`` says why: ``"expired"`` (the key timed out), ``"stolen"`` (another
-    owner holds it now), ``"unreachable"`` (Redis could not be reached before the
-    local validity deadline) or ``"released"`` (forced release by an operator).
+    ``reason`` says why: ``"expired"`` (the key is gone: it timed out, Redis lost it, or
+    an operator force-released it), ``"stolen"`` (another owner holds it now),
+    ``"unreachable"`` (Redis could not be reached before the local validity deadline) or
+    ``"deadline"`` (the local validity deadline passed without a renewal).
     """
 
     def __init__(

@@ -69,13 +69,14 @@ def redislock(ctx: click.Context) -> None:
 
 
 @redislock.command(cls=CeleryCommand, name="ls")
+@click.option("--prefix", default=None, help="Key prefix (default: the app's redislock_prefix).")
 @click.argument("pattern", default="*")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of a table.")
 @click.pass_context
-def list_locks(ctx: click.Context, pattern: str, as_json: bool) -> None:
+def list_locks(ctx: click.Context, prefix: str | None, pattern: str, as_json: bool) -> None:
     """List held locks whose name matches PATTERN (a glob; default: all)."""
     app = ctx.obj.app
-    prefix = settings_for(app).defaults.prefix
+    prefix = prefix or settings_for(app).defaults.prefix
     client = client_for(app)
     rows = []
     for key in client.scan_iter(match=f"{prefix}{{{pattern}}}", count=1000, _type="hash"):
@@ -99,13 +100,14 @@ def list_locks(ctx: click.Context, pattern: str, as_json: bool) -> None:
 
 
 @redislock.command(cls=CeleryCommand)
+@click.option("--prefix", default=None, help="Key prefix (default: the app's redislock_prefix).")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def show(ctx: click.Context, name: str, as_json: bool) -> None:
+def show(ctx: click.Context, prefix: str | None, name: str, as_json: bool) -> None:
     """Show one lock: owner, holds, TTL, token, parked tasks, waiting processes."""
     app = ctx.obj.app
-    prefix = settings_for(app).defaults.prefix
+    prefix = prefix or settings_for(app).defaults.prefix
     client = client_for(app)
     keys = LockKeys.for_name(name, prefix)
     found = _describe(client, prefix, keys.lock) or {"name": name, "owners": {}, "holds": 0}
@@ -126,13 +128,14 @@ def show(ctx: click.Context, name: str, as_json: bool) -> None:
 
 
 @redislock.command(cls=CeleryCommand)
+@click.option("--prefix", default=None, help="Key prefix (default: the app's redislock_prefix).")
 @click.argument("name")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
-def release(ctx: click.Context, name: str, yes: bool) -> None:
+def release(ctx: click.Context, prefix: str | None, name: str, yes: bool) -> None:
     """Force-release lock NAME whoever holds it (its holder learns it lost the lease)."""
     app = ctx.obj.app
-    prefix = settings_for(app).defaults.prefix
+    prefix = prefix or settings_for(app).defaults.prefix
     client = client_for(app)
     found = _describe(client, prefix, LockKeys.for_name(name, prefix).lock)
     if found is None:
@@ -147,12 +150,13 @@ def release(ctx: click.Context, name: str, yes: bool) -> None:
 
 
 @redislock.command(cls=CeleryCommand)
+@click.option("--prefix", default=None, help="Key prefix (default: the app's redislock_prefix).")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def stats(ctx: click.Context, as_json: bool) -> None:
+def stats(ctx: click.Context, prefix: str | None, as_json: bool) -> None:
     """Totals reported by LockedTask workers: acquires, contentions, re-queues, losses, waits."""
     app = ctx.obj.app
-    prefix = settings_for(app).defaults.prefix
+    prefix = prefix or settings_for(app).defaults.prefix
     raw = {_text(k): float(v) for k, v in client_for(app).hgetall(prefix + "stats").items()}
     summary: dict[str, Any] = {name: int(raw.get(name, 0)) for name in metrics.COUNTERS}
     for label, fraction in (("wait_p50", 0.5), ("wait_p95", 0.95), ("wait_p99", 0.99)):

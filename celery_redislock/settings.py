@@ -20,6 +20,8 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_requeue_exhausted`` (``"fail"``) — ``fail`` (``LockContendedError``) or ``drop``.
 * ``redislock_release_on_retry`` (``True``) — release when the task calls ``self.retry()``.
 * ``redislock_done_ttl`` (``86400.0``) — how long a finished task id is remembered (dedup).
+* ``redislock_park_fallback`` (``"auto"``) — also keep a delayed copy of each parked task in
+  the broker: ``"auto"`` does when the lock Redis is not the broker's Redis.
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ class LockSettings:
     url_source: str
     redis_options: Mapping[str, Any] = field(default_factory=dict)
     defaults: LockOptions = LockOptions()
+    park_fallback: bool | str = "auto"
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> LockSettings:
@@ -172,8 +175,19 @@ class LockSettings:
             value = conf.get(setting)
             if value is not None:
                 values[option] = check(value, setting)
+        fallback = conf.get("redislock_park_fallback", "auto")
+        if fallback not in ("auto", True, False) or (
+            isinstance(fallback, int) and not isinstance(fallback, bool)
+        ):
+            raise LockConfigurationError(
+                f"redislock_park_fallback must be 'auto', True or False, got {fallback!r}"
+            )
         return cls(
-            url=url, url_source=source, redis_options=dict(options), defaults=LockOptions(**values)
+            url=url,
+            url_source=source,
+            redis_options=dict(options),
+            defaults=LockOptions(**values),
+            park_fallback=fallback,
         )
 
 

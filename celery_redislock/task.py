@@ -89,7 +89,7 @@ from celery.worker.request import Request
 from kombu.utils import json as kombu_json
 
 from . import metrics, signals
-from ._core import OwnerFinished, backoff, decode_acquire, lease_ms
+from ._core import LockKeys, OwnerFinished, backoff, decode_acquire, lease_ms
 from ._errors import LockConfigurationError, LockContendedError, LockLostError, LockNotOwnedError
 from ._renewal import scheduler_for
 from ._scripts import scripts_for
@@ -126,6 +126,10 @@ class TaskLock(RedisLock):
 
     def _acquire_keys(self) -> list[bytes]:
         return [self.keys.lock, self.keys.fence, self.done_key]
+
+    def drop_extra_hold(self) -> None:
+        """Give back the hold count this acquire added in Redis; the local hold stays."""
+        self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[self.owner])
 
     def park(self, message: str, keep_for: float) -> bool | int:
         """Take the lock, or park ``message`` behind the holder: True, or the holder's pttl.
@@ -325,17 +329,18 @@ class LockedTask(Task):  # type: ignore[misc]
                 name,
             )
             raise Ignore() from None
-        if outcome is True and lock.hold_count > 1:
-            # Our own task id already held it.
-            lock.release()
+        if outcome is True and lock._server_count > 1:
+            # Our own task id already held it: undo our extra hold in Redis only.
+            lock.drop_extra_hold()
             if not (request.retries and not options.release_on_retry):
                 # Another delivery of this very task is running (or just died).
                 lock.close()
                 return self._contended(call, duplicate=True)
             # else: the hold our previous attempt kept across self.retry(): adopt it.
         if outcome is not True:
+            lock._contended(request.id)
             policy = options.on_contention
-            if policy == "wait" and lock.acquire(timeout=options.wait):
+            if policy == "wait" and self._wait_for(lock, options):
                 pass
             elif policy == "requeue" and self._park(lock, call):
                 pass  # the lock came free meanwhile
@@ -344,6 +349,12 @@ class LockedTask(Task):  # type: ignore[misc]
         request.redislock = lock
         return self._run_holding(lock, options, args, kwargs)
 
+    def _wait_for(self, lock: TaskLock, options: LockOptions) -> bool:
+        try:
+            return lock.acquire(timeout=options.wait)
+        except OwnerFinished:  # another delivery of this task finished meanwhile
+            raise Ignore() from None
+
     def _run_holding(
         self, lock: TaskLock, options: LockOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -351,12 +362,12 @@ class LockedTask(Task):  # type: ignore[misc]
             result = super().__call__(*args, **kwargs)
         except Retry as retry:
             if options.release_on_retry:
-                _release_quietly(lock, self, "retry")
+                _finish_quietly(lock, self, options, hold=0.0, done=False)
             else:
                 self._keep_for_retry(lock, retry, options)
             raise
         except BaseException:
-            _finish_quietly(lock, self, options)
+            _finish_quietly(lock, self, options, hold=0.0)  # lock_hold is for successes
             raise
         lost = lock.lost
         _finish_quietly(lock, self, options)
@@ -429,6 +440,17 @@ class LockedTask(Task):  # type: ignore[misc]
         headers = dict(request.headers or {})
         done = int(headers.get(REQUEUE_HEADER) or getattr(request, REQUEUE_HEADER, 0) or 0)
         if done >= options.max_requeues:
+            if not duplicate and self._still_parked(call):
+                # A fallback copy of a task that is still parked: the parked entry runs it.
+                log.warning(
+                    "redislock: %s[%s] is still parked behind %r after %d re-queues; this "
+                    "fallback copy stops here",
+                    self.name,
+                    request.id,
+                    name,
+                    done,
+                )
+                raise Ignore()
             message = (
                 f"task {self.name}[{request.id}] gave up after {done} re-queues: lock {name!r} "
                 f"stayed held (raise lock_max_requeues or lock_requeue_backoff)"
@@ -444,6 +466,10 @@ class LockedTask(Task):  # type: ignore[misc]
             raise LockContendedError(message, name=name, owner=request.id)
         headers[REQUEUE_HEADER] = done + 1
         return self.signature_from_request(request, args, kwargs, headers=headers), done + 1
+
+    def _still_parked(self, call: _Call) -> bool:
+        keys = LockKeysFor(call.name, call.options.prefix)
+        return bool(client_for(self.app).hexists(keys + b":parked:messages", call.request.id))
 
     def _park(
         self,
@@ -525,13 +551,7 @@ class LockedTask(Task):  # type: ignore[misc]
         if message is None:
             return
         try:
-            signature = self.app.signature(_loads(message))
-            options = dict(signature.options)
-            queue = options.pop("queue", None) or self.app.conf.task_default_queue
-            options.pop("exchange", None)
-            options.pop("routing_key", None)
-            signature.options = options
-            signature.apply_async(queue=handoff_queue(queue))
+            publish_to_handoff_queue(self.app, message)
         except Exception:  # the sweeper (or its fallback copy) still runs it
             log.exception("redislock: could not publish the task the lock was handed to")
 
@@ -568,6 +588,10 @@ class LockedTask(Task):  # type: ignore[misc]
 _rng = random.Random()
 
 
+def LockKeysFor(name: str, prefix: str) -> bytes:
+    return LockKeys.for_name(name, prefix).lock
+
+
 def _park_fallback(app: Any) -> bool:
     """Whether parked tasks also get a delayed fallback copy in the broker.
 
@@ -575,12 +599,12 @@ def _park_fallback(app: Any) -> bool:
     its fate and the sweeper covers a dead releasing worker; a separate lock Redis could
     lose them alone (a restart without persistence), so a copy is kept in the broker.
     """
-    setting = app.conf.get("redislock_park_fallback", "auto")
-    if setting == "auto":
-        return not settings_for(app).url_source.startswith("broker_url") and (
-            settings_for(app).url != app.conf.get("broker_url")
+    settings = settings_for(app)
+    if settings.park_fallback == "auto":
+        return not settings.url_source.startswith("broker_url") and (
+            settings.url != app.conf.get("broker_url")
         )
-    return bool(setting)
+    return bool(settings.park_fallback)
 
 
 def _dumps(value: Any) -> str:
@@ -600,31 +624,24 @@ def _visibility_timeout(app: Any) -> float:
     return float(options.get("visibility_timeout") or 3600.0)
 
 
-def _finish_quietly(lock: TaskLock, task: Any, options: LockOptions) -> None:
+def _finish_quietly(
+    lock: TaskLock, task: Any, options: LockOptions, *, hold: float | None = None, done: bool = True
+) -> None:
+    """Release (handing over to a parked task) and publish the hand-over; never raises
+    LockNotOwnedError (the caller reports a lost lease itself)."""
     try:
         metrics.flush_to_redis(lock.client, options.prefix)
     except Exception:  # stats are best effort; the lock is not
         log.debug("redislock: could not flush stats", exc_info=True)
+    keep = options.hold if hold is None else hold
     try:
-        task.publish_handed_over(lock.finish(hold=options.hold, done_ttl=options.done_ttl))
+        task.publish_handed_over(
+            lock.finish(hold=keep, done_ttl=options.done_ttl if done else None)
+        )
     except LockNotOwnedError as exc:  # includes LockLostError: reported by the caller
         task.publish_handed_over(getattr(exc, "handed_to", None))
         log.warning(
             "redislock: %s[%s] could not release %r: %s", task.name, task.request.id, lock.name, exc
-        )
-
-
-def _release_quietly(lock: RedisLock, task: Any, why: str) -> None:
-    try:
-        lock.release()
-    except LockNotOwnedError as exc:
-        log.warning(
-            "redislock: %s[%s] (%s) could not release %r: %s",
-            task.name,
-            task.request.id,
-            why,
-            lock.name,
-            exc,
         )
 
 
@@ -686,7 +703,13 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
     if app is None or not any(isinstance(t, LockedTask) for t in app.tasks.values()):
         return
     metrics.enable()
-    settings = settings_for(app)
+    try:
+        settings = settings_for(app)
+    except LockConfigurationError as exc:
+        # Celery logs and swallows Exceptions from signal receivers; SystemExit stops the
+        # worker here, before it takes a single task.
+        log.critical("celery_redislock: %s", exc)
+        raise SystemExit(f"celery_redislock: {exc}") from exc
     log.info("redislock: locks in %s (from %s)", settings.url.split("@")[-1], settings.url_source)
 
 
@@ -752,12 +775,23 @@ class Sweeper(threading.Thread):
                         lock_key,
                         _text(reply[2]),
                     )
-                    self.app.signature(_loads(_text(reply[1]))).apply_async()
+                    publish_to_handoff_queue(self.app, _text(reply[1]))
                     published += 1
         return published
 
 
 _sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()
+
+
+def publish_to_handoff_queue(app: Any, message: str) -> None:
+    """Publish a parked task's message to ``<its queue>.redislock``."""
+    signature = app.signature(_loads(message))
+    options = dict(signature.options)
+    queue = options.pop("queue", None) or app.conf.task_default_queue
+    options.pop("exchange", None)
+    options.pop("routing_key", None)
+    signature.options = options
+    signature.apply_async(queue=handoff_queue(queue))
 
 
 def handoff_queue(queue: str) -> str:

@@ -32,6 +32,8 @@ app.conf.update(
     result_expires=600,
     worker_hijack_root_logger=False,
 )
+if os.environ.get("REDISLOCK_TEST_BAD_SETTING"):  # a misconfigured deployment
+    app.conf.redislock_on_contention = "whenever"
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
 

@@ -149,3 +149,20 @@ def test_parked_tasks_survive_a_restart_of_a_separate_lock_redis(
         assert "fallback copy" in proc.text()
     finally:
         proc.stop()
+
+
+def test_a_bad_setting_stops_the_worker_at_start(broker: RedisServer, tmp_path: Path) -> None:
+    proc = CeleryProcess(
+        ["worker", "-l", "info", "-c", "1", "--without-gossip", "--without-mingle"],
+        url=broker.url,
+        log=tmp_path / "w.log",
+        env={"REDISLOCK_TEST_BAD_SETTING": "1"},
+    ).start()
+    try:
+        assert proc.process is not None
+        proc.process.wait(60)
+        assert proc.process.returncode != 0
+        assert "redislock_on_contention must be one of" in proc.text()
+        assert "ready." not in proc.text()
+    finally:
+        proc.stop()

@@ -379,7 +379,9 @@ def test_waiting_never_exhausts_the_connection_pool(redis_server: RedisServer) -
         holder.acquire()
         waiter = RedisLock(client, f"slot-{i}", owner="waiter", ttl=30, auto_renew=False)
         result: list[bool] = []
-        thread = threading.Thread(target=lambda w=waiter: result.append(w.acquire(timeout=10)))
+        thread = threading.Thread(
+            target=lambda w=waiter, out=result: out.append(w.acquire(timeout=10))
+        )
         thread.start()
         subscriber = subscriber_for(client)
         deadline = time.monotonic() + 5

@@ -69,3 +69,11 @@ def test_overrides_merge_over_app_defaults() -> None:
     defaults = LockOptions(ttl=60.0, on_contention="wait")
     merged = defaults.merged({"ttl": 5.0})
     assert merged.ttl == 5.0 and merged.on_contention == "wait"
+
+
+def test_park_fallback_accepts_auto_true_false_only() -> None:
+    conf = {"broker_url": "redis://localhost"}
+    assert LockSettings.from_conf(conf).park_fallback == "auto"
+    assert LockSettings.from_conf({**conf, "redislock_park_fallback": False}).park_fallback is False
+    with pytest.raises(LockConfigurationError, match="redislock_park_fallback"):
+        LockSettings.from_conf({**conf, "redislock_park_fallback": "false"})

@@ -259,3 +259,35 @@ def test_a_renewal_crossing_a_clean_release_is_not_reported_as_a_loss(
     assert scheduler.round_trips > passes_before  # renewals really crossed the releases
     assert losses == []
     assert not any(lock.lost for lock in locks)
+
+
+def test_nested_holds_through_two_objects_release_without_a_false_loss(
+    redis_client: redis.Redis,
+) -> None:
+    losses: list[str] = []
+    outer = RedisLock(redis_client, "nested", ttl=0.3, owner="me")
+    inner = RedisLock(redis_client, "nested", ttl=0.3, owner="me")
+    for lock in (outer, inner):
+        lock.on_lost(lambda _lock, error: losses.append(error.reason))
+    outer.acquire()
+    inner.acquire()  # e.g. a @locked call nested in another with the same key
+    assert (outer.hold_count, inner.hold_count) == (1, 1)
+    assert redis_client.hget(outer.keys.lock, "me") == b"2"
+    inner.release()
+    time.sleep(0.4)  # more than a lease: only the outer hold is renewed now
+    assert outer.owned()
+    outer.release()
+    time.sleep(0.3)
+    assert losses == [] and not outer.locked()
+
+
+def test_reentering_with_a_shorter_lease_never_shortens_the_hold(redis_client: redis.Redis) -> None:
+    lock = RedisLock(redis_client, "job", ttl=3)
+    lock.acquire()
+    lock.acquire(lease=0.1)
+    remaining = lock.remaining()
+    assert remaining is not None and remaining > 2
+    time.sleep(0.3)
+    lock.ensure_held()
+    lock.release()
+    lock.release()

@@ -29,7 +29,9 @@ if redis.call('exists', KEYS[1]) == 0 then
 end
 if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
   local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
-  redis.call('pexpire', KEYS[1], lease)
+  if redis.call('pttl', KEYS[1]) < lease then
+    redis.call('pexpire', KEYS[1], lease)
+  end
   return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')), count}
 end
 -- Queue it unless it is queued already (a second copy of the same task parking).
