@@ -45,7 +45,8 @@ class RedisLock(LockBase[LeaseLost]):
     """A reentrant, owner-checked, fenced lock on one Redis (or Redis Cluster) client.
 
     Args:
-        client: a ``redis.Redis`` (or ``redis.cluster.RedisCluster``) client.
+        client: a ``redis.Redis`` client (Redis Cluster clients are not supported yet: the
+            key layout is cluster-ready, the waiting and renewal paths are not).
         name: the lock's name (str or bytes, non-empty).
         ttl: lease in seconds. With ``auto_renew`` the watchdog renews it every
             ``ttl / 3`` while held; without, the hold ends after ``ttl``.
