@@ -122,7 +122,7 @@ def _settle_redispy(run: str, account: str) -> None:
 
 
 def _settle_prl(run: str, account: str) -> None:
-    import redis_lock
+    import redis_lock  # type: ignore[import-untyped]
 
     with redis_lock.Lock(client(), _lock_name(account), expire=LOCK_TTL):
         _section(run, account)
@@ -136,7 +136,9 @@ TASKS: dict[str, Any] = {}
 if "nolock" in REGISTER:
     TASKS["nolock"] = app.task(name="settle.nolock")(_settle_nolock)
 if "recipe" in REGISTER:
-    TASKS["recipe"] = app.task(name="settle.recipe", bind=True)(_settle_recipe)
+    # max_retries=None on the task too: retry(max_retries=None) alone means "the task's
+    # default" (3), after which Celery fails the task with MaxRetriesExceededError.
+    TASKS["recipe"] = app.task(name="settle.recipe", bind=True, max_retries=None)(_settle_recipe)
 if "redispy" in REGISTER:
     TASKS["redispy"] = app.task(name="settle.redispy")(_settle_redispy)
 if "prl" in REGISTER:

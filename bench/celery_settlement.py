@@ -132,8 +132,8 @@ class Worker:
 # --------------------------------------------------------------------------- one run
 
 
-def publish(task: Any, run: str, accounts: list[str], queue: str) -> float:
-    """Publish every task through one producer; returns the first publish's time."""
+def publish(task: Any, run: str, accounts: list[str], queue: str) -> tuple[float, float]:
+    """Publish every task through one producer: (first publish's time, last one's end)."""
     app = task.app
     first = 0.0
     with app.producer_or_acquire() as producer:
@@ -141,7 +141,7 @@ def publish(task: Any, run: str, accounts: list[str], queue: str) -> float:
             if i == 0:
                 first = monotonic()
             task.apply_async((run, f"{run}:{account}"), queue=queue, producer=producer)
-    return first
+    return first, monotonic()
 
 
 def wait_done(
@@ -169,8 +169,9 @@ def analyse(
 ) -> dict[str, Any]:
     sections: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for raw in store.lrange(sa.log_key(run), 0, -1):
-        account, enter, leave, _pid = raw.decode().split("|")
-        sections[account.split(":", 1)[1]].append((float(enter), float(leave)))
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        name, entered, left, _pid = text.split("|")
+        sections[name.split(":", 1)[1]].append((float(entered), float(left)))
     expected = Counter(accounts)
     lost = 0
     extra = 0
@@ -206,9 +207,7 @@ def analyse(
         "extra": extra,
         "overlaps": overlaps,
         "gap_p50_ms": statistics.median(gaps) * 1e3 if gaps else None,
-        "gap_p90_ms": (
-            statistics.quantiles(gaps, n=10)[-1] * 1e3 if len(gaps) >= 2 else None
-        ),
+        "gap_p90_ms": (statistics.quantiles(gaps, n=10)[-1] * 1e3 if len(gaps) >= 2 else None),
         "hot_first_enter": (hot_secs[0][0] - t0) if hot_secs else None,
         "hot_span": (hot_secs[-1][1] - hot_secs[0][0]) if hot_secs else None,
         "unrelated_done": (max(unrelated) - t0) if unrelated and complete else None,
@@ -245,17 +244,19 @@ def run_variant(
         warm = [f"w{i}" for i in range(2 * args.concurrency)] + ["wc"] * (2 * args.concurrency)
         publish(task, run, warm, queue)
         if not wait_done(store, sa, run, len(warm), worker, args.start_timeout):
-            raise SystemExit(f"{variant}: warm-up not done in {args.start_timeout}s:\n"
-                             f"{worker.text()[-3000:]}")
+            raise SystemExit(
+                f"{variant}: warm-up not done in {args.start_timeout}s:\n{worker.text()[-3000:]}"
+            )
         time.sleep(0.3)
         for name in WORKLOADS:
             accounts = workload(name, args.seed)
             run = f"{token}-{name}"
             parked0 = int(store.get(sa.parked_key()) or 0)
-            t0 = publish(task, run, accounts, queue)
+            t0, t_published = publish(task, run, accounts, queue)
             complete = wait_done(store, sa, run, len(accounts), worker, args.timeout)
             time.sleep(0.05)
             res = analyse(store, sa, run, accounts, t0, args.work, args.concurrency, complete)
+            res["publish_s"] = t_published - t0
             res["parked"] = int(store.get(sa.parked_key()) or 0) - parked0
             res["retries"] = int(store.get(sa.retries_key(run)) or 0)
             out[name] = res
@@ -328,12 +329,14 @@ def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) 
                     cells.append("n/a")
                     continue
                 if key is None:
-                    value = m["parked"] if v == "locked" else m["retries"] if v == "recipe" else None
+                    value = (
+                        m["parked"] if v == "locked" else m["retries"] if v == "recipe" else None
+                    )
                     cells.append(fmt(value, spec))
                 elif key in ("makespan", "ratio") and not m["complete"]:
                     cells.append("timeout")
                 else:
-                    text = fmt(m[key], spec)
+                    text = "-" if v == "nolock" and key.startswith("gap") else fmt(m[key], spec)
                     cells.append(text + suffix if text != "-" else text)
             lines.append(f"  {label:36}" + "".join(f"{c:>{width}}" for c in cells))
     return lines
@@ -352,7 +355,9 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         verdict = ""
         if m is not None and m["ratio"] is not None:
             verdict = "  (met)" if m["ratio"] <= 1.2 else "  (NOT met)"
-        lines.append(f"LockedTask makespan/ideal {wl}: {ratio('locked', wl)}   target <= 1.20x{verdict}")
+        lines.append(
+            f"LockedTask makespan/ideal {wl}: {ratio('locked', wl)}   target <= 1.20x{verdict}"
+        )
     for wl in WORKLOADS:
         lines.append(
             f"for comparison {wl}: recipe {ratio('recipe', wl)}, redis-py blocking "
@@ -363,6 +368,15 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         f"W2 {ratio('nolock', 'W2')}"
     )
     return lines
+
+
+def publish_times(runs: list[dict[str, Any]]) -> str:
+    parts = []
+    for wl in WORKLOADS:
+        values = [r[v][wl]["publish_s"] for r in runs for v in r if wl in r[v]]
+        if values:
+            parts.append(f"{wl} {statistics.median(values):.2f} s")
+    return ", ".join(parts)
 
 
 # --------------------------------------------------------------------------- main
@@ -398,6 +412,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = monotonic()
+    load_before = os.getloadavg()
     runs: list[dict[str, Any]] = []
     with RedisServer() as server:
         url = server.url
@@ -419,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             sa.app.close()
             store.close()
     elapsed = monotonic() - started
+    load_after = os.getloadavg()
 
     med: dict[str, dict[str, dict[str, Any]]] = {}
     for v in args.variant_list:
@@ -432,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                 med[v][wl]["ratio"] = med[v][wl]["makespan"] = None
 
     import celery
+
+    import celery_redislock
 
     lines = [
         "",
@@ -450,8 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         "Notes:",
         "  makespan = first publish -> last section's end; ideal = max(hottest account's tasks"
         f" x {args.work:g} s, tasks x {args.work:g} s / {args.concurrency})",
+        f"  package: {Path(celery_redislock.__file__).parent}; load average (1 min) "
+        f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (other jobs on the box add noise)",
         "  same-account gap = next section's start - previous section's end on one account "
-        "(hand-over time as the work sees it)",
+        "(hand-over time as the work sees it; not shown without a lock, where sections overlap)",
+        f"  publishing took {publish_times(runs)} (median over variants; part of the makespan)",
         f"  total run time {elapsed:.0f}s",
     ]
     print("\n".join(lines))
@@ -461,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             "elapsed_s": elapsed,
             "args": {k: v for k, v in vars(args).items() if k != "variant_list"},
             "variants": args.variant_list,
+            "package": str(Path(celery_redislock.__file__).parent),
+            "loadavg": {"before": load_before, "after": load_after},
             "median": med,
             "runs": runs,
         }

@@ -42,7 +42,7 @@ from ._waiting import subscriber_for
 
 
 class RedisLock(LockBase[LeaseLost]):
-    """A reentrant, owner-checked, fenced lock on one Redis (or Redis Cluster) client.
+    """A reentrant, owner-checked, fenced lock on one Redis server.
 
     Args:
         client: a ``redis.Redis`` client (Redis Cluster clients are not supported yet: the
