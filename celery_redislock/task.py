@@ -787,9 +787,11 @@ def publish_to_handoff_queue(app: Any, message: str) -> None:
     """Publish a parked task's message to ``<its queue>.redislock``."""
     signature = app.signature(_loads(message))
     options = dict(signature.options)
-    queue = options.pop("queue", None) or app.conf.task_default_queue
+    # A re-built request carries its queue, or (sent through a named exchange) its routing
+    # key, which for Celery's direct exchanges is the queue's name.
+    routing_key = options.pop("routing_key", None)
     options.pop("exchange", None)
-    options.pop("routing_key", None)
+    queue = options.pop("queue", None) or routing_key or app.conf.task_default_queue
     signature.options = options
     signature.apply_async(queue=handoff_queue(queue))
 

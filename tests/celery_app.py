@@ -34,6 +34,11 @@ app.conf.update(
 )
 if os.environ.get("REDISLOCK_TEST_BAD_SETTING"):  # a misconfigured deployment
     app.conf.redislock_on_contention = "whenever"
+if os.environ.get("REDISLOCK_TEST_BROKER"):  # e.g. RabbitMQ; locks stay in Redis
+    app.conf.broker_url = os.environ["REDISLOCK_TEST_BROKER"]
+    app.conf.redislock_url = URL
+if os.environ.get("REDISLOCK_TEST_NO_FALLBACK"):
+    app.conf.redislock_park_fallback = False
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
 

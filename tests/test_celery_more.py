@@ -166,3 +166,69 @@ def test_a_bad_setting_stops_the_worker_at_start(broker: RedisServer, tmp_path: 
         assert "ready." not in proc.text()
     finally:
         proc.stop()
+
+
+def test_hand_over_follows_a_task_routed_to_its_own_queue(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    r = broker.client()
+    proc = worker(broker.url, tmp_path / "w.log", extra=["-Q", "billing"])
+    try:
+        results = [ca.settle.apply_async((77, 1), queue="billing") for _ in range(12)]
+        for result in results:
+            result.get(timeout=60)
+        assert int(r.get("balance:77") or 0) == 12
+        assert "parked" in proc.text()  # they really contended and were handed over
+    finally:
+        proc.stop()
+
+
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def _rabbitmq_running() -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _rabbitmq_running(), reason="no RabbitMQ on 127.0.0.1:5672")
+def test_hand_over_through_rabbitmq_follows_the_tasks_own_queue(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    """With an AMQP broker a re-built request names its exchange and routing key, not its
+    queue: the hand-over must still reach a worker that consumes only that queue."""
+    import secrets
+
+    from celery import Celery
+    from kombu import Connection, Exchange, Queue
+
+    queue = f"redislock-test-{secrets.token_hex(4)}"
+    r = broker.client()
+    proc = worker(
+        broker.url,
+        tmp_path / "w.log",
+        extra=["-Q", queue],
+        env={"REDISLOCK_TEST_BROKER": RABBITMQ, "REDISLOCK_TEST_NO_FALLBACK": "1"},
+    )
+    client_app = Celery("rabbit-client", broker=RABBITMQ, backend=broker.url)
+    try:
+        results = [
+            client_app.send_task("tests.celery_app.settle", args=(78, 1), queue=queue)
+            for _ in range(10)
+        ]
+        for result in results:
+            result.get(timeout=60)
+        assert int(r.get("balance:78") or 0) == 10
+        assert "parked" in proc.text()
+    finally:
+        proc.stop()
+        client_app.close()
+        with Connection(RABBITMQ) as conn:  # leave the shared RabbitMQ as we found it
+            for name in (queue, f"{queue}.redislock"):
+                Queue(name).bind(conn.default_channel).delete()
+                Exchange(name).bind(conn.default_channel).delete()
