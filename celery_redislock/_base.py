@@ -129,6 +129,12 @@ class LockBase(Generic[Signal]):
         return 0 if hold is None else hold.count
 
     @property
+    def server_hold_count(self) -> int:
+        """Redis's hold count for the owner right after this object's last acquire: the
+        holds of every object (and process) sharing the owner, not just this one's."""
+        return self._server_count
+
+    @property
     def lost(self) -> Signal:
         """Event-like: set once the calling owner's current (or last) lease is known lost."""
         owner = self._current_owner()

@@ -329,7 +329,7 @@ class LockedTask(Task):  # type: ignore[misc]
                 name,
             )
             raise Ignore() from None
-        if outcome is True and lock._server_count > 1:
+        if outcome is True and lock.server_hold_count > 1:
             # Our own task id already held it: undo our extra hold in Redis only.
             lock.drop_extra_hold()
             if not (request.retries and not options.release_on_retry):
@@ -468,8 +468,8 @@ class LockedTask(Task):  # type: ignore[misc]
         return self.signature_from_request(request, args, kwargs, headers=headers), done + 1
 
     def _still_parked(self, call: _Call) -> bool:
-        keys = LockKeysFor(call.name, call.options.prefix)
-        return bool(client_for(self.app).hexists(keys + b":parked:messages", call.request.id))
+        lock_key = LockKeys.for_name(call.name, call.options.prefix).lock
+        return bool(client_for(self.app).hexists(lock_key + b":parked:messages", call.request.id))
 
     def _park(
         self,
