@@ -20,6 +20,10 @@ from ._celery import CeleryProcess, wait_until, worker
 
 @pytest.fixture(scope="module")
 def broker(celery_broker: RedisServer) -> RedisServer:
+    """The session's Celery Redis, emptied of what earlier modules left in it."""
+    client = celery_broker.client()
+    client.flushall()
+    client.close()
     return celery_broker
 
 
