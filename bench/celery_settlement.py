@@ -1,7 +1,7 @@
 """Account settlement with a real prefork Celery worker: no lock, three usual locks, LockedTask.
 
-    /tmp/venv/bin/python -m bench.celery_settlement              # ~2-3 minutes on 2 cores
-    /tmp/venv/bin/python -m bench.celery_settlement --repeat 3   # medians of 3 runs
+    .venv/bin/python -m bench.celery_settlement              # ~2-3 minutes on 2 cores
+    .venv/bin/python -m bench.celery_settlement --repeat 3   # medians of 3 runs
 
 Every task does a 20 ms non-atomic read-modify-write of an account balance (GET, sleep,
 SET +1) and logs its section. Variants (columns): a. no lock; b. the Celery cookbook

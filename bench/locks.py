@@ -1,7 +1,7 @@
 """Compare celery_redislock.RedisLock with other Redis locks, in one run, on one private server.
 
-    /tmp/venv/bin/python -m bench.locks            # ~2-3 minutes on 2 cores
-    /tmp/venv/bin/python -m bench.locks --scale 3  # longer runs, more samples
+    .venv/bin/python -m bench.locks            # ~2-3 minutes on 2 cores
+    .venv/bin/python -m bench.locks --scale 3  # longer runs, more samples
 
 Scenarios (see bench/README.md): 1 uncontended cycles/s, 2 contended hand-off (4
 processes), 3 dead holder (SIGKILLed, lease expiry -> waiter), 4 many waiters (100
