@@ -291,3 +291,24 @@ def test_reentering_with_a_shorter_lease_never_shortens_the_hold(redis_client: r
     lock.ensure_held()
     lock.release()
     lock.release()
+
+
+def test_under_gevent_monkey_patching_greenlets_keep_their_leases(
+    redis_server: RedisServer,
+) -> None:
+    """Documented: with gevent the watchdog is a greenlet; greenlets that yield keep it fed."""
+    pytest.importorskip("gevent", reason="gevent is not installed")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("_gevent_holder.py")
+    out = subprocess.run(
+        [sys.executable, str(script), str(redis_server.port)],
+        cwd=script.parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "failures=[] separate_owners=True" in out.stdout
