@@ -232,3 +232,16 @@ def test_hand_over_through_rabbitmq_follows_the_tasks_own_queue(
             for name in (queue, f"{queue}.redislock"):
                 Queue(name).bind(conn.default_channel).delete()
                 Exchange(name).bind(conn.default_channel).delete()
+
+
+def test_warm_shutdown_lets_the_task_finish_and_release(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    r = broker.client()
+    proc = worker(broker.url, tmp_path / "w.log", env={"REDISLOCK_TEST_TTL": "30"})
+    result = ca.hold_for.delay("warm", 1.5)
+    wait_until(lambda: r.llen("started:warm"))
+    assert r.exists("redislock:{job:warm}")
+    assert proc.stop(timeout=60) == 0  # SIGTERM: a warm shutdown waits for running tasks
+    assert result.get(timeout=10) is not None
+    assert not r.exists("redislock:{job:warm}")  # released by the task, not by the lease

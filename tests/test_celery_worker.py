@@ -212,3 +212,18 @@ def test_send_task_by_name_is_locked_too(r: redis.Redis, shared_worker: CeleryPr
     for result in results:
         result.get(timeout=60)
     assert int(r.get("balance:950") or 0) == 20
+
+
+def test_a_chain_keeps_its_links_through_parking_and_hand_over(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    from celery import chain
+
+    blocker = ca.hold_for.delay("chain", 1.0)
+    wait_until(lambda: r.llen("started:chain"))
+    steps = chain(ca.hold_for.si("chain", 0.01), ca.hold_for.si("chain", 0.01)).delay()
+    assert steps.get(timeout=60) is not None  # the last link ran...
+    assert steps.parent is not None and steps.parent.get(timeout=5) is not None
+    blocker.get(timeout=30)
+    assert r.llen("started:chain") == 3  # ...after the first, which had to park and wait
+    assert "parked behind the holder of 'job:chain'" in shared_worker.text()
