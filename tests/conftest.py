@@ -53,3 +53,17 @@ def celery_broker() -> Iterator[RedisServer]:
         celery_app._r = None
         yield server
         celery_app.app.close()
+
+
+def empty(server: RedisServer) -> RedisServer:
+    """Flush a server these tests started (never one they did not)."""
+    client = server.client()
+    client.flushall()
+    client.close()
+    return server
+
+
+@pytest.fixture
+def broker(celery_broker: RedisServer) -> RedisServer:
+    """The session's Celery Redis, emptied: for tests that run their own workers."""
+    return empty(celery_broker)

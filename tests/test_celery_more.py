@@ -17,15 +17,6 @@ from . import celery_app as ca
 from ._celery import CeleryProcess, wait_until, worker
 
 
-@pytest.fixture
-def broker(celery_broker: RedisServer) -> RedisServer:
-    """The session's Celery Redis, emptied: these tests run their own workers."""
-    client = celery_broker.client()
-    client.flushall()
-    client.close()
-    return celery_broker
-
-
 def test_parked_tasks_survive_a_holder_that_never_releases_and_a_lost_hand_over(
     broker: RedisServer, tmp_path: Path
 ) -> None:

@@ -16,15 +16,13 @@ from celery_redislock.testing import RedisServer
 
 from . import celery_app as ca
 from ._celery import CeleryProcess, wait_until, worker
+from .conftest import empty
 
 
 @pytest.fixture(scope="module")
 def broker(celery_broker: RedisServer) -> RedisServer:
     """The session's Celery Redis, emptied of what earlier modules left in it."""
-    client = celery_broker.client()
-    client.flushall()
-    client.close()
-    return celery_broker
+    return empty(celery_broker)
 
 
 @pytest.fixture(scope="module")

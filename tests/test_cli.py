@@ -16,14 +16,6 @@ from . import celery_app as ca
 from ._celery import wait_until, worker
 
 
-@pytest.fixture
-def broker(celery_broker: RedisServer) -> RedisServer:
-    client = celery_broker.client()
-    client.flushall()
-    client.close()
-    return celery_broker
-
-
 def run(*args: str, input: str | None = None) -> str:
     result = CliRunner().invoke(celery, ["-A", "tests.celery_app", "redislock", *args], input=input)
     assert result.exit_code == 0, result.output + repr(result.exception)
