@@ -26,6 +26,8 @@ FENCE_FIELD = "__fence__"
 #: How long a blocked acquire waits when the lock has no expiry set and no timeout
 #: was given, before it retries on its own (a release would have woken it sooner).
 NO_TTL_RECHECK = 5.0
+#: A waiter keeps its place in line this long past the holder's lease without retrying.
+LINE_MARGIN_MS = 2000
 
 
 # --------------------------------------------------------------------- validation
@@ -100,11 +102,15 @@ class LockKeys:
     ``<prefix>{<name>}``          the lock hash (owner -> hold count, plus the token field)
     ``<prefix>{<name>}:fence``    the fencing counter (never expires)
     ``<prefix>{<name>}:released`` the pub/sub channel a release is announced on
+    ``<prefix>{<name>}:waiters``  blocked acquires in arrival order (a list)
+    ``<prefix>{<name>}:claims``   how long each waiter's place in line is kept (a sorted set)
     """
 
     lock: bytes
     fence: bytes
     channel: bytes
+    waiters: bytes
+    claims: bytes
 
     @classmethod
     def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys:
@@ -117,7 +123,17 @@ class LockKeys:
         if not raw:
             raise LockConfigurationError("name must not be empty")
         base = prefix.encode("utf-8") + b"{" + _escape_name(raw) + b"}"
-        return cls(lock=base, fence=base + b":fence", channel=base + b":released")
+        return cls(
+            lock=base,
+            fence=base + b":fence",
+            channel=base + b":released",
+            waiters=base + b":waiters",
+            claims=base + b":claims",
+        )
+
+    def release_keys(self) -> list[bytes]:
+        """KEYS of release.lua and force_release.lua, in order."""
+        return [self.lock, self.channel, self.fence, self.waiters, self.claims]
 
 
 def name_from_lock_key(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:

@@ -47,11 +47,13 @@ _BROKEN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class _Channel:
+    """One lock's release channel in this process: its waiters, oldest first."""
+
     __slots__ = ("confirmed", "idle_since", "waiters")
 
     def __init__(self) -> None:
-        self.waiters: deque[Waiter] = deque()
-        self.confirmed = threading.Event()
+        self.waiters: deque[Any] = deque()
+        self.confirmed: Any = threading.Event()
         self.idle_since: float | None = None
 
     def wake_one(self) -> None:
@@ -60,17 +62,28 @@ class _Channel:
                 waiter.event.set()
                 return
 
+    def wake(self, data: bytes) -> None:
+        """A release names the waiter it handed the lock to, or says "1": wake one."""
+        if data == b"1":
+            self.wake_one()
+            return
+        for waiter in self.waiters:
+            if waiter.owner == data:
+                waiter.event.set()
+                return
+
 
 class Waiter:
     """One blocked acquire's registration; use as a context manager around the retry loop."""
 
-    __slots__ = ("_channel", "_name", "_subscriber", "event")
+    __slots__ = ("_channel", "_name", "_subscriber", "event", "owner")
 
-    def __init__(self, subscriber: Subscriber, name: bytes) -> None:
+    def __init__(self, subscriber: Subscriber, name: bytes, owner: str) -> None:
         self._subscriber = subscriber
         self._name = name
         self._channel: _Channel | None = None
         self.event = threading.Event()
+        self.owner = owner.encode()
 
     def __enter__(self) -> Waiter:
         self._channel = self._subscriber._register(self._name, self)
@@ -108,8 +121,8 @@ class Subscriber:
 
     # -- used by waiters -------------------------------------------------------
 
-    def waiter(self, channel: bytes) -> Waiter:
-        return Waiter(self, channel)
+    def waiter(self, channel: bytes, owner: str) -> Waiter:
+        return Waiter(self, channel, owner)
 
     def _register(self, name: bytes, waiter: Waiter) -> _Channel:
         with self._mutex:
@@ -245,8 +258,8 @@ class Subscriber:
             channel = self._channels.get(reply[1])
             if channel is None:
                 return
-            if kind == b"message":
-                channel.wake_one()
+            if kind == b"message" and len(reply) > 2:
+                channel.wake(reply[2])
             elif kind == b"subscribe":
                 channel.confirmed.set()
 
@@ -290,31 +303,25 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # ----------------------------------------------------------------------------- asyncio
 
 
-class _AsyncChannel:
-    __slots__ = ("confirmed", "idle_since", "waiters")
+class _AsyncChannel(_Channel):
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self.waiters: deque[AsyncWaiter] = deque()
+        super().__init__()
         self.confirmed = asyncio.Event()
-        self.idle_since: float | None = None
-
-    def wake_one(self) -> None:
-        for waiter in self.waiters:
-            if not waiter.event.is_set():
-                waiter.event.set()
-                return
 
 
 class AsyncWaiter:
     """The asyncio twin of :class:`Waiter` (``async with``)."""
 
-    __slots__ = ("_channel", "_name", "_subscriber", "event")
+    __slots__ = ("_channel", "_name", "_subscriber", "event", "owner")
 
-    def __init__(self, subscriber: AsyncSubscriber, name: bytes) -> None:
+    def __init__(self, subscriber: AsyncSubscriber, name: bytes, owner: str) -> None:
         self._subscriber = subscriber
         self._name = name
         self._channel: _AsyncChannel | None = None
         self.event = asyncio.Event()
+        self.owner = owner.encode()
 
     async def __aenter__(self) -> AsyncWaiter:
         try:
@@ -347,8 +354,8 @@ class AsyncSubscriber:
         self._task: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()  # one connection, however many tasks subscribe at once
 
-    def waiter(self, channel: bytes) -> AsyncWaiter:
-        return AsyncWaiter(self, channel)
+    def waiter(self, channel: bytes, owner: str) -> AsyncWaiter:
+        return AsyncWaiter(self, channel, owner)
 
     @property
     def connections(self) -> int:
@@ -448,8 +455,8 @@ class AsyncSubscriber:
         channel = self._channels.get(reply[1])
         if channel is None:
             return
-        if reply[0] == b"message":
-            channel.wake_one()
+        if reply[0] == b"message" and len(reply) > 2:
+            channel.wake(reply[2])
         elif reply[0] == b"subscribe":
             channel.confirmed.set()
 

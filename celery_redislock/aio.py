@@ -17,14 +17,18 @@ Same methods, arguments, scripts, errors and guarantees as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
 import weakref
 from typing import Any, Awaitable, TypeVar
 
+from redis.exceptions import RedisError
+
 from ._base import LockBase
 from ._core import (
     DEFAULT_PREFIX,
+    LINE_MARGIN_MS,
     AsyncLeaseLost,
     Hold,
     LockKeys,
@@ -156,23 +160,39 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         subscriber = async_subscriber_for(self.client)
         assert subscriber is not None
-        async with subscriber.waiter(self.keys.channel) as waiter:
-            while True:
-                outcome = await self._try(owner, lease_millis, renew, started)
-                if outcome is True:
-                    return True
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                await waiter.wait(wait_bound(outcome, remaining))
+        acquired = False
+        async with subscriber.waiter(self.keys.channel, owner) as waiter:
+            try:
+                while True:
+                    outcome = await self._try(owner, lease_millis, renew, started, line=True)
+                    if outcome is True:
+                        acquired = True
+                        return True
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    await waiter.wait(wait_bound(outcome, remaining))
+            finally:
+                if not acquired:  # also when cancelled: leaving must reach Redis
+                    await _to_completion(self._leave_line(owner))
+
+    async def _leave_line(self, owner: str) -> None:
+        with contextlib.suppress(RedisError):  # the place lapses LINE_MARGIN_MS past the lease
+            await self._scripts.release(keys=self.keys.release_keys(), args=[owner, "leave"])
 
     async def _try(
-        self, owner: str, lease: int, renew: bool, started: float | None = None
+        self,
+        owner: str,
+        lease: int,
+        renew: bool,
+        started: float | None = None,
+        *,
+        line: bool = False,
     ) -> bool | int:
         sent_at = time.monotonic()
-        future, cancelled = await _to_completion(
-            self._scripts.acquire(keys=[self.keys.lock, self.keys.fence], args=[owner, lease])
-        )
+        args: list[Any] = [owner, lease, LINE_MARGIN_MS] if line else [owner, lease]
+        keys = [self.keys.lock, self.keys.fence, self.keys.waiters, self.keys.claims]
+        future, cancelled = await _to_completion(self._scripts.acquire(keys=keys, args=args))
         if cancelled is not None and future.exception() is not None:
             raise cancelled
         reply = decode_acquire(future.result())
@@ -203,9 +223,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         if hold is not None:
             hold.releasing += 1
         try:
-            code = int(
-                await self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[owner])
-            )
+            code = int(await self._scripts.release(keys=self.keys.release_keys(), args=[owner]))
         finally:
             if hold is not None:
                 hold.releasing -= 1
@@ -246,7 +264,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
     ) -> bool:
         """Operator's tool: delete the lock whoever holds it (see ``RedisLock.force_release``)."""
         keys = LockKeys.for_name(name, validate_prefix(prefix))
-        return bool(await scripts_for(client).force_release(keys=[keys.lock, keys.channel]))
+        return bool(await scripts_for(client).force_release(keys=keys.release_keys()))
 
     async def __aenter__(self) -> AsyncRedisLock:
         if not await self.acquire(self.blocking, self.timeout):

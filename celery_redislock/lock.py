@@ -17,14 +17,18 @@ cannot stop a paused process; use the fencing token for that.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from types import TracebackType
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from ._base import LockBase
 from ._core import (
     DEFAULT_PREFIX,
+    LINE_MARGIN_MS,
     Hold,
     LeaseLost,
     LockKeys,
@@ -39,6 +43,8 @@ from ._core import (
 from ._renewal import RenewalScheduler, scheduler_for
 from ._scripts import scripts_for
 from ._waiting import subscriber_for
+
+log = logging.getLogger(__name__)
 
 
 class RedisLock(LockBase[LeaseLost]):
@@ -89,7 +95,7 @@ class RedisLock(LockBase[LeaseLost]):
         return thread_owner()
 
     def _acquire_keys(self) -> list[bytes]:
-        return [self.keys.lock, self.keys.fence]
+        return [self.keys.lock, self.keys.fence, self.keys.waiters, self.keys.claims]
 
     def _scheduler(self) -> RenewalScheduler:
         # Cached per process: a forked child must get (and cache) its own.
@@ -129,22 +135,45 @@ class RedisLock(LockBase[LeaseLost]):
         if not blocking:
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
-        with subscriber_for(self.client).waiter(self.keys.channel) as waiter:
-            while True:
-                outcome = self._try(owner, lease_millis, renew, started)
-                if outcome is True:
-                    return True
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                waiter.wait(wait_bound(outcome, remaining))
+        acquired = False
+        with subscriber_for(self.client).waiter(self.keys.channel, owner) as waiter:
+            try:
+                while True:
+                    outcome = self._try(owner, lease_millis, renew, started, line=True)
+                    if outcome is True:
+                        acquired = True
+                        return True
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    waiter.wait(wait_bound(outcome, remaining))
+            finally:
+                if not acquired:
+                    self._leave_line(owner)
 
-    def _try(self, owner: str, lease: int, renew: bool, started: float | None = None) -> bool | int:
-        """One attempt: True if acquired, else the holder's remaining lease in ms."""
+    def _leave_line(self, owner: str) -> None:
+        """Give up a place in line (and pass on a lock granted to us meanwhile)."""
+        try:
+            self._scripts.release(keys=self.keys.release_keys(), args=[owner, "leave"])
+        except RedisError as exc:  # the place lapses by itself: LINE_MARGIN_MS past the lease
+            log.debug("redislock: could not leave the line of %r: %r", self.name, exc)
+
+    def _try(
+        self,
+        owner: str,
+        lease: int,
+        renew: bool,
+        started: float | None = None,
+        *,
+        line: bool = False,
+    ) -> bool | int:
+        """One attempt: True if acquired, else ms to wait at most (the holder's lease).
+
+        ``line=True`` (a blocked acquire) joins the line of waiters when contended.
+        """
         sent_at = time.monotonic()
-        reply = decode_acquire(
-            self._scripts.acquire(keys=self._acquire_keys(), args=[owner, lease])
-        )
+        args: list[Any] = [owner, lease, LINE_MARGIN_MS] if line else [owner, lease]
+        reply = decode_acquire(self._scripts.acquire(keys=self._acquire_keys(), args=args))
         if not reply.acquired:
             if reply.finished:
                 raise OwnerFinished(self.name)
@@ -171,9 +200,7 @@ class RedisLock(LockBase[LeaseLost]):
         if hold is not None:
             hold.releasing += 1
         try:
-            code = int(
-                self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[owner])
-            )
+            code = int(self._scripts.release(keys=self.keys.release_keys(), args=[owner]))
         finally:
             if hold is not None:
                 hold.releasing -= 1
@@ -222,7 +249,7 @@ class RedisLock(LockBase[LeaseLost]):
         "expired"). Returns whether a lock was deleted.
         """
         keys = LockKeys.for_name(name, validate_prefix(prefix))
-        return bool(scripts_for(client).force_release(keys=[keys.lock, keys.channel]))
+        return bool(scripts_for(client).force_release(keys=keys.release_keys()))
 
     # -- context manager -------------------------------------------------------
 

@@ -125,11 +125,11 @@ class TaskLock(RedisLock):
         self.dispatched = self.keys.lock + b":parked:dispatched"
 
     def _acquire_keys(self) -> list[bytes]:
-        return [self.keys.lock, self.keys.fence, self.done_key]
+        return [*super()._acquire_keys(), self.done_key]
 
     def drop_extra_hold(self) -> None:
         """Give back the hold count this acquire added in Redis; the local hold stays."""
-        self._scripts.release(keys=[self.keys.lock, self.keys.channel], args=[self.owner])
+        self._scripts.release(keys=self.keys.release_keys(), args=[self.owner])
 
     def park(self, message: str, keep_for: float) -> bool | int:
         """Take the lock, or park ``message`` behind the holder: True, or the holder's pttl.
@@ -139,7 +139,14 @@ class TaskLock(RedisLock):
         """
         owner = self._current_owner()
         sent_at = time.monotonic()
-        keys = [*self._acquire_keys(), self.parked, self.parked_messages, self.dispatched]
+        keys = [
+            self.keys.lock,
+            self.keys.fence,
+            self.done_key,
+            self.parked,
+            self.parked_messages,
+            self.dispatched,
+        ]
         args = [owner, self._lease, message, lease_ms(keep_for, "parking lifetime")]
         pipe = self.client.pipeline(transaction=False)
         self._scripts.park(keys=keys, args=args, client=pipe)
@@ -165,6 +172,8 @@ class TaskLock(RedisLock):
             self.parked_messages,
             self.done_key,
             self.dispatched,
+            self.keys.waiters,
+            self.keys.claims,
         ]
         done_ms = 0 if done_ttl is None else lease_ms(done_ttl, "lock_done_ttl")
         return keys, [owner, mode, self._lease, done_ms]
@@ -188,7 +197,7 @@ class TaskLock(RedisLock):
                 code = int(reply[0])
                 message = _text(reply[1]) if len(reply) > 1 else None
             else:
-                keys = [self.keys.lock, self.keys.channel]
+                keys = self.keys.release_keys()
                 args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold")]
                 if done_ttl is not None:
                     keys.append(self.done_key)

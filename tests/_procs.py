@@ -105,3 +105,9 @@ def hold_until_lost(port: int, name: str, ttl: float, report_key: str) -> None:
         client.rpush(report_key, "release passed")
     except LockLostError as exc:
         client.rpush(report_key, f"release raised {type(exc).__name__}")
+
+
+def wait_in_line(port: int, name: str) -> None:
+    """Block in acquire (joining the line) until killed."""
+    client = redis.Redis(port=port, socket_timeout=10)
+    RedisLock(client, name, ttl=30, owner="doomed-waiter").acquire(timeout=600)

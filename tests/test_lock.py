@@ -399,3 +399,65 @@ def test_waiting_never_exhausts_the_connection_pool(redis_server: RedisServer) -
         with subscriber._mutex:
             subscriber._drop_connection_locked()  # the next wait connects afresh
     assert client.ping()
+
+
+def test_waiters_are_served_first_come_first_served(redis_client: redis.Redis) -> None:
+    holder = RedisLock(redis_client, "line", ttl=60, auto_renew=False, owner="holder")
+    holder.acquire()
+    order: list[int] = []
+
+    def wait(i: int) -> None:
+        lock = RedisLock(redis_client, "line", ttl=60, auto_renew=False, owner=f"w{i}")
+        assert lock.acquire(timeout=30)
+        order.append(i)
+        lock.release()  # hands the lock to the next in line
+
+    threads = []
+    for i in range(6):
+        threads.append(threading.Thread(target=wait, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 5  # each joins the line before the next arrives
+        while redis_client.llen(holder.keys.waiters) < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert redis_client.llen(holder.keys.waiters) == 6
+    redis_client.config_resetstat()
+    holder.release()
+    for t in threads:
+        t.join(30)
+    assert order == list(range(6))  # in arrival order
+    calls = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    # Per hand-off the next waiter takes the lock and releases it (2 calls): no herd of
+    # retries (a herd would cost every remaining waiter a retry per hand-off, 15 more).
+    assert 1 + 6 * 2 <= calls < 1 + 6 * 2 + 3
+    assert not redis_client.exists(holder.keys.waiters, holder.keys.claims)
+
+
+def test_a_timed_out_waiter_leaves_the_line(redis_client: redis.Redis) -> None:
+    RedisLock(redis_client, "line", ttl=60, owner="holder").acquire()
+    keys = RedisLock(redis_client, "line").keys
+    assert RedisLock(redis_client, "line", owner="impatient").acquire(timeout=0.2) is False
+    assert redis_client.llen(keys.waiters) == 0 and redis_client.zcard(keys.claims) == 0
+
+
+def test_a_dead_waiter_does_not_stall_the_line(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    holder = RedisLock(redis_client, "line", ttl=60, auto_renew=False, owner="holder")
+    holder.acquire()
+    doomed = _procs.run(_procs.wait_in_line, redis_server.port, "line")
+    deadline = time.monotonic() + 20
+    while redis_client.llen(holder.keys.waiters) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _procs.sigkill(doomed)  # first in line, and gone
+    result: list[bool] = []
+    live = threading.Thread(
+        target=lambda: result.append(
+            RedisLock(redis_client, "line", owner="live", auto_renew=False).acquire(timeout=30)
+        )
+    )
+    live.start()
+    time.sleep(0.3)
+    holder.release()  # granted to the dead waiter first: it never takes it
+    live.join(40)
+    assert result == [True]  # the grant lapsed (2 s) and the live waiter got the lock
+    assert redis_client.hget(holder.keys.lock, "live") == b"1"

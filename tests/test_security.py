@@ -64,6 +64,16 @@ LOCK_COMMANDS = (
     "publish",
     "subscribe",
     "unsubscribe",
+    # the line of blocked waiters: a list in arrival order and a sorted set of claims
+    "rpush",
+    "lpop",
+    "lindex",
+    "llen",
+    "lrem",
+    "zadd",
+    "zscore",
+    "zrem",
+    "time",
 )
 #: FencedResource: fence.lua (GET/SET of ``<prefix>fence:<resource>``) and ``highest()``.
 FENCE_COMMANDS = ("evalsha", "script|load", "get", "set")
@@ -75,15 +85,9 @@ CELERY_EXTRA_COMMANDS = (
     "set",
     "hsetnx",
     "hdel",
-    "rpush",
-    "lpop",
     "hgetall",
-    "llen",
     "hlen",
-    "time",
-    "zadd",
     "zrange",
-    "zrem",
     "hincrbyfloat",
     "script|exists",
     "ping",
@@ -208,6 +212,13 @@ def exercise_lock(client: redis.Redis, admin: redis.Redis, tag: str) -> None:
     short.ensure_held()
     short.release()
     assert not short.locked()
+
+    # A waiter whose holder's fixed lease runs out: the free lock goes to the head of the
+    # line (LINDEX/LPOP), and a waiter that times out leaves the line (LREM).
+    lapsing = RedisLock(client, f"{tag}:d", ttl=30, owner="lapsing")
+    assert lapsing.acquire(lease=0.3)
+    assert RedisLock(client, f"{tag}:d", owner="next in line").acquire(timeout=10)
+    assert RedisLock(client, f"{tag}:d", owner="impatient").acquire(timeout=0.1) is False
 
     RedisLock(client, f"{tag}:c", ttl=30, owner="an operator's victim").acquire()
     assert RedisLock.force_release(client, f"{tag}:c")

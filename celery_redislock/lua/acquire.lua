@@ -1,20 +1,61 @@
--- Take or re-enter a reentrant lock in one round trip.
+-- Take or re-enter a reentrant lock in one round trip; fair to queued waiters.
 -- KEYS[1]  lock hash: field <owner> = hold count, field "__fence__" = fencing token of this holding
 -- KEYS[2]  fence counter: last token handed out for this lock name (never expires)
--- KEYS[3]  optional: "done" marker of the owner (a finished task id); if it exists, take nothing
+-- KEYS[3]  waiters: list of owners waiting, first come first served
+-- KEYS[4]  claims: sorted set owner -> ms (server time) until which its place in line is kept
+-- KEYS[5]  optional: "done" marker of the owner (a finished task id); if it exists, take nothing
 -- ARGV[1]  owner id (never "__fence__")
 -- ARGV[2]  lease in milliseconds (a positive integer)
--- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token)
---          {0, pttl}               held by another owner; pttl = ms left on its lease (-1: no expiry)
---          {-1, 0}                 KEYS[3] exists: this owner already finished its work here
+-- ARGV[3]  optional: join the line when contended, keeping the place this many ms past the
+--          holder's lease (a blocked acquire passes it; a single try does not)
+-- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
+--                                  the lease is extended to ARGV[2] if shorter, never shortened).
+--                                  A waiter granted the lock at a release (count 0) takes it here.
+--          {0, ms}                 not taken: ms = the holder's remaining lease (-1: no expiry),
+--                                  or how long to wait for the first in line to take a free lock
+--          {-1, 0}                 KEYS[5] exists: this owner already finished its work here
 local lease = tonumber(ARGV[2])
 if not lease or lease <= 0 then
   return redis.error_reply('ERR redislock: lease must be a positive number of milliseconds')
 end
-if KEYS[3] and redis.call('exists', KEYS[3]) == 1 then
+if KEYS[5] and redis.call('exists', KEYS[5]) == 1 then
   return {-1, 0}
 end
+local function now_ms()
+  local t = redis.call('time')
+  return t[1] * 1000 + math.floor(t[2] / 1000)
+end
+local function join_line(wait_ms)
+  if ARGV[3] then
+    local until_ms = now_ms() + math.max(wait_ms, 0) + tonumber(ARGV[3])
+    if redis.call('zadd', KEYS[4], until_ms, ARGV[1]) == 1 then
+      redis.call('rpush', KEYS[3], ARGV[1])
+    end
+  end
+end
 if redis.call('exists', KEYS[1]) == 0 then
+  if redis.call('llen', KEYS[3]) > 0 then
+    local now = now_ms()
+    local head = redis.call('lindex', KEYS[3], 0)
+    while head do  -- drop waiters that stopped refreshing their place (gone or dead)
+      local keep = tonumber(redis.call('zscore', KEYS[4], head) or '0')
+      if keep >= now then
+        break
+      end
+      redis.call('lpop', KEYS[3])
+      redis.call('zrem', KEYS[4], head)
+      head = redis.call('lindex', KEYS[3], 0)
+    end
+    if head and head ~= ARGV[1] then
+      join_line(0)
+      local keep = tonumber(redis.call('zscore', KEYS[4], head))
+      return {0, math.min(keep - now, 1000)}
+    end
+    if head then
+      redis.call('lpop', KEYS[3])
+      redis.call('zrem', KEYS[4], head)
+    end
+  end
   local token = redis.call('incr', KEYS[2])
   redis.call('hset', KEYS[1], ARGV[1], 1, '__fence__', token)
   redis.call('pexpire', KEYS[1], lease)
@@ -27,4 +68,6 @@ if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
   end
   return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')), count}
 end
-return {0, redis.call('pttl', KEYS[1])}
+local pttl = redis.call('pttl', KEYS[1])
+join_line(pttl)
+return {0, pttl}

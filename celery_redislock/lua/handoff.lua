@@ -6,6 +6,8 @@
 -- KEYS[5]  parked messages (hash task id -> message)
 -- KEYS[6]  "done" marker of the releasing task id
 -- KEYS[7]  dispatched: hash task id -> ms time its message was last published (for the sweeper)
+-- KEYS[8]  waiters of blocking acquires (list), served when no task is parked
+-- KEYS[9]  their claims (sorted set owner -> ms its place is kept until)
 -- ARGV[1]  releasing task id (the owner)
 -- ARGV[2]  mode: "one" one hold; "all" every hold (the worker releasing for a dead process)
 -- ARGV[3]  lease in milliseconds for the task the lock is handed to
@@ -39,9 +41,6 @@ while true do
     break
   end
 end
-if not next_id then
-  redis.call('publish', KEYS[2], '1')  -- first: a refused PUBLISH changes nothing
-end
 if tonumber(ARGV[4]) > 0 then
   redis.call('set', KEYS[6], '1', 'px', ARGV[4])
 end
@@ -57,4 +56,23 @@ if next_id then
   redis.call('pexpire', KEYS[1], ARGV[3])
   return {code, message, next_id}
 end
+-- Nobody parked: hand the lock to the first blocked waiter still in line, or wake waiters.
+local t = redis.call('time')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+while true do
+  local head = redis.call('lpop', KEYS[8])
+  if not head then
+    break
+  end
+  local keep = tonumber(redis.call('zscore', KEYS[9], head) or '0')
+  redis.call('zrem', KEYS[9], head)
+  if keep >= now then
+    local token = redis.call('incr', KEYS[3])
+    redis.call('hset', KEYS[1], head, 0, '__fence__', token)
+    redis.call('pexpire', KEYS[1], 2000)
+    redis.call('publish', KEYS[2], head)
+    return {code}
+  end
+end
+redis.call('publish', KEYS[2], '1')
 return {code}

@@ -1,35 +1,44 @@
--- Give back a hold; when none is left delete the lock and wake waiters.
+-- Give back a hold; when none is left, hand the lock to the first waiter in line, or
+-- delete it and wake waiters.
 -- KEYS[1]  lock hash
--- KEYS[2]  release channel (a message here wakes one waiter per subscribed process)
--- KEYS[3]  optional: "done" marker to set for the owner once its hold is given back
+-- KEYS[2]  release channel: the new holder's owner id after a hand-over (wakes exactly that
+--          waiter), or "1" (wakes one waiter per subscribed process)
+-- KEYS[3]  fence counter
+-- KEYS[4]  waiters (list, first come first served)
+-- KEYS[5]  claims (sorted set owner -> ms its place is kept until)
+-- KEYS[6]  optional: "done" marker to set for the owner once its hold is given back
 -- ARGV[1]  owner id
 -- ARGV[2]  optional mode: "one" (default) one hold; "all" every hold of the owner (a worker
---          releasing for a dead task); "hold" keep the lock, but only for ARGV[3] ms more
+--          releasing for a dead task); "hold" keep the lock, but only for ARGV[3] ms more;
+--          "leave" a waiter giving up: leave the line, and pass on a lock granted to it
 -- ARGV[3]  with "hold": milliseconds to keep the lock (a positive integer)
--- ARGV[4]  with KEYS[3]: lifetime of the done marker in milliseconds
--- returns  n >= 0  holds the owner still has (0: given back; lock deleted or left to expire)
+-- ARGV[4]  with KEYS[6]: lifetime of the done marker in milliseconds
+-- ARGV[5]  optional: ms a waiter granted the lock has to take it (default 2000)
+-- returns  n >= 0  holds the owner still has (0: given back; lock handed over, deleted or
+--                  left to expire)
 --          -1      the lock key is gone (the lease expired)
 --          -2      another owner holds the lock (ours expired and was taken); nothing touched
-if redis.call('exists', KEYS[1]) == 0 then
+--          -3      "leave": the waiter held nothing
+local mode = ARGV[2] or 'one'
+if mode == 'leave' then
+  redis.call('lrem', KEYS[4], 0, ARGV[1])
+  redis.call('zrem', KEYS[5], ARGV[1])
+  if redis.call('hget', KEYS[1], ARGV[1]) ~= '0' then
+    return -3
+  end
+elseif redis.call('exists', KEYS[1]) == 0 then
   return -1
-end
-if redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+elseif redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
   return -2
 end
-local mode = ARGV[2] or 'one'
 if mode == 'one' then
   local count = tonumber(redis.call('hget', KEYS[1], ARGV[1]))
   if count > 1 then
     return redis.call('hincrby', KEYS[1], ARGV[1], -1)
   end
 end
--- Given back in full. Publish first: the script is atomic, so woken waiters retry after it
--- ends, and a PUBLISH an ACL refuses fails the script before anything was changed.
-if mode ~= 'hold' then
-  redis.call('publish', KEYS[2], '1')
-end
-if KEYS[3] then
-  redis.call('set', KEYS[3], '1', 'px', ARGV[4])
+if KEYS[6] and ARGV[4] then
+  redis.call('set', KEYS[6], '1', 'px', ARGV[4])
 end
 if mode == 'hold' then
   local keep = tonumber(ARGV[3])
@@ -41,4 +50,23 @@ if mode == 'hold' then
   return 0
 end
 redis.call('del', KEYS[1])
+-- Hand the lock to the first waiter whose place is still kept.
+local t = redis.call('time')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+while true do
+  local head = redis.call('lpop', KEYS[4])
+  if not head then
+    break
+  end
+  local keep = tonumber(redis.call('zscore', KEYS[5], head) or '0')
+  redis.call('zrem', KEYS[5], head)
+  if keep >= now then
+    local token = redis.call('incr', KEYS[3])
+    redis.call('hset', KEYS[1], head, 0, '__fence__', token)  -- count 0: granted, not yet taken
+    redis.call('pexpire', KEYS[1], tonumber(ARGV[5] or '2000'))
+    redis.call('publish', KEYS[2], head)
+    return 0
+  end
+end
+redis.call('publish', KEYS[2], '1')
 return 0
