@@ -1,10 +1,13 @@
 """How waiters wake: one shared pub/sub subscriber per connection pool per process.
 
 A blocked ``acquire`` subscribes to the lock's release channel *before* it retries,
-then sleeps at most min(holder's remaining lease, caller's remaining timeout). Every
-release publishes one message; the subscriber hands it to the longest-waiting local
-waiter of that lock only (not to all), which then retries. An expiry publishes
-nothing, which is why the sleep is bounded by the lease.
+then sleeps at most min(holder's remaining lease, caller's remaining timeout). Blocked
+acquires also join the lock's line in Redis (first come, first served): a release hands
+the lock straight to the head of the line and publishes that waiter's owner id, and the
+subscriber wakes exactly that waiter, which finds the lock already its own. A release
+with nobody in line publishes "1", which wakes the longest-waiting local waiter of that
+lock (not all). An expiry publishes nothing, which is why the sleep is bounded by the
+lease.
 
 Subscriptions are reference-counted per channel and dropped a little after their
 last waiter leaves, so a lock contended in bursts is not re-subscribed each time.
