@@ -132,7 +132,7 @@ class LockKeys:
         )
 
     def release_keys(self) -> list[bytes]:
-        """KEYS of release.lua and force_release.lua, in order."""
+        """KEYS of release.lua, in order."""
         return [self.lock, self.channel, self.fence, self.waiters, self.claims]
 
 

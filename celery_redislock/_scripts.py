@@ -11,7 +11,7 @@ import weakref
 from importlib import resources
 from typing import Any
 
-SCRIPT_NAMES = ("acquire", "release", "renew", "force_release", "fence", "park", "handoff", "sweep")
+SCRIPT_NAMES = ("acquire", "release", "renew", "fence", "park", "handoff", "sweep")
 
 
 @functools.cache
@@ -26,7 +26,6 @@ class Scripts:
         self.acquire = client.register_script(source("acquire"))
         self.release = client.register_script(source("release"))
         self.renew = client.register_script(source("renew"))
-        self.force_release = client.register_script(source("force_release"))
         self.fence = client.register_script(source("fence"))
         self.park = client.register_script(source("park"))
         self.handoff = client.register_script(source("handoff"))

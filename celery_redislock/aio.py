@@ -264,7 +264,8 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
     ) -> bool:
         """Operator's tool: delete the lock whoever holds it (see ``RedisLock.force_release``)."""
         keys = LockKeys.for_name(name, validate_prefix(prefix))
-        return bool(await scripts_for(client).force_release(keys=keys.release_keys()))
+        code = await scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
+        return int(code) == 0
 
     async def __aenter__(self) -> AsyncRedisLock:
         if not await self.acquire(self.blocking, self.timeout):

@@ -249,7 +249,8 @@ class RedisLock(LockBase[LeaseLost]):
         "expired"). Returns whether a lock was deleted.
         """
         keys = LockKeys.for_name(name, validate_prefix(prefix))
-        return bool(scripts_for(client).force_release(keys=keys.release_keys()))
+        code = scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
+        return int(code) == 0
 
     # -- context manager -------------------------------------------------------
 

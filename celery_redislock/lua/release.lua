@@ -10,7 +10,8 @@
 -- ARGV[1]  owner id
 -- ARGV[2]  optional mode: "one" (default) one hold; "all" every hold of the owner (a worker
 --          releasing for a dead task); "hold" keep the lock, but only for ARGV[3] ms more;
---          "leave" a waiter giving up: leave the line, and pass on a lock granted to it
+--          "leave" a waiter giving up: leave the line, and pass on a lock granted to it;
+--          "force" an operator's release: whoever holds the lock (ARGV[1] unused)
 -- ARGV[3]  with "hold": milliseconds to keep the lock (a positive integer)
 -- ARGV[4]  with KEYS[6]: lifetime of the done marker in milliseconds
 -- ARGV[5]  optional: ms a waiter granted the lock has to take it (default 2000)
@@ -28,7 +29,7 @@ if mode == 'leave' then
   end
 elseif redis.call('exists', KEYS[1]) == 0 then
   return -1
-elseif redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+elseif mode ~= 'force' and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
   return -2
 end
 if mode == 'one' then
