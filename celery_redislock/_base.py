@@ -14,6 +14,7 @@ from typing import Any, Callable, Generic, TypeVar
 from . import signals
 from ._core import (
     DEFAULT_PREFIX,
+    LINE_MARGIN_MS,
     AcquireReply,
     Hold,
     LockKeys,
@@ -177,6 +178,15 @@ class LockBase(Generic[Signal]):
         return callback
 
     # -- decisions on replies --------------------------------------------------
+
+    def _acquire_keys(self) -> list[bytes]:
+        """KEYS of acquire.lua, in order (a task lock adds its done marker)."""
+        return [self.keys.lock, self.keys.fence, self.keys.waiters, self.keys.claims]
+
+    @staticmethod
+    def _acquire_argv(owner: str, lease: int, line: bool) -> list[Any]:
+        """ARGV of acquire.lua: a blocked acquire (``line``) joins the line when contended."""
+        return [owner, lease, LINE_MARGIN_MS] if line else [owner, lease]
 
     def _acquire_args(self, lease: float | None) -> tuple[int, bool]:
         if lease is None:

@@ -8,6 +8,7 @@ and retry backoff live here once; :mod:`celery_redislock.lock` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -330,6 +331,14 @@ class AsyncLeaseLost(LossSignal):
     def _wake(self) -> None:
         for event in self._events:
             event.set()
+
+
+async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+    """Cancel a background task (if any) and wait until it has finished."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:

@@ -21,7 +21,6 @@ Forked children start with an empty registry: they never renew their parent's ho
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -37,6 +36,7 @@ from ._core import (
     Hold,
     backoff,
     batched,
+    cancel_and_wait,
     loss_reason_from_renew,
     renew_args,
     wait_event,
@@ -252,11 +252,7 @@ class AsyncRenewalScheduler(_SchedulerBase):
 
     async def aclose(self) -> None:
         """Stop renewing (held locks then expire after their lease) and close connections."""
-        task = self._task
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         try:

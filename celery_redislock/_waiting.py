@@ -33,7 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._core import wait_event
+from ._core import cancel_and_wait, wait_event
 
 log = logging.getLogger(__name__)
 
@@ -404,11 +404,7 @@ class AsyncSubscriber:
 
     async def aclose(self) -> None:
         """Stop the reader task and close the connection (waiters retry on their own)."""
-        task = self._task
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task)
 
     async def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None

@@ -28,7 +28,6 @@ from redis.exceptions import RedisError
 from ._base import LockBase
 from ._core import (
     DEFAULT_PREFIX,
-    LINE_MARGIN_MS,
     AsyncLeaseLost,
     Hold,
     LockKeys,
@@ -190,9 +189,10 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         line: bool = False,
     ) -> bool | int:
         sent_at = time.monotonic()
-        args: list[Any] = [owner, lease, LINE_MARGIN_MS] if line else [owner, lease]
-        keys = [self.keys.lock, self.keys.fence, self.keys.waiters, self.keys.claims]
-        future, cancelled = await _to_completion(self._scripts.acquire(keys=keys, args=args))
+        argv = self._acquire_argv(owner, lease, line)
+        future, cancelled = await _to_completion(
+            self._scripts.acquire(keys=self._acquire_keys(), args=argv)
+        )
         if cancelled is not None and future.exception() is not None:
             raise cancelled
         reply = decode_acquire(future.result())

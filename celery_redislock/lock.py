@@ -28,7 +28,6 @@ from redis.exceptions import RedisError
 from ._base import LockBase
 from ._core import (
     DEFAULT_PREFIX,
-    LINE_MARGIN_MS,
     Hold,
     LeaseLost,
     LockKeys,
@@ -93,9 +92,6 @@ class RedisLock(LockBase[LeaseLost]):
 
     def _default_owner(self) -> str:
         return thread_owner()
-
-    def _acquire_keys(self) -> list[bytes]:
-        return [self.keys.lock, self.keys.fence, self.keys.waiters, self.keys.claims]
 
     def _scheduler(self) -> RenewalScheduler:
         # Cached per process: a forked child must get (and cache) its own.
@@ -172,8 +168,8 @@ class RedisLock(LockBase[LeaseLost]):
         ``line=True`` (a blocked acquire) joins the line of waiters when contended.
         """
         sent_at = time.monotonic()
-        args: list[Any] = [owner, lease, LINE_MARGIN_MS] if line else [owner, lease]
-        reply = decode_acquire(self._scripts.acquire(keys=self._acquire_keys(), args=args))
+        argv = self._acquire_argv(owner, lease, line)
+        reply = decode_acquire(self._scripts.acquire(keys=self._acquire_keys(), args=argv))
         if not reply.acquired:
             if reply.finished:
                 raise OwnerFinished(self.name)
