@@ -13,6 +13,7 @@ from ._errors import (
     LockForkedError,
     LockLostError,
     LockNotOwnedError,
+    LockQuorumError,
     LockTimeoutError,
     RedisLockError,
 )
@@ -21,6 +22,7 @@ from .decorators import current_lock, locked
 from .fencing import FencedResource
 from .keys import KeyTemplate, LockKeyError
 from .lock import RedisLock
+from .redlock import AsyncRedLock, RedLock
 
 __version__ = "0.1.0"
 
@@ -38,6 +40,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AsyncLeaseLost",
+    "AsyncRedLock",
     "AsyncRedisLock",
     "DEFAULT_PREFIX",
     "FencedResource",
@@ -50,9 +53,11 @@ __all__ = [
     "LockKeys",
     "LockLostError",
     "LockNotOwnedError",
+    "LockQuorumError",
     "LockTimeoutError",
     "LockedRequest",
     "LockedTask",
+    "RedLock",
     "RedisLock",
     "RedisLockError",
     "current_lock",

@@ -6,6 +6,7 @@
     ├── LockConfigurationError          bad argument or setting (also a ValueError)
     ├── LockKeyError (keys.py)          a lock_key that cannot be rendered for a call (ValueError)
     ├── LockTimeoutError                not acquired within the timeout (also a TimeoutError)
+    │   └── LockQuorumError             a quorum lock could not reach a majority of its nodes
     ├── LockContendedError              a task (or locked call) found its lock held and gave up
     └── LockNotOwnedError               releasing/extending a hold the caller does not have
         ├── LockLostError               the caller had the hold, but its lease was lost
@@ -49,6 +50,25 @@ class _NamedLockError(RedisLockError):
 
 class LockTimeoutError(_NamedLockError, TimeoutError):
     """The lock was not acquired within the allowed time."""
+
+
+class LockQuorumError(LockTimeoutError):
+    """A quorum lock could not reach a majority of its Redis nodes.
+
+    ``failures`` maps each node that failed (``host:port``) to what went wrong.
+    Contention is not this error: a majority answered, and another owner held it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | bytes | None = None,
+        owner: str | None = None,
+        failures: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, name=name, owner=owner)
+        self.failures = dict(failures or {})
 
 
 class LockContendedError(_NamedLockError):
@@ -107,6 +127,7 @@ __all__ = [
     "LockForkedError",
     "LockLostError",
     "LockNotOwnedError",
+    "LockQuorumError",
     "LockTimeoutError",
     "RedisLockError",
 ]

@@ -111,3 +111,20 @@ def wait_in_line(port: int, name: str) -> None:
     """Block in acquire (joining the line) until killed."""
     client = redis.Redis(port=port, socket_timeout=10)
     RedisLock(client, name, ttl=30, owner="doomed-waiter").acquire(timeout=600)
+
+
+def hammer_quorum(ports: list[int], name: str, iterations: int, log_key: str) -> None:
+    """:func:`hammer` through the quorum lock; the counter and log live on the first node."""
+    from celery_redislock import RedLock
+
+    clients = [redis.Redis(port=p, socket_timeout=10) for p in ports]
+    lock = RedLock(clients, name, ttl=10)
+    data = clients[0]
+    for _ in range(iterations):
+        with lock:
+            enter = time.monotonic()
+            value = int(data.get(name) or 0)
+            time.sleep(0.0005)
+            data.set(name, value + 1)
+            leave = time.monotonic()
+            data.rpush(log_key, f"{enter!r} {leave!r} {lock.token}")

@@ -1,0 +1,247 @@
+"""The I/O-free half of the quorum lock, shared by :class:`RedLock` and :class:`AsyncRedLock`.
+
+What a round of per-node replies means (acquired? by whom? which nodes failed?), the
+validity rule, and the per-node holds behind one quorum hold live here; the two
+classes in :mod:`celery_redislock.redlock` only send the commands.
+
+The rules are the published Redlock algorithm's:
+
+* every attempt goes to all N nodes in parallel, each with a short timeout;
+* it succeeds when a majority (N // 2 + 1) granted it **and** the validity left,
+  ``ttl - elapsed - drift`` with ``elapsed`` measured on the monotonic clock from the
+  start of the attempt and ``drift = 1 % of ttl + 2 ms``, is positive;
+* a failed attempt is undone on every node it may have reached, and retried after a
+  random delay (so competing clients that split the vote do not collide again);
+* renewal extends under the same rule: the hold stays valid while a majority of nodes
+  renewed it, until the latest time at which a majority's leases still run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._core import AcquireReply, Hold, LossSignal, validity_deadline
+from ._errors import LockConfigurationError, LockQuorumError
+
+
+def quorum_of(nodes: int) -> int:
+    """A majority of ``nodes``."""
+    return nodes // 2 + 1
+
+
+def node_label(client: Any) -> str:
+    """``host:port`` of a redis-py client (for error messages)."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", {}) if pool is not None else {}
+    if "path" in kwargs:
+        return f"unix:{kwargs['path']}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
+def validate_nodes(clients: object) -> list[Any]:
+    """The node list: a non-empty sequence of distinct clients or ``redis://`` URLs."""
+    if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence) or not clients:
+        raise LockConfigurationError(
+            f"clients must be a non-empty list of redis-py clients or redis:// URLs, one per "
+            f"independent Redis master (an odd number, 3 or 5, is recommended), got {clients!r}"
+        )
+    labels: set[str] = set()
+    for node in clients:
+        if node is None or isinstance(node, bytes):
+            raise LockConfigurationError(
+                f"clients must hold redis-py clients or redis:// URLs, got {node!r}"
+            )
+        label = node if isinstance(node, str) else node_label(node)
+        if label in labels and not label.startswith("?"):
+            raise LockConfigurationError(
+                f"clients lists {label} twice: a quorum needs independent Redis masters"
+            )
+        labels.add(label)
+    return list(clients)
+
+
+@dataclass
+class Round:
+    """The replies of one round to every node: a value, or the exception it raised."""
+
+    replies: list[Any]
+    labels: Sequence[str]
+
+    def answered(self) -> list[int]:
+        return [i for i, r in enumerate(self.replies) if not isinstance(r, BaseException)]
+
+    def failures(self) -> dict[str, str]:
+        return {
+            self.labels[i]: _describe(r)
+            for i, r in enumerate(self.replies)
+            if isinstance(r, BaseException)
+        }
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
+
+
+@dataclass
+class QuorumAcquire:
+    """What a round of acquire replies adds up to."""
+
+    granted: list[int] = field(default_factory=list)
+    token: int = 0
+    hold_count: int = 0
+    #: Nodes whose reply never came or failed (the grant may have landed there).
+    unknown: list[int] = field(default_factory=list)
+    #: Shortest remaining lease of another owner among the nodes that refused (ms).
+    pttl: int = 0
+    #: Some nodes granted it, not a majority: a split vote (retry after a random delay).
+    split: bool = False
+    finished: bool = False
+
+    def reply(self) -> AcquireReply:
+        return AcquireReply(True, token=self.token, hold_count=self.hold_count)
+
+
+def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply]) -> QuorumAcquire:
+    outcome = QuorumAcquire()
+    waits: list[int] = []
+    for i, raw in enumerate(replies):
+        if isinstance(raw, BaseException):
+            outcome.unknown.append(i)
+            continue
+        reply = decode(raw)
+        if reply.acquired:
+            outcome.granted.append(i)
+            outcome.token = max(outcome.token, reply.token)
+            outcome.hold_count = max(outcome.hold_count, reply.hold_count)
+        elif reply.finished:
+            outcome.finished = True
+        else:
+            waits.append(reply.pttl)
+    positive = [w for w in waits if w > 0]
+    outcome.pttl = min(positive) if positive else (-1 if -1 in waits else 0)
+    outcome.split = bool(outcome.granted)
+    return outcome
+
+
+def quorum_error(
+    name: str | bytes, owner: str, what: str, round_: Round, quorum: int
+) -> LockQuorumError:
+    failures = round_.failures()
+    listed = "; ".join(f"{node}: {why}" for node, why in failures.items())
+    return LockQuorumError(
+        f"lock {name!r}: could not {what}: only {len(round_.answered())} of "
+        f"{len(round_.replies)} Redis nodes answered, a quorum needs {quorum} "
+        f"(failed: {listed})",
+        name=name,
+        owner=owner,
+        failures=failures,
+    )
+
+
+def release_code(round_: Round, quorum: int) -> int | None:
+    """One release code for the quorum (see release.lua), or None: too few answered.
+
+    n >= 0 when a majority gave the hold back (n: holds still left), else the loss:
+    -2 if some node shows another owner, -1 if the hold was simply gone.
+    """
+    codes = [int(round_.replies[i]) for i in round_.answered()]
+    given_back = [c for c in codes if c >= 0]
+    if len(given_back) >= quorum:
+        return max(given_back)
+    if len(codes) < quorum and len(given_back) + len(round_.replies) - len(codes) >= quorum:
+        return None  # a majority may still hold it: keep the hold, the caller can retry
+    return -2 if -2 in codes else -1
+
+
+def renew_code(round_: Round, quorum: int) -> int | None:
+    """One renew code for the quorum (see renew.lua): 1, 0, -1, or None (too few answered)."""
+    codes = [int(round_.replies[i][0]) for i in round_.answered()]
+    renewed = sum(1 for c in codes if c == 1)
+    if renewed >= quorum:
+        return 1
+    if renewed + len(round_.replies) - len(codes) >= quorum:
+        return None
+    return -1 if -1 in codes else 0
+
+
+class NodeHold(Hold):
+    """One node's share of a quorum hold, renewed by that node's watchdog."""
+
+    __slots__ = ("group",)
+
+    group: HoldGroup
+
+    def renewed(self, sent_at: float) -> None:
+        super().renewed(sent_at)
+        self.group.refresh()
+
+
+class HoldGroup:
+    """The per-node holds behind one quorum hold; it stays valid while a majority does."""
+
+    def __init__(self, hold: Hold, quorum: int, signal_type: type[LossSignal]) -> None:
+        self.hold = hold
+        self.quorum = quorum
+        self.parts: list[tuple[int, NodeHold]] = []
+        self._signal_type = signal_type
+        self._mutex = threading.Lock()
+        self._reasons: list[str] = []
+
+    def add(self, node: int, sent_at: float) -> NodeHold:
+        hold = self.hold
+        part = NodeHold(
+            hold.keys,
+            hold.owner,
+            token=hold.token,
+            lease=hold.lease,
+            renew=True,
+            sent_at=sent_at,
+            lost=self._signal_type(),
+            notify=self._part_lost,
+        )
+        part.group = self
+        self.parts.append((node, part))
+        return part
+
+    def set_lease(self, lease: int, sent_at: float) -> None:
+        for _, part in self.parts:
+            if not part.lost.is_set():
+                part.lease = lease
+                part.renewed(sent_at)
+
+    def set_releasing(self, delta: int) -> None:
+        for _, part in self.parts:
+            part.releasing += delta
+
+    def refresh(self) -> None:
+        """Validity = the latest time a majority of the nodes' leases all still run."""
+        with self._mutex:
+            live = sorted((p.deadline for _, p in self.parts if not p.lost.is_set()), reverse=True)
+            if len(live) >= self.quorum:
+                self.hold.deadline = live[self.quorum - 1]
+            else:
+                self.hold.deadline = min(self.hold.deadline, time.monotonic())
+
+    def _part_lost(self, part: Hold, reason: str) -> None:
+        with self._mutex:
+            self._reasons.append(reason)
+            alive = sum(1 for _, p in self.parts if not p.lost.is_set())
+            reasons = list(self._reasons)
+        if alive >= self.quorum:
+            return
+        self.refresh()
+        for why in ("stolen", "unreachable", "expired"):
+            if why in reasons:
+                self.hold.mark_lost(why)
+                return
+        self.hold.mark_lost(reason)
+
+
+def attempt_valid(sent_at: float, lease: int) -> bool:
+    """The Redlock validity rule: some of the lease is left after elapsed time and drift."""
+    return validity_deadline(sent_at, lease) > time.monotonic()

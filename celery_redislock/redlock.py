@@ -1,0 +1,783 @@
+"""The quorum lock over N independent Redis masters: :class:`RedLock` and :class:`AsyncRedLock`.
+
+The same public API as :class:`~celery_redislock.RedisLock` (reentrant, owner-checked,
+fenced, self-renewing, woken on release), with every operation sent to all N nodes
+in parallel and decided by a majority (see :mod:`celery_redislock._quorum` for the
+rules). It keeps working while a majority of the nodes runs.
+
+Fencing tokens stay strictly increasing across nodes: an acquisition takes the
+highest of the tokens its majority handed out and writes it back to every node's
+counter (set-if-greater) before it counts as acquired, so any later majority
+includes a node that has seen it. This needs the fence counters to survive a node's
+restart (AOF persistence on every node); see docs/guarantees.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ._base import LockBase
+from ._core import (
+    DEFAULT_PREFIX,
+    AsyncLeaseLost,
+    Hold,
+    LeaseLost,
+    LockKeys,
+    OwnerFinished,
+    decode_acquire,
+    lease_ms,
+    optional_seconds,
+    thread_owner,
+    validate_prefix,
+    wait_bound,
+    wait_event,
+)
+from ._errors import LockConfigurationError
+from ._quorum import (
+    HoldGroup,
+    NodeHold,
+    QuorumAcquire,
+    Round,
+    attempt_valid,
+    node_label,
+    quorum_error,
+    quorum_of,
+    release_code,
+    renew_code,
+    tally_acquire,
+    validate_nodes,
+)
+from ._renewal import async_scheduler_for, scheduler_for
+from ._scripts import scripts_for
+from ._waiting import UNCONFIRMED_POLL, async_subscriber_for, subscriber_for
+
+T = TypeVar("T")
+
+#: Default per-node timeout of one request (seconds): small next to any sensible ttl.
+NODE_TIMEOUT = 0.25
+#: Default ceiling of the random delay before retrying after a split vote (seconds).
+RETRY_DELAY = 0.1
+
+
+def _bounded(client: Any, timeout: float, *, asyncio_client: bool) -> Any:
+    """A client on a private pool whose socket timeouts are ``timeout``: a stalled node
+    costs one attempt ``timeout`` at most, never a hung call."""
+    if isinstance(client, str):
+        if asyncio_client:
+            import redis.asyncio
+
+            return redis.asyncio.Redis.from_url(
+                client,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                retry=AsyncRetry(NoBackoff(), 0),
+            )
+        import redis
+
+        return redis.Redis.from_url(
+            client,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs["socket_timeout"] = min(kwargs.get("socket_timeout") or timeout, timeout)
+    kwargs["socket_connect_timeout"] = min(kwargs.get("socket_connect_timeout") or timeout, timeout)
+    # One attempt per node per round: a stalled node costs ``timeout`` once, not 3 times.
+    kwargs["retry"] = (AsyncRetry if asyncio_client else Retry)(NoBackoff(), 0)
+    own = type(pool)(connection_class=pool.connection_class, **kwargs)
+    return type(client)(connection_pool=own)
+
+
+class _QuorumBase:
+    """Node set, timeouts and the per-node holds: what both quorum locks share."""
+
+    clients: tuple[Any, ...]
+    quorum: int
+    node_timeout: float
+    retry_delay: float
+    _labels: list[str]
+    _groups: dict[int, HoldGroup]
+
+    def _setup_nodes(
+        self, clients: Any, node_timeout: float | None, retry_delay: float, ttl: float
+    ) -> list[Any]:
+        nodes = validate_nodes(clients)
+        timeout = NODE_TIMEOUT if node_timeout is None else node_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise LockConfigurationError(
+                f"node_timeout must be a positive number of seconds, got {node_timeout!r}"
+            )
+        if timeout * 2 >= ttl:
+            raise LockConfigurationError(
+                f"node_timeout ({timeout}s) must be well below ttl ({ttl}s): an attempt that "
+                f"takes longer than the lease can never be valid (use at most ttl / 10)"
+            )
+        if isinstance(retry_delay, bool) or not isinstance(retry_delay, (int, float)):
+            raise LockConfigurationError(f"retry_delay must be seconds >= 0, got {retry_delay!r}")
+        if retry_delay < 0:
+            raise LockConfigurationError(f"retry_delay must be seconds >= 0, got {retry_delay!r}")
+        self.node_timeout = float(timeout)
+        self.retry_delay = float(retry_delay)
+        self.quorum = quorum_of(len(nodes))
+        self._groups = {}
+        return nodes
+
+    def _retry_pause(self, outcome: QuorumAcquire | None) -> float:
+        """After a split vote (or with no holder to wait for), a random delay; otherwise
+        none: the wait for the holder's release (bounded by its lease) follows."""
+        if outcome is not None and (outcome.split or outcome.pttl == 0):
+            return random.uniform(0, self.retry_delay)
+        return 0.0
+
+    def _group_of(self, hold: Hold) -> HoldGroup | None:
+        return self._groups.get(id(hold))
+
+    def _start_group(
+        self, hold: Hold, granted: Sequence[int], sent_at: float, signal: type[Any]
+    ) -> list[tuple[int, NodeHold]]:
+        group = HoldGroup(hold, self.quorum, signal)
+        for node in granted:
+            group.add(node, sent_at)
+        self._groups[id(hold)] = group
+        group.refresh()
+        return group.parts
+
+    def _ack_releasing(self, hold: Hold | None, delta: int) -> None:
+        if hold is None:
+            return
+        hold.releasing += delta
+        group = self._group_of(hold)
+        if group is not None:
+            group.set_releasing(delta)
+
+
+def _node_failures_as_round(futures: Sequence[Any], labels: Sequence[str]) -> Round:
+    replies: list[Any] = []
+    for future in futures:
+        if not future.done():
+            replies.append(TimeoutError("no reply within the node timeout"))
+        elif future.cancelled():
+            replies.append(TimeoutError("cancelled at the node timeout"))
+        elif future.exception() is not None:
+            replies.append(future.exception())
+        else:
+            replies.append(future.result())
+    return Round(replies, labels)
+
+
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_mutex = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    with _executor_mutex:
+        if _executor is None:
+            _executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=32, thread_name_prefix="redislock-quorum"
+            )
+        return _executor
+
+
+def _after_fork_in_child() -> None:
+    global _executor, _executor_mutex
+    _executor = None
+    _executor_mutex = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class RedLock(_QuorumBase, LockBase[LeaseLost]):
+    """A reentrant, owner-checked, fenced lock over N independent Redis masters.
+
+    Args:
+        clients: one ``redis.Redis`` client (or ``redis://`` URL) per independent master.
+            An odd number (3 or 5) is recommended; 1 is allowed (then it is a
+            :class:`RedisLock` with extra steps).
+        name: the lock's name.
+        ttl, owner, auto_renew, blocking, timeout, prefix: as for :class:`RedisLock`.
+        node_timeout: how long one request to one node may take (seconds, default
+            0.25); a node slower than that counts as failed for that attempt.
+        retry_delay: after a split vote (some nodes granted it, not a majority), wait a
+            random time up to this long before retrying (seconds, default 0.1).
+
+    Raises :class:`LockQuorumError` (a :class:`LockTimeoutError`) when fewer than a
+    majority of the nodes answer, naming each node that failed and why.
+    """
+
+    _signal_type = LeaseLost
+
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        name: str | bytes,
+        *,
+        ttl: float = 30.0,
+        owner: str | None = None,
+        auto_renew: bool = True,
+        blocking: bool = True,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        node_timeout: float | None = None,
+        retry_delay: float = RETRY_DELAY,
+    ) -> None:
+        super().__init__(
+            clients,
+            name,
+            ttl=ttl,
+            owner=owner,
+            auto_renew=auto_renew,
+            blocking=blocking,
+            timeout=timeout,
+            prefix=prefix,
+        )
+        nodes = self._setup_nodes(clients, node_timeout, retry_delay, self._lease / 1000.0)
+        self._fast = [_bounded(c, self.node_timeout, asyncio_client=False) for c in nodes]
+        self.clients = tuple(
+            self._fast[i] if isinstance(c, str) else c for i, c in enumerate(nodes)
+        )
+        self.client = self.clients
+        self._labels = [node_label(c) for c in self._fast]
+        self._node_scripts = [scripts_for(c) for c in self._fast]
+
+    def _default_owner(self) -> str:
+        return thread_owner()
+
+    # -- one round to every node ---------------------------------------------
+
+    def _round(self, call: Callable[[int], Any]) -> Round:
+        futures = [_pool().submit(call, i) for i in range(len(self._fast))]
+        concurrent.futures.wait(futures, timeout=self.node_timeout + 0.05)
+        return _node_failures_as_round(futures, self._labels)
+
+    # -- acquire / release -----------------------------------------------------
+
+    def acquire(
+        self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
+    ) -> bool:
+        """Take the lock on a majority of the nodes (or re-enter it); True on success.
+
+        Same arguments as :meth:`RedisLock.acquire`. Raises :class:`LockQuorumError` when
+        fewer than a majority of the nodes answer an attempt.
+        """
+        wait_limit = optional_seconds(timeout, "timeout")
+        lease_millis, renew = self._acquire_args(lease)
+        owner = self._current_owner()
+        started = time.monotonic()
+        outcome = self._try(owner, lease_millis, renew)
+        if outcome is None:
+            return True
+        self._contended(owner)
+        if not blocking:
+            return False
+        deadline = None if wait_limit is None else started + wait_limit
+        with _MultiWaiter(self.clients, self.keys.channel, owner) as waiter:
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                pause = self._retry_pause(outcome)
+                if pause:
+                    time.sleep(pause if remaining is None else min(pause, remaining))
+                else:
+                    waiter.wait(wait_bound(outcome.pttl, remaining))
+                outcome = self._try(owner, lease_millis, renew, started)
+                if outcome is None:
+                    return True
+
+    def _try(
+        self, owner: str, lease: int, renew: bool, started: float | None = None
+    ) -> QuorumAcquire | None:
+        """One attempt on every node: None if acquired, else what the nodes said."""
+        sent_at = time.monotonic()
+        keys = self._acquire_keys()
+        argv = self._acquire_argv(owner, lease, False)
+        fresh = self._live_hold(owner) is None
+        round_ = self._round(lambda i: self._node_scripts[i].acquire(keys=keys, args=argv))
+        outcome = tally_acquire(round_.replies, decode_acquire)
+        if len(round_.answered()) < self.quorum:
+            self._undo(owner, outcome, unknown=fresh)
+            raise quorum_error(self.name, owner, "acquire", round_, self.quorum)
+        acquired = len(outcome.granted) >= self.quorum
+        if acquired and (fresh or outcome.hold_count == 1):
+            acquired = self._write_back(outcome.token)
+        if acquired and attempt_valid(sent_at, lease):
+            hold, is_new = self._record_acquired(
+                owner, outcome.reply(), sent_at, lease, renew, started
+            )
+            if is_new and renew:
+                for node, part in self._start_group(hold, outcome.granted, sent_at, LeaseLost):
+                    scheduler_for(self.clients[node]).add(part)
+            return None
+        self._undo(owner, outcome, unknown=fresh)
+        if outcome.finished:
+            raise OwnerFinished(self.name)
+        outcome.split = outcome.split and not acquired
+        return outcome
+
+    def _write_back(self, token: int) -> bool:
+        """Raise every node's fence counter to ``token`` (a majority must confirm)."""
+        keys = [self.keys.fence]
+        round_ = self._round(lambda i: self._node_scripts[i].fence(keys=keys, args=[token]))
+        return len(round_.answered()) >= self.quorum
+
+    def _undo(self, owner: str, outcome: QuorumAcquire, *, unknown: bool = True) -> None:
+        """Give back what a failed attempt took (and, for a fresh one, what it may have)."""
+        nodes = set(outcome.granted) | (set(outcome.unknown) if unknown else set())
+        if nodes:
+            keys = self.keys.release_keys()
+            self._round(
+                lambda i: (
+                    self._node_scripts[i].release(keys=keys, args=[owner]) if i in nodes else 0
+                )
+            )
+
+    def release(self) -> None:
+        """Give back one hold on every node; the last one frees the lock.
+
+        Raises :class:`LockLostError` when a majority no longer had the hold,
+        :class:`LockQuorumError` (hold kept, retry) when too few nodes answered.
+        """
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        hold = self._holds.get(owner)
+        keys = self.keys.release_keys()
+        self._ack_releasing(hold, 1)
+        try:
+            round_ = self._round(lambda i: self._node_scripts[i].release(keys=keys, args=[owner]))
+        finally:
+            self._ack_releasing(hold, -1)
+        code = release_code(round_, self.quorum)
+        if code is None:
+            raise quorum_error(self.name, owner, "release", round_, self.quorum)
+        self._record_released(owner, code)
+
+    def extend(self, ttl: float) -> None:
+        """Replace the calling owner's lease with ``ttl`` seconds on every node (quorum rule)."""
+        lease = lease_ms(ttl, "ttl")
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        sent_at = time.monotonic()
+        keys = [self.keys.lock]
+        round_ = self._round(lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease]))
+        code = renew_code(round_, self.quorum)
+        if code is None:
+            raise quorum_error(self.name, owner, "extend", round_, self.quorum)
+        if code == 1 and not attempt_valid(sent_at, lease):
+            code = 0
+        self._record_extended(owner, code, lease, sent_at)
+        hold = self._holds.get(owner)
+        group = None if hold is None else self._group_of(hold)
+        if group is not None:
+            group.set_lease(lease, sent_at)
+
+    def _unschedule(self, hold: Hold) -> None:
+        group = self._groups.pop(id(hold), None)
+        if group is not None:
+            for node, part in group.parts:
+                scheduler_for(self.clients[node]).remove(part)
+
+    # -- queries ---------------------------------------------------------------
+
+    def _pttls(self) -> Round:
+        return self._round(lambda i: int(self._fast[i].pttl(self.keys.lock)))
+
+    def locked(self) -> bool:
+        """Whether a majority of the nodes shows the lock held (by anyone)."""
+        round_ = self._pttls()
+        return sum(1 for i in round_.answered() if round_.replies[i] != -2) >= self.quorum
+
+    def owned(self) -> bool:
+        """Whether a majority of the nodes shows the calling owner's hold."""
+        owner = self._current_owner()
+        round_ = self._round(lambda i: bool(self._fast[i].hexists(self.keys.lock, owner)))
+        return sum(1 for i in round_.answered() if round_.replies[i]) >= self.quorum
+
+    def remaining(self) -> float | None:
+        """Seconds until fewer than a majority of the nodes hold the lock (None: not locked)."""
+        return _remaining(self._pttls(), self.quorum)
+
+    def close(self) -> None:
+        """Stop renewing this lock's holds in this process (they expire after their lease)."""
+        for hold in list(self._holds.values()):
+            self._unschedule(hold)
+
+    @staticmethod
+    def force_release(
+        clients: Sequence[Any], name: str | bytes, *, prefix: str = DEFAULT_PREFIX
+    ) -> bool:
+        """Operator's tool: delete the lock on every node whoever holds it; True if any had it."""
+        keys = LockKeys.for_name(name, validate_prefix(prefix)).release_keys()
+        deleted = False
+        for client in validate_nodes(clients):
+            with contextlib.suppress(Exception):
+                node = (
+                    _bounded(client, 1.0, asyncio_client=False)
+                    if isinstance(client, str)
+                    else client
+                )
+                deleted |= int(scripts_for(node).release(keys=keys, args=["", "force"])) == 0
+        return deleted
+
+    # -- context manager -------------------------------------------------------
+
+    def __enter__(self) -> RedLock:
+        if not self.acquire(self.blocking, self.timeout):
+            raise self._timeout_error(self.timeout if self.blocking else None)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def _remaining(round_: Round, quorum: int) -> float | None:
+    leases = sorted(
+        (
+            float("inf") if round_.replies[i] == -1 else round_.replies[i] / 1000.0
+            for i in round_.answered()
+            if round_.replies[i] != -2
+        ),
+        reverse=True,
+    )
+    return leases[quorum - 1] if len(leases) >= quorum else None
+
+
+class _MultiWaiter:
+    """One blocked acquire subscribed to the lock's release channel on every node.
+
+    Registration does not wait for a confirmation from each node (a stalled node would
+    stall every waiter); while no node has confirmed, the wait polls briefly.
+    """
+
+    def __init__(self, clients: Sequence[Any], channel: bytes, owner: str) -> None:
+        self._event = threading.Event()
+        self._waiters: list[Any] = []
+        self._clients = clients
+        self._channel = channel
+        self._owner = owner
+
+    def __enter__(self) -> _MultiWaiter:
+        for client in self._clients:
+            subscriber = subscriber_for(client)
+            waiter = subscriber.waiter(self._channel, self._owner)
+            waiter.event = self._event
+            waiter._channel = subscriber._register(self._channel, waiter)
+            self._waiters.append(waiter)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for waiter in self._waiters:
+            waiter._subscriber._unregister(self._channel, waiter)
+
+    def wait(self, timeout: float) -> bool:
+        if not any(w._channel.confirmed.is_set() for w in self._waiters):
+            timeout = min(timeout, UNCONFIRMED_POLL)
+        woken = self._event.wait(timeout) if timeout > 0 else self._event.is_set()
+        self._event.clear()
+        return woken
+
+
+# ----------------------------------------------------------------------------- asyncio
+
+
+class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
+    """The asyncio twin of :class:`RedLock` over ``redis.asyncio`` clients (or URLs).
+
+    Same arguments and rules; owners are asyncio tasks as for :class:`AsyncRedisLock`.
+    A cancelled acquire gives back whatever its attempt took before re-raising.
+    """
+
+    _signal_type = AsyncLeaseLost
+
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        name: str | bytes,
+        *,
+        ttl: float = 30.0,
+        owner: str | None = None,
+        auto_renew: bool = True,
+        blocking: bool = True,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        node_timeout: float | None = None,
+        retry_delay: float = RETRY_DELAY,
+    ) -> None:
+        super().__init__(
+            clients,
+            name,
+            ttl=ttl,
+            owner=owner,
+            auto_renew=auto_renew,
+            blocking=blocking,
+            timeout=timeout,
+            prefix=prefix,
+        )
+        nodes = self._setup_nodes(clients, node_timeout, retry_delay, self._lease / 1000.0)
+        self._fast = [_bounded(c, self.node_timeout, asyncio_client=True) for c in nodes]
+        self.clients = tuple(
+            self._fast[i] if isinstance(c, str) else c for i, c in enumerate(nodes)
+        )
+        self.client = self.clients
+        self._labels = [node_label(c) for c in self._fast]
+        self._node_scripts = [scripts_for(c) for c in self._fast]
+
+    def _default_owner(self) -> str:
+        from .aio import task_owner
+
+        return task_owner()
+
+    async def _round(self, call: Callable[[int], Awaitable[Any]]) -> Round:
+        tasks = [asyncio.ensure_future(call(i)) for i in range(len(self._fast))]
+        try:
+            await asyncio.wait(tasks, timeout=self.node_timeout + 0.05)
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+        return _node_failures_as_round(tasks, self._labels)
+
+    async def acquire(
+        self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
+    ) -> bool:
+        """Take the lock on a majority of the nodes; see :meth:`RedLock.acquire`."""
+        wait_limit = optional_seconds(timeout, "timeout")
+        lease_millis, renew = self._acquire_args(lease)
+        owner = self._current_owner()
+        started = time.monotonic()
+        outcome = await self._try(owner, lease_millis, renew)
+        if outcome is None:
+            return True
+        self._contended(owner)
+        if not blocking:
+            return False
+        deadline = None if wait_limit is None else started + wait_limit
+        waiter = _AsyncMultiWaiter(self.clients, self.keys.channel, owner)
+        await waiter.enter()
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                pause = self._retry_pause(outcome)
+                if pause:
+                    await asyncio.sleep(pause if remaining is None else min(pause, remaining))
+                else:
+                    await waiter.wait(wait_bound(outcome.pttl, remaining))
+                outcome = await self._try(owner, lease_millis, renew, started)
+                if outcome is None:
+                    return True
+        finally:
+            waiter.exit()
+
+    async def _try(
+        self, owner: str, lease: int, renew: bool, started: float | None = None
+    ) -> QuorumAcquire | None:
+        """One attempt on every node: None if acquired, else what the nodes said."""
+        sent_at = time.monotonic()
+        keys = self._acquire_keys()
+        argv = self._acquire_argv(owner, lease, False)
+        fresh = self._live_hold(owner) is None
+        try:
+            round_ = await self._round(
+                lambda i: self._node_scripts[i].acquire(keys=keys, args=argv)
+            )
+        except asyncio.CancelledError:
+            # Whatever reached the nodes is given back before the cancellation goes on.
+            if fresh:
+                await asyncio.shield(self._undo(owner, None))
+            raise
+        outcome = tally_acquire(round_.replies, decode_acquire)
+        try:
+            if len(round_.answered()) < self.quorum:
+                await self._undo(owner, outcome, unknown=fresh)
+                raise quorum_error(self.name, owner, "acquire", round_, self.quorum)
+            acquired = len(outcome.granted) >= self.quorum
+            if acquired and (fresh or outcome.hold_count == 1):
+                acquired = await self._write_back(outcome.token)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._undo(owner, outcome, unknown=fresh))
+            raise
+        if acquired and attempt_valid(sent_at, lease):
+            hold, is_new = self._record_acquired(
+                owner, outcome.reply(), sent_at, lease, renew, started
+            )
+            if is_new and renew:
+                parts = self._start_group(hold, outcome.granted, sent_at, AsyncLeaseLost)
+                for node, part in parts:
+                    scheduler = async_scheduler_for(self.clients[node])
+                    assert scheduler is not None
+                    scheduler.add(part)
+            return None
+        await asyncio.shield(self._undo(owner, outcome, unknown=fresh))
+        if outcome.finished:
+            raise OwnerFinished(self.name)
+        outcome.split = outcome.split and not acquired
+        return outcome
+
+    async def _write_back(self, token: int) -> bool:
+        keys = [self.keys.fence]
+        round_ = await self._round(lambda i: self._node_scripts[i].fence(keys=keys, args=[token]))
+        return len(round_.answered()) >= self.quorum
+
+    async def _undo(
+        self, owner: str, outcome: QuorumAcquire | None, *, unknown: bool = True
+    ) -> None:
+        if outcome is None:
+            nodes = set(range(len(self._fast)))
+        else:
+            nodes = set(outcome.granted) | (set(outcome.unknown) if unknown else set())
+        if not nodes:
+            return
+        keys = self.keys.release_keys()
+
+        async def one(i: int) -> Any:
+            if i not in nodes:
+                return 0
+            return await self._node_scripts[i].release(keys=keys, args=[owner])
+
+        await self._round(one)
+
+    async def release(self) -> None:
+        """Give back one hold on every node; see :meth:`RedLock.release`."""
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        hold = self._holds.get(owner)
+        keys = self.keys.release_keys()
+        self._ack_releasing(hold, 1)
+        try:
+            round_ = await asyncio.shield(
+                self._round(lambda i: self._node_scripts[i].release(keys=keys, args=[owner]))
+            )
+        finally:
+            self._ack_releasing(hold, -1)
+        code = release_code(round_, self.quorum)
+        if code is None:
+            raise quorum_error(self.name, owner, "release", round_, self.quorum)
+        self._record_released(owner, code)
+
+    async def extend(self, ttl: float) -> None:
+        """Replace the calling owner's lease with ``ttl`` seconds; see :meth:`RedLock.extend`."""
+        lease = lease_ms(ttl, "ttl")
+        owner = self._current_owner()
+        self._check_not_inherited(owner)
+        sent_at = time.monotonic()
+        keys = [self.keys.lock]
+        round_ = await self._round(
+            lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease])
+        )
+        code = renew_code(round_, self.quorum)
+        if code is None:
+            raise quorum_error(self.name, owner, "extend", round_, self.quorum)
+        if code == 1 and not attempt_valid(sent_at, lease):
+            code = 0
+        self._record_extended(owner, code, lease, sent_at)
+        hold = self._holds.get(owner)
+        group = None if hold is None else self._group_of(hold)
+        if group is not None:
+            group.set_lease(lease, sent_at)
+
+    def _unschedule(self, hold: Hold) -> None:
+        group = self._groups.pop(id(hold), None)
+        if group is None:
+            return
+        for node, part in group.parts:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to remove
+                scheduler = async_scheduler_for(self.clients[node], create=False)
+                if scheduler is not None:
+                    scheduler.remove(part)
+
+    async def _pttls(self) -> Round:
+        async def one(i: int) -> int:
+            return int(await self._fast[i].pttl(self.keys.lock))
+
+        return await self._round(one)
+
+    async def locked(self) -> bool:
+        """Whether a majority of the nodes shows the lock held (by anyone)."""
+        round_ = await self._pttls()
+        return sum(1 for i in round_.answered() if round_.replies[i] != -2) >= self.quorum
+
+    async def owned(self) -> bool:
+        """Whether a majority of the nodes shows the calling owner's hold."""
+        owner = self._current_owner()
+
+        async def one(i: int) -> bool:
+            return bool(await self._fast[i].hexists(self.keys.lock, owner))
+
+        round_ = await self._round(one)
+        return sum(1 for i in round_.answered() if round_.replies[i]) >= self.quorum
+
+    async def remaining(self) -> float | None:
+        """Seconds until fewer than a majority of the nodes hold the lock (None: not locked)."""
+        return _remaining(await self._pttls(), self.quorum)
+
+    def close(self) -> None:
+        """Stop renewing this lock's holds in this loop (they expire after their lease)."""
+        for hold in list(self._holds.values()):
+            self._unschedule(hold)
+
+    async def aclose(self) -> None:
+        """Close this lock's private per-node connections."""
+        for client in self._fast:
+            await client.aclose()
+
+    async def __aenter__(self) -> AsyncRedLock:
+        if not await self.acquire(self.blocking, self.timeout):
+            raise self._timeout_error(self.timeout if self.blocking else None)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+class _AsyncMultiWaiter:
+    """:class:`_MultiWaiter` for asyncio: one subscription per node, one shared event."""
+
+    def __init__(self, clients: Sequence[Any], channel: bytes, owner: str) -> None:
+        self._event = asyncio.Event()
+        self._waiters: list[Any] = []
+        self._clients = clients
+        self._channel = channel
+        self._owner = owner
+
+    async def enter(self) -> None:
+        for client in self._clients:
+            subscriber = async_subscriber_for(client)
+            assert subscriber is not None
+            waiter = subscriber.waiter(self._channel, self._owner)
+            waiter.event = self._event
+            self._waiters.append(waiter)
+            waiter._channel = await subscriber._register(self._channel, waiter)
+
+    def exit(self) -> None:
+        for waiter in self._waiters:
+            waiter._subscriber._unregister(self._channel, waiter)
+
+    async def wait(self, timeout: float) -> bool:
+        if not any(w._channel is not None and w._channel.confirmed.is_set() for w in self._waiters):
+            timeout = min(timeout, UNCONFIRMED_POLL)
+        woken = self._event.is_set() or (timeout > 0 and await wait_event(self._event, timeout))
+        self._event.clear()
+        return woken

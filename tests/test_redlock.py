@@ -1,0 +1,294 @@
+"""The quorum lock over independent real redis-server masters (3 and 5 of them)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import redis
+import redis.asyncio
+
+from celery_redislock import (
+    AsyncRedLock,
+    LockConfigurationError,
+    LockLostError,
+    LockQuorumError,
+    RedisLock,
+    RedLock,
+)
+from celery_redislock.testing import RedisServer
+
+from . import _procs
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[list[RedisServer]]:
+    servers = [RedisServer().start() for _ in range(5)]
+    yield servers
+    for server in servers:
+        server.cleanup()
+
+
+@pytest.fixture
+def five(nodes: list[RedisServer]) -> Iterator[list[redis.Redis]]:
+    clients = []
+    for server in nodes:
+        client = server.client(socket_timeout=5)
+        client.flushall()  # servers this module started
+        clients.append(client)
+    yield clients
+    for client in clients:
+        client.close()
+
+
+@pytest.fixture
+def three(five: list[redis.Redis]) -> list[redis.Redis]:
+    return five[:3]
+
+
+@contextmanager
+def stopped(*servers: RedisServer) -> Iterator[None]:
+    for server in servers:
+        server.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.signal(signal.SIGCONT)
+
+
+def held_on(clients: list[redis.Redis], lock: RedLock) -> list[bool]:
+    return [bool(c.exists(lock.keys.lock)) for c in clients]
+
+
+def test_acquire_release_reentry_on_every_node(three: list[redis.Redis]) -> None:
+    lock = RedLock(three, "pay:1", ttl=10)
+    assert lock.quorum == 2
+    assert lock.acquire(blocking=False)
+    assert held_on(three, lock) == [True, True, True]
+    token = lock.token
+    assert token is not None and lock.owned() and lock.locked()
+    remaining = lock.remaining()
+    assert remaining is not None and 8 < remaining <= 10
+    assert lock.acquire(blocking=False) and lock.hold_count == 2 and lock.token == token
+    other = RedLock(three, "pay:1", ttl=10, owner="someone-else")
+    assert not other.acquire(blocking=False)
+    lock.release()
+    assert held_on(three, lock) == [True, True, True]
+    lock.release()
+    assert held_on(three, lock) == [False, False, False]
+    assert not lock.locked() and lock.remaining() is None
+    assert other.acquire(blocking=False)
+    assert other.token is not None and other.token > token
+    other.release()
+
+
+def test_tokens_stay_monotonic_when_the_majority_changes(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    # Node 0's counter ran ahead (it served majorities the others missed).
+    fence_key = RedLock(three, "acct", ttl=10).keys.fence
+    three[0].set(fence_key, 100)
+    first = RedLock(three, "acct", ttl=10)
+    assert first.acquire(blocking=False)
+    assert first.token == 101  # the highest of the majority's tokens...
+    assert [int(c.get(fence_key) or 0) >= 101 for c in three] == [True, True, True]  # written back
+    first.release()
+    # ...so a later majority that no longer includes node 0 still hands out a larger one.
+    with stopped(nodes[0]):
+        second = RedLock(three, "acct", ttl=10, node_timeout=0.2)
+        assert second.acquire(blocking=False)
+        assert second.token is not None and second.token > 101
+        second.release()
+
+
+def test_one_of_three_nodes_stopped_still_acquires_within_the_node_timeout(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    lock = RedLock(three, "job", ttl=5, node_timeout=0.2)
+    with stopped(nodes[1]):
+        started = time.monotonic()
+        assert lock.acquire(timeout=3)
+        took = time.monotonic() - started
+        assert held_on([three[0], three[2]], lock) == [True, True]
+        lock.release()
+        assert held_on([three[0], three[2]], lock) == [False, False]
+    # The attempt waited for the stopped node no longer than its timeout (+ margin).
+    assert took < 2.0, took
+
+
+def test_two_of_five_nodes_stopped_still_acquires(
+    nodes: list[RedisServer], five: list[redis.Redis]
+) -> None:
+    lock = RedLock(five, "job5", ttl=5, node_timeout=0.2)
+    assert lock.quorum == 3
+    with stopped(nodes[0], nodes[3]):
+        assert lock.acquire(timeout=3)
+        assert sum(held_on([five[1], five[2], five[4]], lock)) == 3
+        lock.release()
+
+
+def test_a_majority_down_is_a_quorum_error_naming_the_nodes(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    lock = RedLock(three, "down", ttl=5, node_timeout=0.2)
+    with stopped(nodes[0], nodes[2]):
+        with pytest.raises(LockQuorumError) as caught:
+            lock.acquire(timeout=1)
+    error = caught.value
+    assert isinstance(error, TimeoutError)
+    assert set(error.failures) == {f"127.0.0.1:{nodes[0].port}", f"127.0.0.1:{nodes[2].port}"}
+    assert f"127.0.0.1:{nodes[2].port}" in str(error) and "quorum needs 2" in str(error)
+    # The attempt was undone on the node it reached: nothing is left behind.
+    time.sleep(0.3)
+    assert held_on(three, lock) == [False, False, False]
+
+
+def test_a_waiter_is_woken_by_the_release_not_the_ttl(three: list[redis.Redis]) -> None:
+    holder = RedLock(three, "wake", ttl=30, owner="holder")
+    assert holder.acquire(blocking=False)
+    got: list[float] = []
+
+    def wait() -> None:
+        waiter = RedLock(three, "wake", ttl=30)
+        assert waiter.acquire(timeout=20)
+        got.append(time.monotonic())
+        waiter.release()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)
+    released = time.monotonic()
+    holder.release()
+    thread.join(25)
+    assert got, "the waiter never acquired"
+    assert got[0] - released < 5.0  # the holder's lease had 29 s left
+
+
+def test_the_watchdog_renews_on_a_majority_and_reports_losing_it(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    lock = RedLock(three, "renewed", ttl=1.0, node_timeout=0.1)
+    reasons: list[str] = []
+    lock.on_lost(lambda _lock, error: reasons.append(error.reason))
+    assert lock.acquire(blocking=False)
+    with stopped(nodes[2]):
+        time.sleep(2.5)  # 2.5 TTLs: renewed on the two running nodes
+        lock.ensure_held()
+        assert held_on(three[:2], lock) == [True, True]
+        with stopped(nodes[1]):
+            assert lock.lost.wait(5), "losing the majority was never reported"
+            assert reasons and reasons[0] in ("unreachable", "expired")
+            with pytest.raises(LockLostError):
+                lock.ensure_held()
+    with pytest.raises(LockLostError):
+        lock.release()
+
+
+def test_bad_arguments_are_named(three: list[redis.Redis]) -> None:
+    with pytest.raises(LockConfigurationError, match="clients"):
+        RedLock([], "x")
+    with pytest.raises(LockConfigurationError, match="clients"):
+        RedLock("redis://127.0.0.1:1", "x")  # type: ignore[arg-type]
+    with pytest.raises(LockConfigurationError, match="twice"):
+        RedLock([three[0], three[0]], "x")
+    with pytest.raises(LockConfigurationError, match="node_timeout"):
+        RedLock(three, "x", ttl=1, node_timeout=0.6)
+    with pytest.raises(LockConfigurationError, match="retry_delay"):
+        RedLock(three, "x", retry_delay=-1)
+    with pytest.raises(LockConfigurationError, match="ttl"):
+        RedLock(three, "x", ttl=0)
+
+
+def test_urls_are_accepted(nodes: list[RedisServer], three: list[redis.Redis]) -> None:
+    lock = RedLock([s.url for s in nodes[:3]], "by-url", ttl=5)
+    with lock:
+        assert held_on(three, lock) == [True, True, True]
+    assert held_on(three, lock) == [False, False, False]
+
+
+def test_force_release_clears_every_node(three: list[redis.Redis]) -> None:
+    lock = RedLock(three, "stuck", ttl=30, owner="gone")
+    assert lock.acquire(blocking=False)
+    assert RedLock.force_release(three, "stuck")
+    assert held_on(three, lock) == [False, False, False]
+
+
+def test_same_public_api_as_the_single_node_lock() -> None:
+    def public(cls: type) -> set[str]:
+        return {n for n in dir(cls) if not n.startswith("_")}
+
+    assert public(RedisLock) <= public(RedLock)
+    assert public(RedLock) - public(RedisLock) <= {"quorum", "clients", "node_timeout"}
+
+
+# ------------------------------------------------------------------- processes
+
+
+def test_processes_on_a_quorum_never_overlap(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    ports = [s.port for s in nodes[:3]]
+    ctx = multiprocessing.get_context("spawn")
+    workers = [
+        ctx.Process(target=_procs.hammer_quorum, args=(ports, "q-counter", 25, "q-log"))
+        for _ in range(4)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert [w.exitcode for w in workers] == [0] * 4
+    sections = sorted(
+        (float(e), float(x), int(t))
+        for e, x, t in (raw.decode().split() for raw in three[0].lrange("q-log", 0, -1))
+    )
+    assert len(sections) == 4 * 25  # every critical section was seen
+    assert [(a, b) for a, b in zip(sections, sections[1:]) if b[0] < a[1]] == []
+    tokens = [t for *_, t in sections]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    assert int(three[0].get("q-counter") or 0) == 4 * 25
+
+
+# ------------------------------------------------------------------- asyncio
+
+
+async def test_async_quorum_lock(nodes: list[RedisServer], three: list[redis.Redis]) -> None:
+    clients = [redis.asyncio.Redis(port=s.port) for s in nodes[:3]]
+    try:
+        lock = AsyncRedLock(clients, "a-pay", ttl=10, node_timeout=0.2)
+        async with lock:
+            assert held_on(three, lock) == [True, True, True]  # type: ignore[arg-type]
+            assert await lock.owned() and lock.token is not None
+            assert await lock.acquire(blocking=False) and lock.hold_count == 2
+            await lock.release()
+        assert not await lock.locked()
+
+        holder = AsyncRedLock(clients, "a-wake", ttl=30, owner="holder")
+        assert await holder.acquire(blocking=False)
+        waiter = AsyncRedLock(clients, "a-wake", ttl=30, node_timeout=0.2, owner="w")
+        task = asyncio.ensure_future(waiter.acquire(timeout=20))
+        await asyncio.sleep(0.3)
+        released = time.monotonic()
+        await holder.release()
+        assert await asyncio.wait_for(task, 25)
+        assert time.monotonic() - released < 5.0
+        with stopped(nodes[0]):
+            await waiter.release()  # two of three give it back
+            again = AsyncRedLock(clients, "a-wake", ttl=5, node_timeout=0.2)
+            assert await again.acquire(timeout=3)
+            await again.release()
+        await lock.aclose()
+        await waiter.aclose()
+    finally:
+        from celery_redislock.aio import aclose_background
+
+        for client in clients:
+            await aclose_background(client)
+            await client.aclose()
