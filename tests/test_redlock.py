@@ -195,7 +195,7 @@ def test_bad_arguments_are_named(three: list[redis.Redis]) -> None:
     with pytest.raises(LockConfigurationError, match="clients"):
         RedLock([], "x")
     with pytest.raises(LockConfigurationError, match="clients"):
-        RedLock("redis://127.0.0.1:1", "x")  # type: ignore[arg-type]
+        RedLock("redis://127.0.0.1:1", "x")
     with pytest.raises(LockConfigurationError, match="twice"):
         RedLock([three[0], three[0]], "x")
     with pytest.raises(LockConfigurationError, match="node_timeout"):
@@ -245,9 +245,9 @@ def test_processes_on_a_quorum_never_overlap(
     for w in workers:
         w.join(120)
     assert [w.exitcode for w in workers] == [0] * 4
+    lines: list[bytes] = three[0].lrange("q-log", 0, -1)  # type: ignore[assignment]
     sections = sorted(
-        (float(e), float(x), int(t))
-        for e, x, t in (raw.decode().split() for raw in three[0].lrange("q-log", 0, -1))
+        (float(e), float(x), int(t)) for e, x, t in (raw.decode().split() for raw in lines)
     )
     assert len(sections) == 4 * 25  # every critical section was seen
     assert [(a, b) for a, b in zip(sections, sections[1:]) if b[0] < a[1]] == []
