@@ -16,11 +16,18 @@ Outcomes per hold:
 A lost hold is dropped from the schedule and reported through its lock (warning log,
 ``lock.lost`` set, ``on_lost`` callbacks). The thread exits when nothing is held.
 Forked children start with an empty registry: they never renew their parent's holds.
+
+A Redis Cluster client gets one watchdog per client (it has no single pool): its
+private cluster client routes each per-slot batch to the node that owns the slot, in
+one pipelined pass. A MOVED reply is followed by redis-py (one retry per command on the
+new owner); whatever error remains counts as a failed renewal (retried until the
+deadline), never as a success.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import threading
@@ -28,7 +35,9 @@ import time
 import weakref
 from typing import Any, Sequence
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.retry import Retry
 
 from . import signals
 from ._core import (
@@ -41,7 +50,7 @@ from ._core import (
     renew_args,
     wait_event,
 )
-from ._scripts import scripts_for
+from ._scripts import is_cluster, scripts_for
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +63,80 @@ RENEW_SOCKET_TIMEOUT = 1.0
 IDLE_EXIT = 1.0
 
 
+def _bounded(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(kwargs)
+    for option in ("socket_timeout", "socket_connect_timeout"):
+        current = kwargs.get(option)
+        kwargs[option] = min(current or RENEW_SOCKET_TIMEOUT, RENEW_SOCKET_TIMEOUT)
+    return kwargs
+
+
+#: Connection options a cluster client sets up for itself (bound to that client).
+_CLUSTER_INTERNAL = ("redis_connect_func", "oss_cluster_maint_notifications_handler")
+
+
+def _own_cluster_client(client: Any) -> Any:
+    """A private cluster client on the same nodes with bounded timeouts (or ``client``)."""
+    node_class = type(client.get_nodes()[0]) if client.get_nodes() else None
+    startup = client.get_nodes() or list(client.nodes_manager.startup_nodes.values())
+    try:
+        kwargs = {
+            k: v for k, v in client.get_connection_kwargs().items() if k not in _CLUSTER_INTERNAL
+        }
+        params = inspect.signature(type(client)).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            # redis.asyncio's cluster takes named options only (SSL as ``ssl=True``).
+            connection_class = kwargs.pop("connection_class", None)
+            if connection_class is not None and "SSL" in connection_class.__name__:
+                kwargs["ssl"] = True
+            kwargs = {k: v for k, v in kwargs.items() if k in params and k != "startup_nodes"}
+        kwargs = _bounded(kwargs)
+        node_class = node_class or type(startup[0])
+        nodes = [node_class(n.host, n.port) for n in startup]
+        return type(client)(startup_nodes=nodes, **kwargs)
+    except Exception as exc:  # an unusual client: renew through it, as before
+        log.debug("redislock: watchdog shares the cluster client (%r)", exc)
+        return client
+
+
 def _own_client(client: Any) -> Any:
     """A client on a private pool with bounded timeouts, so a user's exhausted or
     timeout-less pool cannot stall the watchdog."""
     pool = getattr(client, "connection_pool", None)
     if pool is None:
-        return client
-    kwargs = dict(pool.connection_kwargs)
-    for option in ("socket_timeout", "socket_connect_timeout"):
-        current = kwargs.get(option)
-        kwargs[option] = min(current or RENEW_SOCKET_TIMEOUT, RENEW_SOCKET_TIMEOUT)
-    own_pool = type(pool)(connection_class=pool.connection_class, max_connections=2, **kwargs)
+        return _own_cluster_client(client) if is_cluster(client) else client
+    kwargs = _bounded(pool.connection_kwargs)
+    # No retries inside redis-py: one renewal attempt against a stalled server must end
+    # after RENEW_SOCKET_TIMEOUT (the watchdog retries by itself, until the deadline),
+    # not after redis-py's default 3 retries with backoff (4 s and more).
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    service = getattr(pool, "service_name", None)
+    if service is not None and hasattr(pool, "sentinel_manager"):
+        # A Sentinel-managed pool: same service, same sentinels (the pool's proxy entry
+        # in connection_kwargs belongs to the user's pool).
+        kwargs.pop("connection_pool", None)
+        own_pool = type(pool)(
+            service,
+            pool.sentinel_manager,
+            connection_class=pool.connection_class,
+            max_connections=2,
+            is_master=getattr(pool, "is_master", True),
+            check_connection=getattr(pool, "check_connection", False),
+            **kwargs,
+        )
+    else:
+        own_pool = type(pool)(connection_class=pool.connection_class, max_connections=2, **kwargs)
     return type(client)(connection_pool=own_pool)
+
+
+def _disconnect(client: Any) -> Any:
+    """Close the watchdog's connections (an awaitable for asyncio clients)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return pool.disconnect()
+    if hasattr(client, "disconnect_connection_pools"):  # sync cluster
+        return client.disconnect_connection_pools()
+    return client.aclose()  # asyncio cluster: re-initialises on next use
 
 
 class _SchedulerBase:
@@ -73,6 +144,8 @@ class _SchedulerBase:
 
     def __init__(self, client: Any) -> None:
         self._client = _own_client(client)
+        #: Whether the watchdog's client is private (closed when idle) or the user's.
+        self._private = self._client is not client
         self._scripts = scripts_for(self._client)
         self._holds: dict[int, Hold] = {}
         #: When the watchdog next wakes by itself; an added hold due later needs no wake-up.
@@ -107,7 +180,9 @@ class _SchedulerBase:
         for group in _by_slot(self._client, holds):
             for chunk in batched(group, BATCH):
                 keys, args = renew_args(chunk)
-                pipe.evalsha(self._scripts.renew.sha, len(keys), *keys, *args)
+                # execute_command, not pipe.evalsha: redis-py's cluster pipeline blocks the
+                # evalsha method, but routes the command by its keys' slot like any other.
+                pipe.execute_command("EVALSHA", self._scripts.renew.sha, len(keys), *keys, *args)
                 chunks.append(chunk)
         self.round_trips += 1
         return pipe, chunks
@@ -200,7 +275,8 @@ class RenewalScheduler(_SchedulerBase):
                         wait, due = self._next_wait()
                         if wait is None:
                             self._thread = None
-                            self._client.connection_pool.disconnect()
+                            if self._private:
+                                _disconnect(self._client)
                             return
                         continue
                     self._cond.wait(wait)
@@ -218,7 +294,7 @@ class RenewalScheduler(_SchedulerBase):
                 with self._cond:
                     pipe, chunks = self._pipeline(holds)
                 replies = pipe.execute(raise_on_error=False)
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             with self._cond:
                 self._failed(holds, exc)
             return
@@ -271,7 +347,8 @@ class AsyncRenewalScheduler(_SchedulerBase):
                 await self._renew(due)
         finally:
             self._task = None
-            await self._client.connection_pool.disconnect()
+            if self._private:
+                await _disconnect(self._client)
 
     async def _renew(self, holds: Sequence[Hold]) -> None:
         sent_at = time.monotonic()
@@ -282,7 +359,7 @@ class AsyncRenewalScheduler(_SchedulerBase):
                 await self._client.script_load(self._scripts.renew.script)
                 pipe, chunks = self._pipeline(holds)
                 replies = await pipe.execute(raise_on_error=False)
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             self._failed(holds, exc)
             return
         self._apply(chunks, replies, sent_at)

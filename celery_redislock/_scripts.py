@@ -2,6 +2,12 @@
 
 Each script is registered per client with ``register_script`` (EVALSHA, reloading
 the script when the server answers NOSCRIPT), so a call is one round trip.
+
+A Redis Cluster client gets the same sources with every ``redis.call('publish'``
+replaced by ``redis.call('spublish'``: release wake-ups then travel over sharded pub/sub
+(Redis 7+), on the node that owns the lock's slot, instead of being broadcast to the
+whole cluster. The release channel shares the lock's ``{name}`` hash tag, so it is in
+the script's slot.
 """
 
 from __future__ import annotations
@@ -14,22 +20,41 @@ from typing import Any
 SCRIPT_NAMES = ("acquire", "release", "renew", "fence", "park", "handoff", "sweep")
 
 
+#: The publish call of the classic scripts, and its sharded (Redis Cluster) replacement.
+PUBLISH_CALL = "redis.call('publish',"
+SPUBLISH_CALL = "redis.call('spublish',"
+
+
 @functools.cache
 def source(name: str) -> str:
     return (resources.files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+
+
+@functools.cache
+def sharded_source(name: str) -> str:
+    """``name``'s source with every publish made a sharded publish (for cluster clients)."""
+    return source(name).replace(PUBLISH_CALL, SPUBLISH_CALL)
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether ``client`` is a Redis Cluster client (sync or asyncio)."""
+    return not hasattr(client, "connection_pool") and hasattr(client, "get_node_from_key")
 
 
 class Scripts:
     """The registered scripts of one client (sync or asyncio; redis-py picks the kind)."""
 
     def __init__(self, client: Any) -> None:
-        self.acquire = client.register_script(source("acquire"))
-        self.release = client.register_script(source("release"))
-        self.renew = client.register_script(source("renew"))
-        self.fence = client.register_script(source("fence"))
-        self.park = client.register_script(source("park"))
-        self.handoff = client.register_script(source("handoff"))
-        self.sweep = client.register_script(source("sweep"))
+        #: Whether release wake-ups are published with SPUBLISH (cluster clients).
+        self.sharded = is_cluster(client)
+        text = sharded_source if self.sharded else source
+        self.acquire = client.register_script(text("acquire"))
+        self.release = client.register_script(text("release"))
+        self.renew = client.register_script(text("renew"))
+        self.fence = client.register_script(text("fence"))
+        self.park = client.register_script(text("park"))
+        self.handoff = client.register_script(text("handoff"))
+        self.sweep = client.register_script(text("sweep"))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()

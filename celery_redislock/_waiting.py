@@ -14,6 +14,14 @@ last waiter leaves, so a lock contended in bursts is not re-subscribed each time
 If the subscriber's connection breaks, every waiter is woken to retry (a release
 may have been missed) and waits poll briefly until the subscription is confirmed
 again.
+
+Redis Cluster clients publish with SPUBLISH (see :mod:`._scripts`), so their waiters use
+**sharded** pub/sub: one subscriber per cluster node's pool, sending SSUBSCRIBE and
+SUNSUBSCRIBE to the node that owns the channel's slot (one channel per command: a
+sharded subscription cannot span slots). When that slot moves to another node, the
+server ends the subscription (a ``sunsubscribe`` push, or MOVED for a new one); the
+channel's waiters are then woken to retry and re-register with the subscriber of the
+node that owns the slot now.
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ import time
 import weakref
 from collections import deque
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._core import cancel_and_wait, wait_event
+from ._scripts import is_cluster
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +61,18 @@ _BROKEN = (RedisConnectionError, RedisTimeoutError, OSError)
 class _Channel:
     """One lock's release channel in this process: its waiters, oldest first."""
 
-    __slots__ = ("confirmed", "idle_since", "waiters")
+    __slots__ = ("confirmed", "idle_since", "moved", "waiters")
 
     def __init__(self) -> None:
         self.waiters: deque[Any] = deque()
         self.confirmed: Any = threading.Event()
         self.idle_since: float | None = None
+        #: Sharded only: the node no longer serves this channel's slot (its waiters move).
+        self.moved = False
+
+    def wake_all(self) -> None:
+        for waiter in self.waiters:
+            waiter.event.set()
 
     def wake_one(self) -> None:
         for waiter in self.waiters:
@@ -79,12 +94,19 @@ class _Channel:
 class Waiter:
     """One blocked acquire's registration; use as a context manager around the retry loop."""
 
-    __slots__ = ("_channel", "_name", "_subscriber", "event", "owner")
+    __slots__ = ("_channel", "_name", "_relocate", "_subscriber", "event", "owner")
 
-    def __init__(self, subscriber: Subscriber, name: bytes, owner: str) -> None:
+    def __init__(
+        self,
+        subscriber: Subscriber,
+        name: bytes,
+        owner: str,
+        relocate: Callable[[], Subscriber] | None = None,
+    ) -> None:
         self._subscriber = subscriber
         self._name = name
         self._channel: _Channel | None = None
+        self._relocate = relocate
         self.event = threading.Event()
         self.owner = owner.encode()
 
@@ -104,6 +126,11 @@ class Waiter:
     def wait(self, timeout: float) -> bool:
         """Sleep until woken by a release or ``timeout``; True if woken."""
         assert self._channel is not None
+        if self._channel.moved and self._relocate is not None:
+            # The channel's slot moved to another cluster node: follow it.
+            self._subscriber._unregister(self._name, self)
+            self._subscriber = self._relocate()
+            self._channel = self._subscriber._register(self._name, self)
         if not self._channel.confirmed.is_set():
             timeout = min(timeout, UNCONFIRMED_POLL)
         woken = self.event.wait(timeout) if timeout > 0 else self.event.is_set()
@@ -114,8 +141,10 @@ class Waiter:
 class Subscriber:
     """The process-wide subscriber of one connection pool (see the module docstring)."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, *, sharded: bool = False) -> None:
         self._pool = pool
+        #: SSUBSCRIBE/SUNSUBSCRIBE (a cluster node) instead of SUBSCRIBE/UNSUBSCRIBE.
+        self.sharded = sharded
         self._mutex = threading.Lock()
         self._channels: dict[bytes, _Channel] = {}
         self._conn: Any = None
@@ -124,15 +153,17 @@ class Subscriber:
 
     # -- used by waiters -------------------------------------------------------
 
-    def waiter(self, channel: bytes, owner: str) -> Waiter:
-        return Waiter(self, channel, owner)
+    def waiter(
+        self, channel: bytes, owner: str, relocate: Callable[[], Subscriber] | None = None
+    ) -> Waiter:
+        return Waiter(self, channel, owner, relocate)
 
     def _register(self, name: bytes, waiter: Waiter) -> _Channel:
         with self._mutex:
             channel = self._channels.get(name)
             if channel is None:
                 channel = self._channels[name] = _Channel()
-                self._send_locked("SUBSCRIBE", name)
+                self._subscribe_locked([name])
             channel.waiters.append(waiter)
             channel.idle_since = None
             if self._thread is None:
@@ -164,6 +195,22 @@ class Subscriber:
 
     # -- the connection --------------------------------------------------------
 
+    def _subscribe_locked(self, names: list[bytes], unsubscribe: bool = False) -> None:
+        if not self.sharded:
+            self._send_locked("UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *names)
+            return
+        for name in names:  # a sharded (un)subscription cannot span slots: one per channel
+            self._send_locked("SUNSUBSCRIBE" if unsubscribe else "SSUBSCRIBE", name)
+
+    def _moved_locked(self, names: list[bytes]) -> None:
+        """The node stopped serving these channels' slots: wake their waiters to move."""
+        for name in names:
+            channel = self._channels.pop(name, None)
+            if channel is not None:
+                channel.moved = True
+                channel.confirmed.clear()
+                channel.wake_all()
+
     def _send_locked(self, *args: Any) -> None:
         """Send a command; on failure leave the reader thread to reconnect and resubscribe."""
         try:
@@ -190,12 +237,12 @@ class Subscriber:
     def _resubscribe_unconfirmed_locked(self) -> None:
         names = [n for n, ch in self._channels.items() if ch.waiters and not ch.confirmed.is_set()]
         if names:
-            self._send_locked("SUBSCRIBE", *names)
+            self._subscribe_locked(names)
 
     def _reconnect_locked(self) -> None:
         names = list(self._channels)
         if names:
-            self._send_locked("SUBSCRIBE", *names)
+            self._subscribe_locked(names)
 
     # -- the reader thread -----------------------------------------------------
 
@@ -234,6 +281,14 @@ class Subscriber:
                     continue
                 reply = conn.read_response(disable_decoding=True, push_request=True)
             except ResponseError as exc:
+                if self.sharded and str(exc).startswith(("MOVED", "ASK")):
+                    # A new sharded subscription went to a node that no longer owns
+                    # the slot: its waiters retry and follow the slot.
+                    with self._mutex:
+                        self._moved_locked(
+                            [n for n, ch in self._channels.items() if not ch.confirmed.is_set()]
+                        )
+                    continue
                 # e.g. NOPERM: the ACL grants the lock keys but not their channels. Waiters
                 # keep polling; the subscription is retried every REFUSED_RETRY seconds.
                 log.error(
@@ -261,10 +316,13 @@ class Subscriber:
             channel = self._channels.get(reply[1])
             if channel is None:
                 return
-            if kind == b"message" and len(reply) > 2:
+            if kind in (b"message", b"smessage") and len(reply) > 2:
                 channel.wake(reply[2])
-            elif kind == b"subscribe":
+            elif kind in (b"subscribe", b"ssubscribe"):
                 channel.confirmed.set()
+            elif kind == b"sunsubscribe":
+                # Not ours (we only unsubscribe channels already dropped): the slot moved.
+                self._moved_locked([reply[1]])
 
     def _sweep_locked(self) -> None:
         now = time.monotonic()
@@ -276,21 +334,38 @@ class Subscriber:
         for name in idle:
             del self._channels[name]
         if idle and self._conn is not None and self._channels:
-            self._send_locked("UNSUBSCRIBE", *idle)
+            self._subscribe_locked(idle, unsubscribe=True)
 
 
 _subscribers: weakref.WeakKeyDictionary[Any, Subscriber] = weakref.WeakKeyDictionary()
 _subscribers_mutex = threading.Lock()
 
 
-def subscriber_for(client: Any) -> Subscriber:
-    """The subscriber shared by every lock on ``client``'s connection pool in this process."""
-    pool = client.connection_pool
+def _cluster_pool(client: Any, channel: bytes | None) -> Any:
+    if channel is None:
+        raise TypeError("a Redis Cluster client's subscriber depends on the channel: pass it")
+    return client.get_redis_connection(client.get_node_from_key(channel)).connection_pool
+
+
+def subscriber_for(client: Any, channel: bytes | None = None) -> Subscriber:
+    """The subscriber shared by every lock on ``client``'s connection pool in this process.
+
+    For a Redis Cluster client: the sharded subscriber of the pool of the node that owns
+    ``channel``'s slot (``channel`` is then required).
+    """
+    sharded = is_cluster(client)
+    pool = _cluster_pool(client, channel) if sharded else client.connection_pool
     with _subscribers_mutex:
         found = _subscribers.get(pool)
         if found is None or found.pid != os.getpid():
-            found = _subscribers[pool] = Subscriber(pool)
+            found = _subscribers[pool] = Subscriber(pool, sharded=sharded)
         return found
+
+
+def waiter_for(client: Any, channel: bytes, owner: str) -> Waiter:
+    """A waiter on ``channel`` for ``owner`` (it follows the channel's slot on a cluster)."""
+    relocate = (lambda: subscriber_for(client, channel)) if is_cluster(client) else None
+    return subscriber_for(client, channel).waiter(channel, owner, relocate)
 
 
 def _after_fork_in_child() -> None:
@@ -298,6 +373,7 @@ def _after_fork_in_child() -> None:
     _subscribers_mutex = threading.Lock()
     _subscribers.clear()
     _async_subscribers.clear()
+    _async_cluster_subscribers.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -317,12 +393,19 @@ class _AsyncChannel(_Channel):
 class AsyncWaiter:
     """The asyncio twin of :class:`Waiter` (``async with``)."""
 
-    __slots__ = ("_channel", "_name", "_subscriber", "event", "owner")
+    __slots__ = ("_channel", "_name", "_relocate", "_subscriber", "event", "owner")
 
-    def __init__(self, subscriber: AsyncSubscriber, name: bytes, owner: str) -> None:
+    def __init__(
+        self,
+        subscriber: AsyncSubscriber,
+        name: bytes,
+        owner: str,
+        relocate: Callable[[], AsyncSubscriber] | None = None,
+    ) -> None:
         self._subscriber = subscriber
         self._name = name
         self._channel: _AsyncChannel | None = None
+        self._relocate = relocate
         self.event = asyncio.Event()
         self.owner = owner.encode()
 
@@ -340,6 +423,10 @@ class AsyncWaiter:
 
     async def wait(self, timeout: float) -> bool:
         assert self._channel is not None
+        if self._channel.moved and self._relocate is not None:
+            self._subscriber._unregister(self._name, self)
+            self._subscriber = self._relocate()
+            self._channel = await self._subscriber._register(self._name, self)
         if not self._channel.confirmed.is_set():
             timeout = min(timeout, UNCONFIRMED_POLL)
         woken = self.event.is_set() or (timeout > 0 and await wait_event(self.event, timeout))
@@ -350,15 +437,38 @@ class AsyncWaiter:
 class AsyncSubscriber:
     """The subscriber of one ``redis.asyncio`` pool in one event loop; a reader task, no thread."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, *, sharded: bool = False) -> None:
+        # ``pool``: anything with ``connection_class`` and ``connection_kwargs`` (a
+        # connection pool, or an asyncio cluster node).
         self._pool = pool
+        self.sharded = sharded
         self._channels: dict[bytes, _AsyncChannel] = {}
         self._conn: Any = None
         self._task: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()  # one connection, however many tasks subscribe at once
 
-    def waiter(self, channel: bytes, owner: str) -> AsyncWaiter:
-        return AsyncWaiter(self, channel, owner)
+    def waiter(
+        self,
+        channel: bytes,
+        owner: str,
+        relocate: Callable[[], AsyncSubscriber] | None = None,
+    ) -> AsyncWaiter:
+        return AsyncWaiter(self, channel, owner, relocate)
+
+    async def _subscribe(self, names: list[bytes], unsubscribe: bool = False) -> None:
+        if not self.sharded:
+            await self._send("UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *names)
+            return
+        for name in names:
+            await self._send("SUNSUBSCRIBE" if unsubscribe else "SSUBSCRIBE", name)
+
+    def _moved(self, names: list[bytes]) -> None:
+        for name in names:
+            channel = self._channels.pop(name, None)
+            if channel is not None:
+                channel.moved = True
+                channel.confirmed.clear()
+                channel.wake_all()
 
     @property
     def connections(self) -> int:
@@ -369,7 +479,7 @@ class AsyncSubscriber:
         if channel is None:
             channel = self._channels[name] = _AsyncChannel()
             channel.waiters.append(waiter)
-            await self._send("SUBSCRIBE", name)
+            await self._subscribe([name])
         else:
             channel.waiters.append(waiter)
         channel.idle_since = None
@@ -424,7 +534,7 @@ class AsyncSubscriber:
                 if not self._channels:
                     return
                 if self._conn is None:
-                    await self._send("SUBSCRIBE", *self._channels)
+                    await self._subscribe(list(self._channels))
                 conn = self._conn
                 if conn is None:
                     failures += 1
@@ -438,6 +548,13 @@ class AsyncSubscriber:
                     log.warning("redislock subscriber connection lost (%r); resubscribing", exc)
                     if self._conn is conn:
                         await self._drop_connection()
+                    continue
+                except ResponseError as exc:
+                    if not (self.sharded and str(exc).startswith(("MOVED", "ASK"))):
+                        raise
+                    self._moved(
+                        [n for n, ch in self._channels.items() if not ch.confirmed.is_set()]
+                    )
                     continue
                 failures = 0
                 if reply is not None:
@@ -454,10 +571,12 @@ class AsyncSubscriber:
         channel = self._channels.get(reply[1])
         if channel is None:
             return
-        if reply[0] == b"message" and len(reply) > 2:
+        if reply[0] in (b"message", b"smessage") and len(reply) > 2:
             channel.wake(reply[2])
-        elif reply[0] == b"subscribe":
+        elif reply[0] in (b"subscribe", b"ssubscribe"):
             channel.confirmed.set()
+        elif reply[0] == b"sunsubscribe":
+            self._moved([reply[1]])
 
     async def _sweep(self) -> None:
         now = time.monotonic()
@@ -469,19 +588,61 @@ class AsyncSubscriber:
         for name in idle:
             del self._channels[name]
         if idle and self._conn is not None and self._channels:
-            await self._send("UNSUBSCRIBE", *idle)
+            await self._subscribe(idle, unsubscribe=True)
 
 
 _async_subscribers: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, AsyncSubscriber]]
 _async_subscribers = weakref.WeakKeyDictionary()
 
 
-def async_subscriber_for(client: Any, *, create: bool = True) -> AsyncSubscriber | None:
-    """The subscriber shared by every asyncio lock on ``client``'s pool in this event loop."""
-    per_loop = _async_subscribers.setdefault(
-        asyncio.get_running_loop(), weakref.WeakKeyDictionary()
-    )
+_PerClient = weakref.WeakKeyDictionary[Any, dict[str, AsyncSubscriber]]
+#: Cluster clients: event loop -> client -> node name -> that node's sharded subscriber.
+_async_cluster_subscribers: weakref.WeakKeyDictionary[Any, _PerClient]
+_async_cluster_subscribers = weakref.WeakKeyDictionary()
+
+
+def async_subscriber_for(
+    client: Any, channel: bytes | None = None, *, create: bool = True
+) -> AsyncSubscriber | None:
+    """The subscriber shared by every asyncio lock on ``client``'s pool in this event loop.
+
+    For a ``redis.asyncio`` cluster client: the sharded subscriber of the node that owns
+    ``channel``'s slot (``channel`` is then required).
+    """
+    loop = asyncio.get_running_loop()
+    if is_cluster(client):
+        if channel is None:
+            raise TypeError("a Redis Cluster client's subscriber depends on the channel: pass it")
+        node = client.get_node_from_key(channel)
+        per_client = _async_cluster_subscribers.setdefault(loop, weakref.WeakKeyDictionary())
+        nodes = per_client.setdefault(client, {})
+        found = nodes.get(node.name)
+        if found is None and create:
+            found = nodes[node.name] = AsyncSubscriber(node, sharded=True)
+        return found
+    per_loop = _async_subscribers.setdefault(loop, weakref.WeakKeyDictionary())
     found = per_loop.get(client.connection_pool)
     if found is None and create:
         found = per_loop[client.connection_pool] = AsyncSubscriber(client.connection_pool)
     return found
+
+
+def async_waiter_for(client: Any, channel: bytes, owner: str) -> AsyncWaiter:
+    """An asyncio waiter on ``channel`` for ``owner`` (follows the slot on a cluster)."""
+
+    def relocate() -> AsyncSubscriber:
+        found = async_subscriber_for(client, channel)
+        assert found is not None
+        return found
+
+    return relocate().waiter(channel, owner, relocate if is_cluster(client) else None)
+
+
+def async_subscribers_of(client: Any) -> list[AsyncSubscriber]:
+    """Every subscriber of ``client`` in the running event loop (for shutdown)."""
+    loop = asyncio.get_running_loop()
+    if is_cluster(client):
+        per_client = _async_cluster_subscribers.get(loop)
+        return [] if per_client is None else list(per_client.get(client, {}).values())
+    found = async_subscriber_for(client, create=False)
+    return [] if found is None else [found]

@@ -42,7 +42,7 @@ from ._core import (
 )
 from ._renewal import AsyncRenewalScheduler, async_scheduler_for
 from ._scripts import scripts_for
-from ._waiting import async_subscriber_for
+from ._waiting import async_subscribers_of, async_waiter_for
 
 T = TypeVar("T")
 
@@ -96,8 +96,7 @@ async def aclose_background(client: Any) -> None:
     before closing the client or the loop sooner (tests, shutdown hooks). Holds still
     held stop being renewed and expire after their lease.
     """
-    subscriber = async_subscriber_for(client, create=False)
-    if subscriber is not None:
+    for subscriber in async_subscribers_of(client):
         await subscriber.aclose()
     scheduler = async_scheduler_for(client, create=False)
     if scheduler is not None:
@@ -157,10 +156,8 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         if not blocking:
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
-        subscriber = async_subscriber_for(self.client)
-        assert subscriber is not None
         acquired = False
-        async with subscriber.waiter(self.keys.channel, owner) as waiter:
+        async with async_waiter_for(self.client, self.keys.channel, owner) as waiter:
             try:
                 while True:
                     outcome = await self._try(owner, lease_millis, renew, started, line=True)

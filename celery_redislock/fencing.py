@@ -11,6 +11,12 @@ token beside the row and make the write conditional::
     UPDATE accounts SET balance = :balance, fence_token = :token
      WHERE id = :id AND fence_token <= :token;
     -- 0 rows updated: a newer holder has written; abort.
+
+On Redis Cluster, :meth:`FencedResource.write`'s script touches two keys, the resource's
+token key and ``key``, so both must hash to one slot: give the resource name a hash
+tag and use the same tag in ``key`` (``FencedResource(client, "{ledger}")`` with
+``key="{ledger}:balance"``). A ``key`` in another slot raises
+:class:`LockConfigurationError` naming it, before any write.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 from ._core import DEFAULT_PREFIX, validate_prefix
 from ._errors import LockConfigurationError
-from ._scripts import scripts_for
+from ._scripts import is_cluster, scripts_for
 
 
 class FencedResource:
@@ -49,11 +55,24 @@ class FencedResource:
         """True if ``token`` is at least the highest admitted so far (and record it)."""
         return bool(scripts_for(self.client).fence(keys=[self.key], args=[self._check(token)]))
 
+    def _check_slot(self, key: str | bytes) -> None:
+        """On a cluster, ``key`` must share the resource's slot (one script, one slot)."""
+        if is_cluster(self.client) and self.client.keyslot(key) != self.client.keyslot(self.key):
+            raise LockConfigurationError(
+                f"key {key!r} is in another Redis Cluster slot than the fenced resource's "
+                f"token key {self.key!r}; the check and the write must run in one script, "
+                f"so give both the same hash tag, e.g. FencedResource(client, '{{ledger}}') "
+                f"with key '{{ledger}}:balance'"
+            )
+
     def write(self, token: int, key: str | bytes, value: Any) -> bool:
-        """Atomically ``SET key value`` if ``token`` is admitted; False if it is stale."""
-        return bool(
-            scripts_for(self.client).fence(keys=[self.key, key], args=[self._check(token), value])
-        )
+        """Atomically ``SET key value`` if ``token`` is admitted; False if it is stale.
+
+        On Redis Cluster, ``key`` must hash to the resource's slot (a shared hash tag).
+        """
+        token = self._check(token)
+        self._check_slot(key)
+        return bool(scripts_for(self.client).fence(keys=[self.key, key], args=[token, value]))
 
     async def admit_async(self, token: int) -> bool:
         """:meth:`admit` for a ``redis.asyncio`` client."""
@@ -62,11 +81,9 @@ class FencedResource:
 
     async def write_async(self, token: int, key: str | bytes, value: Any) -> bool:
         """:meth:`write` for a ``redis.asyncio`` client."""
-        return bool(
-            await scripts_for(self.client).fence(
-                keys=[self.key, key], args=[self._check(token), value]
-            )
-        )
+        token = self._check(token)
+        self._check_slot(key)
+        return bool(await scripts_for(self.client).fence(keys=[self.key, key], args=[token, value]))
 
     def highest(self) -> int:
         """The highest token admitted so far (0: none)."""

@@ -41,7 +41,7 @@ from ._core import (
 )
 from ._renewal import RenewalScheduler, scheduler_for
 from ._scripts import scripts_for
-from ._waiting import subscriber_for
+from ._waiting import waiter_for
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ class RedisLock(LockBase[LeaseLost]):
     """A reentrant, owner-checked, fenced lock on one Redis server.
 
     Args:
-        client: a ``redis.Redis`` client (Redis Cluster clients are not supported yet: the
-            key layout is cluster-ready, the waiting and renewal paths are not).
+        client: a ``redis.Redis`` client, a Sentinel ``master_for`` client, or a
+            ``redis.cluster.RedisCluster`` (Redis 7+: wake-ups use sharded pub/sub).
         name: the lock's name (str or bytes, non-empty).
         ttl: lease in seconds. With ``auto_renew`` the watchdog renews it every
             ``ttl / 3`` while held; without, the hold ends after ``ttl``.
@@ -132,7 +132,7 @@ class RedisLock(LockBase[LeaseLost]):
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
-        with subscriber_for(self.client).waiter(self.keys.channel, owner) as waiter:
+        with waiter_for(self.client, self.keys.channel, owner) as waiter:
             try:
                 while True:
                     outcome = self._try(owner, lease_millis, renew, started, line=True)

@@ -158,3 +158,114 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+class RedisClusterServers:
+    """A real Redis Cluster of ``masters`` primaries (no replicas) owned by the caller.
+
+    Each node is a :class:`RedisServer` started with ``--cluster-enabled yes`` in its own
+    temporary directory on a free loopback port; ``redis-cli --cluster create`` assigns
+    the slots. :meth:`stop` stops every node by its own pid.
+    """
+
+    def __init__(self, masters: int = 3, *, node_timeout_ms: int = 2000) -> None:
+        if masters < 3:
+            raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        self.nodes = [
+            RedisServer(
+                extra=[
+                    *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+                    *("--cluster-node-timeout", str(node_timeout_ms)),
+                ]
+            )
+            for _ in range(masters)
+        ]
+
+    @property
+    def ports(self) -> list[int]:
+        return [node.port for node in self.nodes]
+
+    def start(self) -> RedisClusterServers:
+        try:
+            for node in self.nodes:
+                node.start()
+            cli = shutil.which("redis-cli")
+            if cli is None:
+                raise RuntimeError("redis-cli is not installed (it comes with redis-server)")
+            subprocess.run(
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{p}" for p in self.ports),
+                    "--cluster-yes",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=60,
+            )
+            self._wait_ok()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def _wait_ok(self, within: float = 30.0) -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            states = []
+            for node in self.nodes:
+                client = node.client()
+                try:
+                    info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+                    text = info.decode() if isinstance(info, bytes) else str(info)
+                    states.append("cluster_state:ok" in text)
+                finally:
+                    client.close()
+            if all(states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the test cluster did not reach cluster_state:ok")
+
+    def client(self, **kwargs: Any) -> Any:
+        """A ``redis.cluster.RedisCluster`` on this cluster."""
+        from redis.cluster import ClusterNode, RedisCluster
+
+        kwargs.setdefault("socket_timeout", 5.0)
+        kwargs.setdefault("socket_connect_timeout", 5.0)
+        nodes = [ClusterNode("127.0.0.1", p) for p in self.ports]  # type: ignore[no-untyped-call]
+        return RedisCluster(startup_nodes=nodes, **kwargs)
+
+    def async_client(self, **kwargs: Any) -> Any:
+        """A ``redis.asyncio.cluster.RedisCluster`` on this cluster."""
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        kwargs.setdefault("socket_timeout", 5.0)
+        kwargs.setdefault("socket_connect_timeout", 5.0)
+        return RedisCluster(
+            startup_nodes=[ClusterNode("127.0.0.1", p) for p in self.ports], **kwargs
+        )
+
+    def flushall(self) -> None:
+        """Empty every node of this cluster (only the servers it started)."""
+        for node in self.nodes:
+            client = node.client()
+            try:
+                client.flushall()
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -8,7 +8,7 @@ from typing import Callable
 import pytest
 import redis
 
-from celery_redislock.testing import RedisServer
+from celery_redislock.testing import RedisClusterServers, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +67,10 @@ def empty(server: RedisServer) -> RedisServer:
 def broker(celery_broker: RedisServer) -> RedisServer:
     """The session's Celery Redis, emptied: for tests that run their own workers."""
     return empty(celery_broker)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    """A real three-master Redis Cluster on free loopback ports (one per test module)."""
+    with RedisClusterServers() as cluster:
+        yield cluster
