@@ -7,6 +7,11 @@ Settings (task attributes of the same meaning override them per task):
 
 * ``redislock_url`` — Redis for locks (``redis://``, ``rediss://``, ``unix://``); default:
   the broker URL when the broker is Redis, else an error at worker start.
+* ``redislock_urls`` — a list of independent Redis masters (3 or 5): ``LockedTask`` then
+  takes the quorum lock (:class:`~celery_redislock.RedLock`) over them instead; contended
+  tasks are re-queued with a countdown (parking needs one Redis). Set this or
+  ``redislock_url``, not both.
+* ``redislock_node_timeout`` (``0.25``) — with ``redislock_urls``: per-node request timeout.
 * ``redislock_redis_options`` (``{}``) — extra ``redis.Redis.from_url`` keyword arguments
   (pool size, timeouts, retry, keepalive, TLS files).
 * ``redislock_prefix`` (``"redislock:"``) — key prefix of every lock.
@@ -157,11 +162,16 @@ class LockSettings:
     redis_options: Mapping[str, Any] = field(default_factory=dict)
     defaults: LockOptions = LockOptions()
     park_fallback: bool | str = "auto"
+    #: With ``redislock_urls``: the quorum's nodes (empty: one Redis at ``url``).
+    urls: tuple[str, ...] = ()
+    node_timeout: float = 0.25
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> LockSettings:
         """Read and validate ``redislock_*`` from a Celery ``app.conf`` (or any mapping)."""
-        url, source = _url(conf)
+        urls = _urls(conf)
+        url, source = (urls[0], "redislock_urls") if urls else _url(conf)
+        node_timeout = _seconds(conf.get("redislock_node_timeout", 0.25), "redislock_node_timeout")
         options = conf.get("redislock_redis_options") or {}
         if not isinstance(options, Mapping):
             raise LockConfigurationError(
@@ -188,7 +198,35 @@ class LockSettings:
             redis_options=dict(options),
             defaults=LockOptions(**values),
             park_fallback=fallback,
+            urls=urls,
+            node_timeout=node_timeout,
         )
+
+
+def _urls(conf: Mapping[str, Any]) -> tuple[str, ...]:
+    urls = conf.get("redislock_urls")
+    if urls is None:
+        return ()
+    allowed = ", ".join(REDIS_SCHEMES)
+    if isinstance(urls, str) or not isinstance(urls, (list, tuple)) or not urls:
+        raise LockConfigurationError(
+            f"redislock_urls must be a non-empty list of Redis URLs (starting with {allowed}), "
+            f"one per independent master (3 or 5 recommended), got {urls!r}"
+        )
+    for url in urls:
+        if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
+            raise LockConfigurationError(
+                f"redislock_urls must hold Redis URLs starting with {allowed}, got {url!r}"
+            )
+    if len(set(urls)) != len(urls):
+        raise LockConfigurationError(
+            f"redislock_urls lists a node twice: a quorum needs independent masters, got {urls!r}"
+        )
+    if conf.get("redislock_url") is not None:
+        raise LockConfigurationError(
+            "set redislock_urls (a quorum of masters) or redislock_url (one Redis), not both"
+        )
+    return tuple(urls)
 
 
 def _url(conf: Mapping[str, Any]) -> tuple[str, str]:

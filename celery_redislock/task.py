@@ -91,10 +91,12 @@ from kombu.utils import json as kombu_json
 from . import metrics, signals
 from ._core import LockKeys, OwnerFinished, backoff, decode_acquire, lease_ms
 from ._errors import LockConfigurationError, LockContendedError, LockLostError, LockNotOwnedError
+from ._quorum import quorum_error, release_code
 from ._renewal import scheduler_for
 from ._scripts import scripts_for
 from .keys import KeyTemplate
 from .lock import RedisLock
+from .redlock import RedLock
 from .settings import LockOptions, LockSettings, task_overrides
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,10 @@ class TaskLock(RedisLock):
 
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
+
+    def take(self) -> bool:
+        """One attempt, renewed while held; raises OwnerFinished for a finished task id."""
+        return self._try(self._current_owner(), self._lease, True) is True
 
     def drop_extra_hold(self) -> None:
         """Give back the hold count this acquire added in Redis; the local hold stays."""
@@ -214,6 +220,98 @@ class TaskLock(RedisLock):
         return message
 
 
+class QuorumTaskLock(RedLock):
+    """:class:`TaskLock` over a quorum of masters (``redislock_urls``): no parking.
+
+    Owned by the task id, with the task's "done" marker on every node; a contended task
+    is re-queued with a countdown (parked hand-over needs a single Redis).
+    """
+
+    def __init__(
+        self,
+        clients: list[Any],
+        name: str,
+        *,
+        task_id: str,
+        options: LockOptions,
+        node_timeout: float,
+    ) -> None:
+        super().__init__(
+            clients,
+            name,
+            ttl=options.ttl,
+            owner=task_id,
+            prefix=options.prefix,
+            node_timeout=node_timeout,
+        )
+        self.done_key = self.keys.lock + b":done:" + task_id.encode()
+
+    def _acquire_keys(self) -> list[bytes]:
+        return [*super()._acquire_keys(), self.done_key]
+
+    def take(self) -> bool:
+        """One attempt on every node, renewed while held (OwnerFinished: task finished)."""
+        return self._try(self._current_owner(), self._lease, True) is None
+
+    def _each_node(self, keys: list[bytes], args: list[Any]) -> int:
+        owner = self._current_owner()
+        round_ = self._round(lambda i: self._node_scripts[i].release(keys=keys, args=args))
+        code = release_code(round_, self.quorum)
+        if code is None:
+            raise quorum_error(self.name, owner, "release", round_, self.quorum)
+        return code
+
+    def drop_extra_hold(self) -> None:
+        """Give back the hold count this acquire added on the nodes; the local hold stays."""
+        self._each_node(self.keys.release_keys(), [self.owner])
+
+    def release_all(self) -> int:
+        """Every hold of the task id, on every node (its process died)."""
+        return self._each_node(self.keys.release_keys(), [self.owner, "all"])
+
+    def finish(self, *, hold: float, done_ttl: float | None) -> str | None:
+        """Give the hold back (or keep it ``hold`` seconds), marking the task id done."""
+        owner = self._current_owner()
+        keys = self.keys.release_keys()
+        args: list[Any] = (
+            [owner, "hold", lease_ms(hold, "lock_hold")]
+            if hold > 0
+            else [
+                owner,
+                "one",
+                0,
+            ]
+        )
+        if done_ttl is not None:
+            keys.append(self.done_key)
+            args.append(lease_ms(done_ttl, "lock_done_ttl"))
+        held = self._holds.get(owner)
+        self._ack_releasing(held, 1)
+        try:
+            code = self._each_node(keys, args)
+        finally:
+            self._ack_releasing(held, -1)
+        self._record_released(owner, code)
+        return None
+
+
+AnyTaskLock = TaskLock | QuorumTaskLock
+
+
+def task_lock(app: Any, name: str, *, task_id: str, options: LockOptions) -> AnyTaskLock:
+    """The lock of one task execution: on the app's one Redis, or its quorum of masters."""
+    settings = settings_for(app)
+    if settings.urls:
+        return QuorumTaskLock(
+            quorum_clients_for(app),
+            name,
+            task_id=task_id,
+            options=options,
+            node_timeout=settings.node_timeout,
+        )
+    return TaskLock(client_for(app), name, task_id=task_id, options=options)
+
+
 # ------------------------------------------------------------------ per-app state
 
 _settings: weakref.WeakKeyDictionary[Any, LockSettings] = weakref.WeakKeyDictionary()
@@ -241,6 +339,22 @@ def client_for(app: Any) -> redis.Redis:
         }
         options.update(settings.redis_options)
         found = _clients[app] = (os.getpid(), redis.Redis.from_url(settings.url, **options))
+    return found[1]
+
+
+_quorum_clients: weakref.WeakKeyDictionary[Any, tuple[int, list[redis.Redis]]]
+_quorum_clients = weakref.WeakKeyDictionary()
+
+
+def quorum_clients_for(app: Any) -> list[redis.Redis]:
+    """One client per ``redislock_urls`` node, one set per process (new after a fork)."""
+    found = _quorum_clients.get(app)
+    if found is None or found[0] != os.getpid():
+        settings = settings_for(app)
+        options: dict[str, Any] = {"health_check_interval": 30}
+        options.update(settings.redis_options)
+        clients = [redis.Redis.from_url(url, **options) for url in settings.urls]
+        found = _quorum_clients[app] = (os.getpid(), clients)
     return found[1]
 
 
@@ -303,7 +417,7 @@ class LockedTask(Task):  # type: ignore[misc]
         )
 
     @property
-    def lock(self) -> TaskLock | None:
+    def lock(self) -> AnyTaskLock | None:
         """The lock of the current execution (``bind=True`` tasks: ``self.lock``); None outside."""
         return getattr(self.request, "redislock", None)
 
@@ -326,10 +440,10 @@ class LockedTask(Task):  # type: ignore[misc]
         request = self.request
         options = self.lock_options()
         name = self.lock_name(args, kwargs)  # a bad value fails the task here: nothing taken
-        lock = TaskLock(client_for(self.app), name, task_id=request.id, options=options)
+        lock = task_lock(self.app, name, task_id=request.id, options=options)
         call = _Call(request, args, kwargs, options, name)
         try:
-            outcome = lock._try(request.id, lock._lease, True)
+            outcome = lock.take()
         except OwnerFinished:
             log.info(
                 "redislock: %s[%s] already finished under %r; duplicate delivery ignored",
@@ -351,21 +465,25 @@ class LockedTask(Task):  # type: ignore[misc]
             policy = options.on_contention
             if policy == "wait" and self._wait_for(lock, options):
                 pass
-            elif policy == "requeue" and self._park(lock, call):
+            elif policy == "requeue" and isinstance(lock, TaskLock) and self._park(lock, call):
                 pass  # the lock came free meanwhile
             else:
                 return self._contended(call, duplicate=False)
         request.redislock = lock
         return self._run_holding(lock, options, args, kwargs)
 
-    def _wait_for(self, lock: TaskLock, options: LockOptions) -> bool:
+    def _wait_for(self, lock: AnyTaskLock, options: LockOptions) -> bool:
         try:
             return lock.acquire(timeout=options.wait)
         except OwnerFinished:  # another delivery of this task finished meanwhile
             raise Ignore() from None
 
     def _run_holding(
-        self, lock: TaskLock, options: LockOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        lock: AnyTaskLock,
+        options: LockOptions,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         try:
             result = super().__call__(*args, **kwargs)
@@ -391,7 +509,7 @@ class LockedTask(Task):  # type: ignore[misc]
             )
         return result
 
-    def _keep_for_retry(self, lock: TaskLock, retry: Retry, options: LockOptions) -> None:
+    def _keep_for_retry(self, lock: AnyTaskLock, retry: Retry, options: LockOptions) -> None:
         """Keep the hold for the retried run: an unrenewed lease covering the retry delay."""
         delay = retry.when if isinstance(retry.when, (int, float)) else options.ttl
         try:
@@ -477,6 +595,8 @@ class LockedTask(Task):  # type: ignore[misc]
         return self.signature_from_request(request, args, kwargs, headers=headers), done + 1
 
     def _still_parked(self, call: _Call) -> bool:
+        if settings_for(self.app).urls:
+            return False  # no parking on a quorum
         lock_key = LockKeys.for_name(call.name, call.options.prefix).lock
         return bool(client_for(self.app).hexists(lock_key + b":parked:messages", call.request.id))
 
@@ -568,13 +688,25 @@ class LockedTask(Task):  # type: ignore[misc]
         options = self.lock_options()
         name = self.lock_name(args, kwargs)
         request_id = self.request.id
-        lock = RedisLock(
-            client_for(self.app),
-            name,
-            ttl=options.ttl,
-            owner=request_id or None,
-            prefix=options.prefix,
-        )
+        settings = settings_for(self.app)
+        lock: RedisLock | RedLock
+        if settings.urls:
+            lock = RedLock(
+                quorum_clients_for(self.app),
+                name,
+                ttl=options.ttl,
+                owner=request_id or None,
+                prefix=options.prefix,
+                node_timeout=settings.node_timeout,
+            )
+        else:
+            lock = RedisLock(
+                client_for(self.app),
+                name,
+                ttl=options.ttl,
+                owner=request_id or None,
+                prefix=options.prefix,
+            )
         wait = 0.0 if options.on_contention in ("skip", "raise") else options.wait
         if not lock.acquire(timeout=wait):
             if options.on_contention == "skip":
@@ -634,12 +766,18 @@ def _visibility_timeout(app: Any) -> float:
 
 
 def _finish_quietly(
-    lock: TaskLock, task: Any, options: LockOptions, *, hold: float | None = None, done: bool = True
+    lock: AnyTaskLock,
+    task: Any,
+    options: LockOptions,
+    *,
+    hold: float | None = None,
+    done: bool = True,
 ) -> None:
     """Release (handing over to a parked task) and publish the hand-over; never raises
     LockNotOwnedError (the caller reports a lost lease itself)."""
     try:
-        metrics.flush_to_redis(lock.client, options.prefix)
+        stats_client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
+        metrics.flush_to_redis(stats_client, options.prefix)
     except Exception:  # stats are best effort; the lock is not
         log.debug("redislock: could not flush stats", exc_info=True)
     keep = options.hold if hold is None else hold
@@ -686,11 +824,14 @@ class LockedRequest(Request):  # type: ignore[misc]
         try:
             options = task.lock_options()
             name = task.lock_name(self.args, self.kwargs)
-            lock = TaskLock(client_for(task.app), name, task_id=self.id, options=options)
-            keys, args = lock.handoff_args(self.id, "all", None)
-            reply = scripts_for(lock.client).handoff(keys=keys, args=args)
-            code = int(reply[0])
-            task.publish_handed_over(_text(reply[1]) if len(reply) > 1 else None)
+            lock = task_lock(task.app, name, task_id=self.id, options=options)
+            if isinstance(lock, QuorumTaskLock):
+                code = lock.release_all()
+            else:
+                keys, args = lock.handoff_args(self.id, "all", None)
+                reply = scripts_for(lock.client).handoff(keys=keys, args=args)
+                code = int(reply[0])
+                task.publish_handed_over(_text(reply[1]) if len(reply) > 1 else None)
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
@@ -719,7 +860,12 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
         # worker here, before it takes a single task.
         log.critical("celery_redislock: %s", exc)
         raise SystemExit(f"celery_redislock: {exc}") from exc
-    log.info("redislock: locks in %s (from %s)", settings.url.split("@")[-1], settings.url_source)
+    if settings.urls:
+        nodes = ", ".join(url.split("@")[-1] for url in settings.urls)
+        log.info("redislock: quorum locks over %d masters: %s", len(settings.urls), nodes)
+    else:
+        where = settings.url.split("@")[-1]
+        log.info("redislock: locks in %s (from %s)", where, settings.url_source)
 
 
 celery_signals.worker_init.connect(_check_settings_at_worker_start, weak=False)

@@ -41,6 +41,8 @@ if os.environ.get("REDISLOCK_TEST_NO_FALLBACK"):
     app.conf.redislock_park_fallback = False
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
+if os.environ.get("REDISLOCK_TEST_QUORUM"):  # locks on a quorum of masters
+    app.conf.redislock_urls = os.environ["REDISLOCK_TEST_QUORUM"].split(",")
 
 _r: redis.Redis | None = None
 

@@ -77,3 +77,30 @@ def test_park_fallback_accepts_auto_true_false_only() -> None:
     assert LockSettings.from_conf({**conf, "redislock_park_fallback": False}).park_fallback is False
     with pytest.raises(LockConfigurationError, match="redislock_park_fallback"):
         LockSettings.from_conf({**conf, "redislock_park_fallback": "false"})
+
+
+@pytest.mark.parametrize(
+    ("urls", "match"),
+    [
+        ("redis://a:1", "non-empty list"),
+        ([], "non-empty list"),
+        (["redis://a:1", "http://b:2"], "http://b:2"),
+        (["redis://a:1", "redis://a:1"], "twice"),
+    ],
+)
+def test_quorum_urls_are_validated(urls: object, match: str) -> None:
+    with pytest.raises(LockConfigurationError, match="redislock_urls") as caught:
+        LockSettings.from_conf({"redislock_urls": urls})
+    assert match in str(caught.value)
+
+
+def test_quorum_urls_exclude_a_single_url_and_are_used() -> None:
+    with pytest.raises(LockConfigurationError, match="not both"):
+        LockSettings.from_conf({"redislock_urls": ["redis://a:1"], "redislock_url": "redis://b:2"})
+    settings = LockSettings.from_conf(
+        {"redislock_urls": ["redis://a:1", "redis://b:2", "redis://c:3"], "broker_url": "amqp://"}
+    )
+    assert settings.urls == ("redis://a:1", "redis://b:2", "redis://c:3")
+    assert settings.url_source == "redislock_urls"
+    with pytest.raises(LockConfigurationError, match="redislock_node_timeout"):
+        LockSettings.from_conf({"redislock_urls": ["redis://a:1"], "redislock_node_timeout": 0})

@@ -1,0 +1,104 @@
+"""LockedTask on a quorum of masters (``redislock_urls``), with a real prefork worker."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from celery_redislock.testing import RedisServer
+
+from . import celery_app as ca
+from ._celery import CeleryProcess, wait_until, worker
+from .conftest import empty
+
+
+@pytest.fixture(scope="module")
+def lock_nodes() -> Iterator[list[RedisServer]]:
+    servers = [RedisServer().start() for _ in range(3)]
+    yield servers
+    for server in servers:
+        server.signal(signal.SIGCONT)
+        server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def quorum_worker(
+    celery_broker: RedisServer,
+    lock_nodes: list[RedisServer],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[CeleryProcess]:
+    empty(celery_broker)
+    log: Path = tmp_path_factory.mktemp("quorum") / "worker.log"
+    urls = ",".join(s.url for s in lock_nodes)
+    proc = worker(
+        celery_broker.url, log, env={"REDISLOCK_TEST_QUORUM": urls, "REDISLOCK_TEST_TTL": "10"}
+    )
+    yield proc
+    proc.stop()
+
+
+def lock_keys(nodes: list[RedisServer], name: str) -> list[bool]:
+    found = []
+    for server in nodes:
+        client = server.client(socket_timeout=5)
+        found.append(bool(client.exists("redislock:{" + name + "}")))
+        client.close()
+    return found
+
+
+def test_settlement_on_a_quorum_is_exact_even_with_a_node_stopped(
+    celery_broker: RedisServer, lock_nodes: list[RedisServer], quorum_worker: CeleryProcess
+) -> None:
+    r = celery_broker.client()
+    rng = random.Random(11)
+    payments = [(rng.randrange(3), rng.randrange(1, 100)) for _ in range(90)]
+    first = [ca.settle.delay(a, m, 0.01) for a, m in payments[:45]]
+    for result in first:
+        result.get(timeout=120)
+    lock_nodes[1].signal(signal.SIGSTOP)  # one of three masters stalls: work goes on
+    try:
+        second = [ca.settle.delay(a, m, 0.01) for a, m in payments[45:]]
+        for result in second:
+            result.get(timeout=120)
+    finally:
+        lock_nodes[1].signal(signal.SIGCONT)
+    expected: dict[int, int] = defaultdict(int)
+    for account, amount in payments:
+        expected[account] += amount
+    assert {a: int(r.get(f"balance:{a}") or 0) for a in expected} == dict(expected)
+    lines: list[bytes] = r.lrange("sections:settle", 0, -1)  # type: ignore[assignment]
+    seen = [raw.decode().split() for raw in lines]
+    assert len(seen) == len(payments)  # every critical section was seen, once per task
+    assert sorted(t for _, t, _, _ in seen) == sorted(x.id for x in first + second)
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for key, _, enter, leave in seen:
+        spans[key].append((float(enter), float(leave)))
+    for account_spans in spans.values():
+        account_spans.sort()
+        assert all(b[0] >= a[1] for a, b in zip(account_spans, account_spans[1:]))
+    # Every lock was given back on the nodes that were running.
+    for account in expected:
+        assert lock_keys([lock_nodes[0], lock_nodes[2]], f"account:{account}") == [False, False]
+    # The locks really were on the quorum's nodes.
+    for server in lock_nodes:
+        client = server.client(socket_timeout=5)
+        assert int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)) > 90
+        client.close()
+    r.close()
+
+
+def test_hard_time_limit_frees_the_quorum_lock_at_once(
+    lock_nodes: list[RedisServer], quorum_worker: CeleryProcess
+) -> None:
+    result = ca.exceed_hard_limit.delay("q-limit")
+    with pytest.raises(Exception):  # noqa: B017 - TimeLimitExceeded, whatever its wrapping
+        result.get(timeout=60)
+    started = time.monotonic()
+    wait_until(lambda: lock_keys(lock_nodes, "job:q-limit") == [False] * 3, timeout=8)
+    assert time.monotonic() - started < 8  # the lease (10 s) did not have to run out
