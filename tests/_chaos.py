@@ -232,6 +232,7 @@ class _Member:
     slot: int
     gen: int
     log_path: str
+    first: int
 
 
 class Swarm:
@@ -274,6 +275,8 @@ class Swarm:
         self.lock_key = RedisLock(self.admin, name).keys.lock
         self._ctx = multiprocessing.get_context("spawn")
         self._gens = [0] * slots
+        #: How many fault victims were holding the lock when chosen.
+        self.victims_holding = 0
 
     def expected_items(self) -> list[int]:
         return list(range(self.slots * self.items))
@@ -292,7 +295,7 @@ class Swarm:
         process = self._ctx.Process(target=worker, args=args, daemon=True)
         process.start()
         assert process.pid is not None
-        self.members[process.pid] = _Member(process, slot, gen, log_path)
+        self.members[process.pid] = _Member(process, slot, gen, log_path, first)
 
     def reap(self) -> None:
         """Move exited workers to ``finished``."""
@@ -320,12 +323,15 @@ class Swarm:
         return None
 
     def victim(self, rng: random.Random) -> int | None:
-        """The holder if there is one, else a random live worker."""
+        """The holder (waiting up to 0.5 s for one), else a random live worker."""
         self.reap()
-        pid = self.holder_pid()
-        if pid is None and self.members:
-            pid = rng.choice(sorted(self.members))
-        return pid
+        for _ in range(50):
+            pid = self.holder_pid()
+            if pid is not None:
+                self.victims_holding += 1
+                return pid
+            time.sleep(0.01)
+        return rng.choice(sorted(self.members)) if self.members else None
 
     def kill(self, pid: int) -> None:
         """SIGKILL a worker, reap it, and start its replacement."""
@@ -347,8 +353,7 @@ class Swarm:
             for r in _read_log(member.log_path)
             if r.get("ev") == "write" and r.get("admitted") is True and r["token"] in entered
         ]
-        first = member.slot * self.items
-        next_item = max(done) + 1 if done else first
+        next_item = max(done) + 1 if done else member.first
         if next_item < (member.slot + 1) * self.items:
             self._spawn(member.slot, next_item)
 

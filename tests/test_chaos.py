@@ -27,6 +27,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +35,7 @@ from typing import Any, Callable
 import pytest
 import redis
 
-from celery_redislock import FencedResource, RedisLock
+from celery_redislock import FencedResource, LockLostError, RedisLock
 from celery_redislock.testing import RedisServer
 
 from . import _chaos
@@ -296,3 +297,244 @@ def test_a_paused_holder_is_fenced_off_and_touches_nothing_of_the_new_holder(
     server: RedisServer, seed: int
 ) -> None:
     scenario_paused_holder(server, seed, ttl=0.5, label="2 sigstop")
+
+
+# ----------------------------------------------------------------------------- scenario 3
+
+
+def scenario_renewal_kills(server: RedisServer, seed: int, *, leases: int, label: str) -> None:
+    """Kill the watchdog's private connections again and again while a holder works: the
+    hold must survive (renewed past many leases) or its loss be reported; at no sample may
+    the holder believe it holds (``ensure_held()`` passes) while Redis says otherwise, and
+    no other owner may get in while it believes so."""
+    rng = random.Random(seed)
+    ttl = 0.5
+    admin: Any = server.client()
+    holder_client, thief_client = server.client(), server.client()
+    ours = {int(c.client_id()) for c in (admin, holder_client, thief_client)}
+    lock = RedisLock(holder_client, "renewed", ttl=ttl, owner="holder")
+    thief = RedisLock(thief_client, "renewed", ttl=5, owner="thief", auto_renew=False)
+    losses: list[str] = []
+    lock.on_lost(lambda _lock, error: losses.append(str(error.reason)))
+    started = time.monotonic()
+    assert lock.acquire(timeout=5)
+    token = lock.token
+    kills = samples = stolen = 0
+    violations: list[str] = []
+    try:
+        end = time.monotonic() + leases * ttl
+        while time.monotonic() < end:
+            for entry in admin.client_list():
+                if int(entry["id"]) not in ours:  # the watchdog's connections
+                    kills += int(admin.execute_command("CLIENT", "KILL", "ID", entry["id"]))
+            for _ in range(rng.randint(1, 10)):
+                time.sleep(0.02)
+                samples += 1
+                on_server = bool(admin.hexists(lock.keys.lock, "holder"))
+                if thief.acquire(blocking=False):
+                    stolen += 1
+                    thief.release()
+                    on_server = False
+                try:
+                    lock.ensure_held()
+                    believes = True
+                except LockLostError:
+                    believes = False
+                if believes and not on_server:
+                    violations.append(f"silent hold at +{time.monotonic() - started:.3f}s")
+        survived = not lock.lost and bool(admin.hexists(lock.keys.lock, "holder"))
+        if survived:
+            assert lock.token == token
+            lock.release()
+        else:
+            with pytest.raises(LockLostError):
+                lock.release()
+    finally:
+        for c in (admin, holder_client, thief_client):
+            c.close()
+    elapsed = time.monotonic() - started
+    report = Report(
+        acquisitions=1 + stolen, sections=1, completed=1 if survived else 0,
+        lost_reports=len(losses), violations=violations,
+    )  # fmt: skip
+    outcome = "hold survived" if survived else f"loss reported ({losses})"
+    summary(
+        label, seed, report, f"{kills} (client-kill of renewal connections); {outcome}", elapsed
+    )
+    ctx = f"seed={seed} (replay: REDISLOCK_CHAOS_SEED={seed}); {report.line()}; {outcome}"
+    assert violations == [], f"{ctx}: {violations[:10]}"
+    assert kills >= leases // 2, f"{ctx}: only {kills} renewal connections were killed"
+    assert survived or losses, f"{ctx}: the hold was lost and nobody was told"
+    assert stolen == 0 or losses, f"{ctx}: another owner got in without a reported loss"
+
+
+def test_killed_renewal_connections_recover_or_report(server: RedisServer, seed: int) -> None:
+    scenario_renewal_kills(server, seed, leases=8, label="3a renewal client-kill")
+
+
+def scenario_subscriber_kills(
+    server: RedisServer, seed: int, *, gaps: list[float], label: str
+) -> None:
+    """A waiter blocked behind a long lease (ttl 30 s) has its subscriber connection killed
+    ``gap`` seconds before the holder releases (after 1 s): it must still take the lock
+    promptly, never sleep through the release until the lease would have run out."""
+    rng = random.Random(seed)
+    admin: Any = server.client()
+    holder_client, waiter_client = server.client(), server.client()
+    keys = RedisLock(admin, "waited").keys
+    latencies: list[float] = []
+    kills = 0
+    violations: list[str] = []
+    started = time.monotonic()
+    rng.shuffle(gaps)
+    try:
+        for round_, gap in enumerate(gaps):
+            holder = RedisLock(
+                holder_client, "waited", ttl=30, owner=f"holder-{round_}", auto_renew=False
+            )
+            assert holder.acquire(blocking=False)
+            result: dict[str, Any] = {}
+
+            def wait(round_: int = round_, result: dict[str, Any] = result) -> None:
+                waiter = RedisLock(waiter_client, "waited", ttl=30, owner=f"waiter-{round_}")
+                result["ok"] = waiter.acquire(timeout=20)
+                result["t"] = time.monotonic()
+                if result["ok"]:
+                    waiter.release()
+
+            thread = threading.Thread(target=wait)
+            thread.start()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # subscribed and in line
+                subscribed = admin.pubsub_numsub(keys.channel)[0][1]
+                if subscribed and admin.llen(keys.waiters):
+                    break
+                time.sleep(0.01)
+            t_ready = time.monotonic()
+            time.sleep(max(0.0, 1.0 - gap))
+            killed = int(admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub"))
+            kills += killed
+            time.sleep(gap)
+            t_release = time.monotonic()
+            holder.release()
+            thread.join(25)
+            if not result.get("ok"):
+                violations.append(f"gap {gap}: the waiter never acquired ({result})")
+                continue
+            latency = result["t"] - t_release
+            latencies.append(latency)
+            if killed < 1:
+                violations.append(f"gap {gap}: no subscriber connection to kill")
+            if latency > 10:
+                violations.append(f"gap {gap}: acquired {latency:.2f}s after the release")
+            assert t_ready > 0
+    finally:
+        for c in (admin, holder_client, waiter_client):
+            c.close()
+    elapsed = time.monotonic() - started
+    report = Report(acquisitions=2 * len(latencies), violations=violations)
+    worst = max(latencies, default=float("nan"))
+    faults = f"{kills} (client-kill type pubsub); worst wake latency {worst * 1000:.0f} ms"
+    summary(label, seed, report, faults, elapsed)
+    ctx = f"seed={seed} (replay: REDISLOCK_CHAOS_SEED={seed}); latencies {latencies}"
+    assert violations == [], f"{ctx}: {violations}"
+
+
+def test_a_waiter_whose_subscriber_is_killed_still_takes_the_lock_promptly(
+    server: RedisServer, seed: int
+) -> None:
+    scenario_subscriber_kills(
+        server, seed, gaps=[0.0, 0.002, 0.02, 0.2, 0.6], label="3b subscriber client-kill"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_connection_kills_long(
+    request: pytest.FixtureRequest, server: RedisServer, seed: int
+) -> None:
+    require_slow(request)
+    scenario_renewal_kills(server, seed, leases=120, label="3a renewal client-kill (slow)")
+    gaps = [random.Random(seed + i).uniform(0, 0.9) for i in range(40)] + [0.0] * 10
+    scenario_subscriber_kills(server, seed, gaps=gaps, label="3b subscriber client-kill (slow)")
+
+
+# ----------------------------------------------------------------------------- scenario 4
+
+FAULT_WEIGHTS = {
+    "sigkill": 2,
+    "stop-brief": 2,
+    "stop-past-lease": 2,
+    "client-kill": 3,
+    "debug-sleep": 2,
+}
+
+
+def random_faults(
+    faults: int, rng: random.Random, ttl: float, budget: float
+) -> Callable[[Swarm, float], None]:
+    kinds = list(FAULT_WEIGHTS)
+    weights = [FAULT_WEIGHTS[k] for k in kinds]
+
+    def inject(swarm: Swarm, deadline: float) -> None:
+        stop_at = min(deadline, time.monotonic() + budget)
+        while swarm.alive() and len(swarm.faults) < faults and time.monotonic() < stop_at:
+            time.sleep(rng.uniform(0.05, 0.4))
+            kind = rng.choices(kinds, weights)[0]
+            if kind == "client-kill":
+                swarm.client_kill(rng)
+            elif kind == "debug-sleep":
+                swarm.debug_sleep(ttl * rng.uniform(0.1, 0.4))
+            else:
+                pid = swarm.victim(rng)
+                if pid is None:
+                    continue
+                if kind == "sigkill":
+                    swarm.kill(pid)
+                elif kind == "stop-brief":
+                    swarm.stop(pid, ttl * rng.uniform(0.05, 0.3), kind)
+                else:
+                    swarm.stop(pid, ttl * rng.uniform(1.3, 2.2), kind)
+
+    return inject
+
+
+def scenario_fault_schedule(
+    server: RedisServer, tmp_path: Path, seed: int, *, slots: int, items: int, faults: int,
+    budget: float, bound: float, label: str,
+) -> None:  # fmt: skip
+    rng = random.Random(seed)
+    ttl = 0.6
+    swarm = Swarm(
+        server.port, "faulted", tmp_path, slots=slots, items=items, ttl=ttl,
+        hold_max=0.03, pause_max=0.01, seed=seed,
+    )  # fmt: skip
+    inject = random_faults(faults, rng, ttl, budget)
+    report, finished, elapsed = run_swarm(swarm, seed, bound=bound, inject=inject)
+    victims = f"; {swarm.victims_holding} process faults hit a holder"
+    summary(label, seed, report, fault_counts(swarm.faults) + victims, elapsed)
+    assert_safe_and_live(swarm, report, finished, seed, bound)
+    assert len(swarm.faults) >= faults // 2, (
+        f"seed={seed}: only {len(swarm.faults)} faults injected before the work ran out"
+    )
+
+
+def test_a_seeded_random_fault_schedule_keeps_the_lock_safe_and_live(
+    server: RedisServer, tmp_path: Path, seed: int
+) -> None:
+    scenario_fault_schedule(
+        server, tmp_path, seed, slots=5, items=50, faults=30, budget=18, bound=60,
+        label="4 random faults",
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_seeded_random_fault_schedule_long(
+    request: pytest.FixtureRequest, server: RedisServer, tmp_path: Path, seed: int
+) -> None:
+    require_slow(request)
+    scenario_fault_schedule(
+        server, tmp_path, seed, slots=8, items=400, faults=400, budget=300, bound=700,
+        label="4 random faults (slow)",
+    )  # fmt: skip
