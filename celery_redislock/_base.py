@@ -31,14 +31,19 @@ from ._errors import (
     LockForkedError,
     LockLostError,
     LockNotOwnedError,
+    LockReplicationError,
     LockTimeoutError,
 )
+from ._scripts import is_cluster
 
 log = logging.getLogger("celery_redislock")
 
 LostCallback = Callable[[Any, LockLostError], object]
 F = TypeVar("F", bound=LostCallback)
 Signal = TypeVar("Signal", bound=LossSignal)
+
+#: How long an acquire waits for ``min_replicas`` acknowledgements by default (seconds).
+DEFAULT_REPLICA_TIMEOUT = 0.5
 
 
 class LockBase(Generic[Signal]):
@@ -57,6 +62,8 @@ class LockBase(Generic[Signal]):
         blocking: bool = True,
         timeout: float | None = None,
         prefix: str = DEFAULT_PREFIX,
+        min_replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         if client is None:
             raise LockConfigurationError("client must be a redis-py client, got None")
@@ -79,6 +86,10 @@ class LockBase(Generic[Signal]):
         self._callbacks: list[LostCallback] = []
         #: Redis's hold count for the owner after this object's last acquire (all objects).
         self._server_count = 0
+        self.min_replicas, self.replica_timeout = validate_replicas(
+            client, min_replicas, replica_timeout
+        )
+        self._replica_timeout_ms = round(self.replica_timeout * 1000)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} ttl={self.ttl!r} owner={self.owner!r}>"
@@ -327,3 +338,60 @@ class LockBase(Generic[Signal]):
     @staticmethod
     def _now() -> float:
         return time.monotonic()
+
+    # -- min_replicas ----------------------------------------------------------
+
+    def _replicated_pipeline(self, pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        """Queue ``script`` then ``WAIT min_replicas timeout`` on one pipeline (one round trip).
+
+        WAIT cannot run inside Lua, so it follows the script on the same connection: it
+        counts the replicas that hold every write made on that connection so far.
+        """
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        pipe.execute_command("WAIT", self.min_replicas, self._replica_timeout_ms)
+        return pipe
+
+    def _unreplicated(self, acks: Any) -> bool:
+        """True when a WAIT reply does not meet min_replicas (or WAIT failed)."""
+        return isinstance(acks, Exception) or int(acks) < self.min_replicas
+
+    def _replication_error(
+        self, acks: Any, what: str, owner: str, connected: int | None
+    ) -> LockReplicationError:
+        acknowledged = 0 if isinstance(acks, Exception) else int(acks)
+        if isinstance(acks, Exception):
+            detail = f"WAIT is unavailable on this server ({acks}); min_replicas cannot be met"
+        else:
+            detail = (
+                f"only {acknowledged} acknowledged within replica_timeout={self.replica_timeout}s"
+            )
+            if connected is not None and connected < self.min_replicas:
+                detail += f" (the server reports {connected} connected replicas)"
+        undone = "it was given back" if what == "acquire" else "its lease was not renewed"
+        return LockReplicationError(
+            f"lock {self.name!r}: {what} needs min_replicas={self.min_replicas} replicas to "
+            f"acknowledge it, but {detail}; {undone}",
+            name=self.name,
+            owner=owner,
+            min_replicas=self.min_replicas,
+            acknowledged=acknowledged,
+            timeout=self.replica_timeout,
+        )
+
+
+def validate_replicas(
+    client: Any, min_replicas: object, replica_timeout: object
+) -> tuple[int, float]:
+    """Check ``min_replicas`` (an int >= 0) and ``replica_timeout`` (seconds, >= 1 ms)."""
+    if not isinstance(min_replicas, int) or isinstance(min_replicas, bool) or min_replicas < 0:
+        raise LockConfigurationError(
+            f"min_replicas must be an int >= 0 (0: do not wait for replicas), got {min_replicas!r}"
+        )
+    timeout_ms = lease_ms(replica_timeout, "replica_timeout")
+    if min_replicas and is_cluster(client):
+        raise LockConfigurationError(
+            f"min_replicas={min_replicas} is not supported with a Redis Cluster client: "
+            f"redis-py sends WAIT to every node, not to the node that took the write, so "
+            f"replication could not be checked (use min_replicas=0 on a cluster)"
+        )
+    return min_replicas, timeout_ms / 1000.0

@@ -8,6 +8,7 @@
     ├── LockTimeoutError                not acquired within the timeout (also a TimeoutError)
     │   └── LockQuorumError             a quorum lock could not reach a majority of its nodes
     ├── LockContendedError              a task (or locked call) found its lock held and gave up
+    ├── LockReplicationError            fewer replicas than min_replicas acknowledged an acquire
     └── LockNotOwnedError               releasing/extending a hold the caller does not have
         ├── LockLostError               the caller had the hold, but its lease was lost
         └── LockForkedError             a hold inherited over fork used in the child
@@ -112,6 +113,30 @@ class LockForkedError(LockNotOwnedError):
     """
 
 
+class LockReplicationError(_NamedLockError):
+    """Fewer replicas than ``min_replicas`` acknowledged an acquire (or extend) in time.
+
+    The acquire gave back what it had taken before raising (owner-checked), so no lock
+    is left behind. ``min_replicas``, ``acknowledged`` and ``timeout`` (seconds) say
+    what was asked and what happened.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | bytes | None = None,
+        owner: str | None = None,
+        min_replicas: int = 0,
+        acknowledged: int = 0,
+        timeout: float = 0.0,
+    ) -> None:
+        super().__init__(message, name=name, owner=owner)
+        self.min_replicas = min_replicas
+        self.acknowledged = acknowledged
+        self.timeout = timeout
+
+
 def _rebuild(
     cls: type[RedisLockError], args: tuple[object, ...], state: dict[str, object]
 ) -> RedisLockError:
@@ -127,6 +152,7 @@ __all__ = [
     "LockForkedError",
     "LockLostError",
     "LockNotOwnedError",
+    "LockReplicationError",
     "LockQuorumError",
     "LockTimeoutError",
     "RedisLockError",

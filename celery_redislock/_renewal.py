@@ -50,6 +50,7 @@ from ._core import (
     renew_args,
     wait_event,
 )
+from ._errors import LockReplicationError
 from ._scripts import is_cluster, scripts_for
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,18 @@ BATCH = 100
 RENEW_SOCKET_TIMEOUT = 1.0
 #: With nothing held, the watchdog thread exits after this long.
 IDLE_EXIT = 1.0
+#: Longest WAIT a renewal pass sends for holds with ``min_replicas`` (ms): below the
+#: watchdog's socket timeout; an unacknowledged renewal is retried until the deadline.
+RENEW_WAIT_CAP_MS = 500
+
+#: Holds whose renewals must reach replicas: hold -> (min_replicas, WAIT timeout in ms).
+_replicated: weakref.WeakKeyDictionary[Hold, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def require_replicas(hold: Hold, min_replicas: int, timeout_ms: int) -> None:
+    """Renew ``hold`` only when ``min_replicas`` replicas acknowledge the renewal."""
+    if min_replicas > 0:
+        _replicated[hold] = (min_replicas, max(1, min(timeout_ms, RENEW_WAIT_CAP_MS)))
 
 
 def _bounded(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -184,11 +197,17 @@ class _SchedulerBase:
                 # evalsha method, but routes the command by its keys' slot like any other.
                 pipe.execute_command("EVALSHA", self._scripts.renew.sha, len(keys), *keys, *args)
                 chunks.append(chunk)
+        needs = [r for r in (_replicated.get(h) for h in holds) if r is not None]
+        if needs:
+            # WAIT after the scripts, on the same connection: it counts the replicas
+            # that hold every renewal above (WAIT cannot run inside Lua).
+            pipe.execute_command("WAIT", max(k for k, _ in needs), max(ms for _, ms in needs))
         self.round_trips += 1
         return pipe, chunks
 
     def _apply(self, chunks: list[Sequence[Hold]], replies: list[Any], sent_at: float) -> None:
         renewed = 0
+        acks = replies[len(chunks)] if len(replies) > len(chunks) else None
         for chunk, reply in zip(chunks, replies):
             codes = reply if isinstance(reply, list) else [reply] * len(chunk)
             for hold, code in zip(chunk, codes):
@@ -197,6 +216,13 @@ class _SchedulerBase:
                 if isinstance(code, Exception):
                     self._failed([hold], code)
                 elif int(code) == RENEW_OK:
+                    needed = _replicated.get(hold)
+                    if needed is not None and (
+                        acks is None or isinstance(acks, Exception) or int(acks) < needed[0]
+                    ):
+                        # Renewed on the master only: the deadline does not move.
+                        self._failed([hold], _unreplicated(needed[0], acks))
+                        continue
                     hold.renewed(sent_at)
                     renewed += 1
                 elif hold.releasing:
@@ -363,6 +389,11 @@ class AsyncRenewalScheduler(_SchedulerBase):
             self._failed(holds, exc)
             return
         self._apply(chunks, replies, sent_at)
+
+
+def _unreplicated(min_replicas: int, acks: Any) -> LockReplicationError:
+    got = acks if isinstance(acks, Exception) else f"{acks} acknowledged"
+    return LockReplicationError(f"renewal needs {min_replicas} replicas; {got}")
 
 
 def _by_slot(client: Any, holds: Sequence[Hold]) -> list[list[Hold]]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import time
 import weakref
 from typing import Any, Awaitable, TypeVar
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
-from ._base import LockBase
+from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase
 from ._core import (
     DEFAULT_PREFIX,
     AsyncLeaseLost,
@@ -40,11 +41,12 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
-from ._renewal import AsyncRenewalScheduler, async_scheduler_for
+from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
 from ._scripts import scripts_for
 from ._waiting import async_subscribers_of, async_waiter_for
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _task_owner: contextvars.ContextVar[tuple[weakref.ref[asyncio.Task[Any]], str] | None]
 _task_owner = contextvars.ContextVar("celery_redislock_task_owner", default=None)
@@ -122,6 +124,8 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         blocking: bool = True,
         timeout: float | None = None,
         prefix: str = DEFAULT_PREFIX,
+        min_replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         super().__init__(
             client,
@@ -132,6 +136,8 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
             blocking=blocking,
             timeout=timeout,
             prefix=prefix,
+            min_replicas=min_replicas,
+            replica_timeout=replica_timeout,
         )
         self._scripts = scripts_for(client)
 
@@ -187,24 +193,64 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
     ) -> bool | int:
         sent_at = time.monotonic()
         argv = self._acquire_argv(owner, lease, line)
-        future, cancelled = await _to_completion(
-            self._scripts.acquire(keys=self._acquire_keys(), args=argv)
-        )
+        if self.min_replicas:
+            call = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
+        else:
+            call = self._plain(self._scripts.acquire(keys=self._acquire_keys(), args=argv))
+        future, cancelled = await _to_completion(call)
         if cancelled is not None and future.exception() is not None:
             raise cancelled
-        reply = decode_acquire(future.result())
+        raw, acks = future.result()
+        reply = decode_acquire(raw)
         if not reply.acquired:
             if cancelled is not None:
                 raise cancelled
             return reply.pttl
+        if self.min_replicas and self._unreplicated(acks):
+            await _to_completion(self._give_back(owner))
+            connected = await self._connected_replicas() if cancelled is None else None
+            error = self._replication_error(acks, "acquire", owner, connected)
+            raise cancelled if cancelled is not None else error
         hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew, started)
         if is_new and renew:
+            require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
             _scheduler(self.client).add(hold)
         if cancelled is not None:
             # Redis granted it, but our caller is gone: give it straight back.
             await _to_completion(self._release(owner))
             raise cancelled
         return True
+
+    @staticmethod
+    async def _plain(call: Awaitable[Any]) -> tuple[Any, Any]:
+        return await call, None
+
+    async def _replicated(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, Any]:
+        """(script reply, WAIT reply) in one round trip (the script reloaded on NOSCRIPT)."""
+        for attempt in range(2):
+            pipe = self._replicated_pipeline(self.client.pipeline(False), script, keys, args)
+            reply, acks = await pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError) and attempt == 0:
+                await self.client.script_load(script.script)
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            return reply, acks
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _give_back(self, owner: str) -> None:
+        """Undo an acquire the replicas did not acknowledge (owner-checked, one hold)."""
+        try:
+            await self._scripts.release(keys=self.keys.release_keys(), args=[owner])
+        except RedisError as exc:  # the hold's lease ends it
+            log.warning("redislock: could not give back unreplicated %r: %r", self.name, exc)
+
+    async def _connected_replicas(self) -> int | None:
+        try:
+            info = await self.client.info("replication")
+            return int(info.get("connected_slaves", 0))
+        except (RedisError, ValueError, TypeError):
+            return None
 
     async def release(self) -> None:
         """Give back one hold of the calling owner. See :meth:`RedisLock.release`."""
@@ -232,7 +278,15 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         owner = self._current_owner()
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
-        codes = await self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
+        if self.min_replicas:
+            codes, acks = await self._replicated(
+                self._scripts.renew, [self.keys.lock], [owner, lease]
+            )
+            if int(codes[0]) == 1 and self._unreplicated(acks):
+                connected = await self._connected_replicas()
+                raise self._replication_error(acks, "extend", owner, connected)
+        else:
+            codes = await self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
         self._record_extended(owner, int(codes[0]), lease, sent_at)
 
     async def locked(self) -> bool:

@@ -23,9 +23,9 @@ import time
 from types import TracebackType
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
-from ._base import LockBase
+from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase
 from ._core import (
     DEFAULT_PREFIX,
     Hold,
@@ -39,7 +39,7 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
-from ._renewal import RenewalScheduler, scheduler_for
+from ._renewal import RenewalScheduler, require_replicas, scheduler_for
 from ._scripts import scripts_for
 from ._waiting import waiter_for
 
@@ -61,6 +61,12 @@ class RedisLock(LockBase[LeaseLost]):
         blocking: default for the context-manager form (``with lock:``).
         timeout: default wait limit of the context-manager form (None: no limit).
         prefix: key prefix; a lock uses ``<prefix>{<name>}`` and two keys beside it.
+        min_replicas: 0 (default) or how many replicas must acknowledge each acquire,
+            extend and renewal (``WAIT``, sent in the same round trip as the script).
+            An acquire they do not acknowledge is given back and raises
+            :class:`LockReplicationError`; an unacknowledged renewal does not move the
+            hold's validity deadline. Not available with Redis Cluster clients.
+        replica_timeout: seconds the ``WAIT`` may block (default 0.5; at least 1 ms).
     """
 
     _signal_type = LeaseLost
@@ -76,6 +82,8 @@ class RedisLock(LockBase[LeaseLost]):
         blocking: bool = True,
         timeout: float | None = None,
         prefix: str = DEFAULT_PREFIX,
+        min_replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         super().__init__(
             client,
@@ -86,6 +94,8 @@ class RedisLock(LockBase[LeaseLost]):
             blocking=blocking,
             timeout=timeout,
             prefix=prefix,
+            min_replicas=min_replicas,
+            replica_timeout=replica_timeout,
         )
         self._scripts = scripts_for(client)
         self._cached_scheduler: RenewalScheduler | None = None
@@ -169,15 +179,50 @@ class RedisLock(LockBase[LeaseLost]):
         """
         sent_at = time.monotonic()
         argv = self._acquire_argv(owner, lease, line)
-        reply = decode_acquire(self._scripts.acquire(keys=self._acquire_keys(), args=argv))
+        acks: Any = None
+        if self.min_replicas:
+            raw, acks = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
+        else:
+            raw = self._scripts.acquire(keys=self._acquire_keys(), args=argv)
+        reply = decode_acquire(raw)
         if not reply.acquired:
             if reply.finished:
                 raise OwnerFinished(self.name)
             return reply.pttl
+        if self.min_replicas and self._unreplicated(acks):
+            self._give_back(owner)
+            raise self._replication_error(acks, "acquire", owner, self._connected_replicas())
         hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew, started)
         if is_new and renew:
+            require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
             self._scheduler().add(hold)
         return True
+
+    def _replicated(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, Any]:
+        """(script reply, WAIT reply) in one round trip (the script reloaded on NOSCRIPT)."""
+        for attempt in range(2):
+            pipe = self._replicated_pipeline(self.client.pipeline(False), script, keys, args)
+            reply, acks = pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError) and attempt == 0:
+                self.client.script_load(script.script)
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            return reply, acks
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _give_back(self, owner: str) -> None:
+        """Undo an acquire the replicas did not acknowledge (owner-checked, one hold)."""
+        try:
+            self._scripts.release(keys=self.keys.release_keys(), args=[owner])
+        except RedisError as exc:  # the hold's lease ends it
+            log.warning("redislock: could not give back unreplicated %r: %r", self.name, exc)
+
+    def _connected_replicas(self) -> int | None:
+        try:
+            return int(self.client.info("replication").get("connected_slaves", 0))
+        except (RedisError, ValueError, TypeError):
+            return None
 
     def release(self) -> None:
         """Give back one hold of the calling owner; the last one frees the lock.
@@ -212,7 +257,12 @@ class RedisLock(LockBase[LeaseLost]):
         owner = self._current_owner()
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
-        codes = self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
+        if self.min_replicas:
+            codes, acks = self._replicated(self._scripts.renew, [self.keys.lock], [owner, lease])
+            if int(codes[0]) == 1 and self._unreplicated(acks):
+                raise self._replication_error(acks, "extend", owner, self._connected_replicas())
+        else:
+            codes = self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
         self._record_extended(owner, int(codes[0]), lease, sent_at)
 
     # -- queries ---------------------------------------------------------------
