@@ -269,3 +269,56 @@ class RedisClusterServers:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+class RedisSentinel(RedisServer):
+    """One Redis Sentinel process (``redis-server <conf> --sentinel``) owned by the caller.
+
+    It monitors the master ``service`` at ``127.0.0.1:<master_port>`` with quorum 1,
+    so one sentinel can fail the master over (``SENTINEL FAILOVER <service>``).
+    """
+
+    def __init__(
+        self,
+        master_port: int,
+        *,
+        service: str = "m",
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 5000,
+    ) -> None:
+        super().__init__()
+        self.master_port = master_port
+        self.service = service
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+
+    def start(self, port: int | None = None) -> RedisSentinel:
+        for _attempt in range(5):
+            self.port = port or self.port or free_port()
+            conf = self.dir / "sentinel.conf"  # sentinel rewrites its own config
+            conf.write_text(
+                f"port {self.port}\n"
+                "bind 127.0.0.1\n"
+                f"sentinel monitor {self.service} 127.0.0.1 {self.master_port} 1\n"
+                f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}\n",
+                encoding="utf-8",
+            )
+            args = [redis_server_binary(), str(conf), "--sentinel"]
+            args += ["--dir", str(self.dir), "--logfile", str(self.dir / "sentinel.log")]
+            self.process = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            if self._wait_ready():
+                return self
+            self.stop()
+            if port is None:
+                self.port = 0
+        raise RuntimeError(f"redis sentinel did not start; see {self.dir / 'sentinel.log'}")
+
+    def sentinel(self, **kwargs: Any) -> Any:
+        """A ``redis.sentinel.Sentinel`` talking to this sentinel."""
+        from redis.sentinel import Sentinel
+
+        kwargs.setdefault("socket_timeout", 5.0)
+        return Sentinel([("127.0.0.1", self.port)], **kwargs)  # type: ignore[no-untyped-call]
