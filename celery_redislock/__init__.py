@@ -14,6 +14,7 @@ from ._errors import (
     LockLostError,
     LockNotOwnedError,
     LockQuorumError,
+    LockReplicationError,
     LockTimeoutError,
     RedisLockError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "LockLostError",
     "LockNotOwnedError",
     "LockQuorumError",
+    "LockReplicationError",
     "LockTimeoutError",
     "LockedRequest",
     "LockedTask",

@@ -82,6 +82,41 @@ class Round:
         }
 
 
+class NoReply(TimeoutError):
+    """A node's reply had not come when the round ended (its request may still land)."""
+
+
+Decided = Callable[[Round], bool]
+
+
+def decided_by(is_yes: Callable[[Any], bool], quorum: int) -> Decided:
+    """A round is decided once a majority said yes, or enough said no that it cannot."""
+
+    def decided(round_: Round) -> bool:
+        replies = [round_.replies[i] for i in round_.answered()]
+        yes = sum(1 for r in replies if is_yes(r))
+        no = len(replies) - yes
+        return yes >= quorum or no > len(round_.replies) - quorum
+
+    return decided
+
+
+def granted(reply: Any) -> bool:
+    return int(reply[0]) == 1
+
+
+def given_back(reply: Any) -> bool:
+    return int(reply) >= 0
+
+
+def renewed(reply: Any) -> bool:
+    return int(reply[0]) == 1
+
+
+def answered(_reply: Any) -> bool:
+    return True
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
@@ -94,6 +129,9 @@ class QuorumAcquire:
     granted: list[int] = field(default_factory=list)
     token: int = 0
     hold_count: int = 0
+    #: Highest token among the nodes that handed out a new one (hold count 1). A node that
+    #: answered with a re-entry returned the token of an older hold of the same owner.
+    new_token: int = 0
     #: Nodes whose reply never came or failed (the grant may have landed there).
     unknown: list[int] = field(default_factory=list)
     #: Shortest remaining lease of another owner among the nodes that refused (ms).
@@ -104,6 +142,18 @@ class QuorumAcquire:
 
     def reply(self) -> AcquireReply:
         return AcquireReply(True, token=self.token, hold_count=self.hold_count)
+
+    def taken(self, quorum: int, *, fresh: bool) -> bool:
+        """Whether a majority granted it. A fresh hold (none held here before) takes the
+        highest *new* token: a re-entry into a leftover hold of this owner on some node
+        (a late grant of an earlier attempt) returns that hold's old token. With no new
+        token at all, the attempt does not count; its undo clears the leftovers."""
+        if len(self.granted) < quorum:
+            return False
+        if fresh:
+            self.token = self.new_token
+            return self.new_token > 0
+        return True
 
 
 def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply]) -> QuorumAcquire:
@@ -118,6 +168,8 @@ def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply])
             outcome.granted.append(i)
             outcome.token = max(outcome.token, reply.token)
             outcome.hold_count = max(outcome.hold_count, reply.hold_count)
+            if reply.hold_count == 1:
+                outcome.new_token = max(outcome.new_token, reply.token)
         elif reply.finished:
             outcome.finished = True
         else:
@@ -153,8 +205,8 @@ def release_code(round_: Round, quorum: int) -> int | None:
     given_back = [c for c in codes if c >= 0]
     if len(given_back) >= quorum:
         return max(given_back)
-    if len(codes) < quorum and len(given_back) + len(round_.replies) - len(codes) >= quorum:
-        return None  # a majority may still hold it: keep the hold, the caller can retry
+    if len(given_back) + len(round_.replies) - len(codes) >= quorum:
+        return None  # the silent nodes may make a majority: keep the hold, retry the release
     return -2 if -2 in codes else -1
 
 

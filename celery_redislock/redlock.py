@@ -47,16 +47,23 @@ from ._core import (
 )
 from ._errors import LockConfigurationError
 from ._quorum import (
+    Decided,
     HoldGroup,
     NodeHold,
+    NoReply,
     QuorumAcquire,
     Round,
+    answered,
     attempt_valid,
+    decided_by,
+    given_back,
+    granted,
     node_label,
     quorum_error,
     quorum_of,
     release_code,
     renew_code,
+    renewed,
     tally_acquire,
     validate_nodes,
 )
@@ -112,6 +119,9 @@ class _QuorumBase:
     retry_delay: float
     _labels: list[str]
     _groups: dict[int, HoldGroup]
+    _undoing: list[Any]
+    #: Requests of the last round still running when it returned.
+    _in_flight: list[Any]
 
     def _setup_nodes(
         self, clients: Any, node_timeout: float | None, retry_delay: float, ttl: float
@@ -135,6 +145,10 @@ class _QuorumBase:
         self.retry_delay = float(retry_delay)
         self.quorum = quorum_of(len(nodes))
         self._groups = {}
+        #: Give-backs of failed attempts still in flight: the next attempt waits for them,
+        #: so a late "give back everything" cannot land on top of its grant.
+        self._undoing: list[Any] = []
+        self._in_flight: list[Any] = []
         return nodes
 
     def _retry_pause(self, outcome: QuorumAcquire | None) -> float:
@@ -148,14 +162,44 @@ class _QuorumBase:
         return self._groups.get(id(hold))
 
     def _start_group(
-        self, hold: Hold, granted: Sequence[int], sent_at: float, signal: type[Any]
+        self, hold: Hold, outcome: QuorumAcquire, sent_at: float, signal: type[Any]
     ) -> list[tuple[int, NodeHold]]:
+        """One watchdog-renewed part per node that granted the hold, and per node whose
+        reply had not come (its grant may land late): those count only once a renewal
+        confirms them, and a renewal that finds nothing drops them."""
         group = HoldGroup(hold, self.quorum, signal)
-        for node in granted:
+        for node in outcome.granted:
             group.add(node, sent_at)
+        for node in outcome.unknown:
+            part = group.add(node, sent_at)
+            part.deadline = 0.0  # not counted until confirmed
+            part.next_due = time.monotonic() + self.node_timeout
         self._groups[id(hold)] = group
         group.refresh()
         return group.parts
+
+    def _unclear_release(self, owner: str, round_: Round) -> Exception:
+        """Too few nodes answered a release to tell. The requests still in flight land
+        when their nodes answer, and the rest expires with the lease: a retried release
+        could not tell either, so the hold is given up here and the caller told."""
+        hold = self._holds.get(owner)  # type: ignore[attr-defined]
+        if hold is not None:
+            self._forget(hold)  # type: ignore[attr-defined]
+        self._signals.pop(owner, None)  # type: ignore[attr-defined]
+        return quorum_error(
+            self.name,  # type: ignore[attr-defined]
+            owner,
+            "confirm the release (it was sent to every node; the silent ones give it back "
+            "when they answer, or it expires with the lease)",
+            round_,
+            self.quorum,
+        )
+
+    @staticmethod
+    def _release_args(owner: str, hold: Hold | None) -> list[str]:
+        """This object's last hold gives back everything the owner has on each node,
+        including a leftover of an earlier attempt's late grant there."""
+        return [owner, "all"] if hold is not None and hold.count <= 1 else [owner]
 
     def _ack_releasing(self, hold: Hold | None, delta: int) -> None:
         if hold is None:
@@ -170,9 +214,9 @@ def _node_failures_as_round(futures: Sequence[Any], labels: Sequence[str]) -> Ro
     replies: list[Any] = []
     for future in futures:
         if not future.done():
-            replies.append(TimeoutError("no reply within the node timeout"))
+            replies.append(NoReply("no reply within the node timeout"))
         elif future.cancelled():
-            replies.append(TimeoutError("cancelled at the node timeout"))
+            replies.append(NoReply("cancelled at the node timeout"))
         elif future.exception() is not None:
             replies.append(future.exception())
         else:
@@ -261,9 +305,23 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
 
     # -- one round to every node ---------------------------------------------
 
-    def _round(self, call: Callable[[int], Any]) -> Round:
+    def _round(self, call: Callable[[int], Any], decided: Decided | None = None) -> Round:
+        """Send to every node at once; return when ``decided`` (a majority agrees, either
+        way), when all answered, or at the node timeout. Requests still in flight then
+        finish in the background (a late release still lands)."""
         futures = [_pool().submit(call, i) for i in range(len(self._fast))]
-        concurrent.futures.wait(futures, timeout=self.node_timeout + 0.05)
+        deadline = time.monotonic() + self.node_timeout + 0.05
+        pending: set[Any] = set(futures)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            _, pending = concurrent.futures.wait(
+                pending, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            if pending and decided and decided(_node_failures_as_round(futures, self._labels)):
+                break
+        self._in_flight = [f for f in futures if not f.done()]
         return _node_failures_as_round(futures, self._labels)
 
     # -- acquire / release -----------------------------------------------------
@@ -305,16 +363,22 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
         self, owner: str, lease: int, renew: bool, started: float | None = None
     ) -> QuorumAcquire | None:
         """One attempt on every node: None if acquired, else what the nodes said."""
+        if self._undoing:
+            concurrent.futures.wait(self._undoing, timeout=self.node_timeout)
+            self._undoing.clear()
         sent_at = time.monotonic()
         keys = self._acquire_keys()
         argv = self._acquire_argv(owner, lease, False)
         fresh = self._live_hold(owner) is None
-        round_ = self._round(lambda i: self._node_scripts[i].acquire(keys=keys, args=argv))
+        round_ = self._round(
+            lambda i: self._node_scripts[i].acquire(keys=keys, args=argv),
+            decided_by(granted, self.quorum),
+        )
         outcome = tally_acquire(round_.replies, decode_acquire)
         if len(round_.answered()) < self.quorum:
             self._undo(owner, outcome, unknown=fresh)
             raise quorum_error(self.name, owner, "acquire", round_, self.quorum)
-        acquired = len(outcome.granted) >= self.quorum
+        acquired = outcome.taken(self.quorum, fresh=fresh)
         if acquired and (fresh or outcome.hold_count == 1):
             acquired = self._write_back(outcome.token)
         if acquired and attempt_valid(sent_at, lease):
@@ -322,7 +386,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
                 owner, outcome.reply(), sent_at, lease, renew, started
             )
             if is_new and renew:
-                for node, part in self._start_group(hold, outcome.granted, sent_at, LeaseLost):
+                for node, part in self._start_group(hold, outcome, sent_at, LeaseLost):
                     scheduler_for(self.clients[node]).add(part)
             return None
         self._undo(owner, outcome, unknown=fresh)
@@ -334,38 +398,47 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
     def _write_back(self, token: int) -> bool:
         """Raise every node's fence counter to ``token`` (a majority must confirm)."""
         keys = [self.keys.fence]
-        round_ = self._round(lambda i: self._node_scripts[i].fence(keys=keys, args=[token]))
+        round_ = self._round(
+            lambda i: self._node_scripts[i].fence(keys=keys, args=[token]),
+            decided_by(answered, self.quorum),
+        )
         return len(round_.answered()) >= self.quorum
 
     def _undo(self, owner: str, outcome: QuorumAcquire, *, unknown: bool = True) -> None:
-        """Give back what a failed attempt took (and, for a fresh one, what it may have)."""
-        nodes = set(outcome.granted) | (set(outcome.unknown) if unknown else set())
-        if nodes:
-            keys = self.keys.release_keys()
-            self._round(
-                lambda i: (
-                    self._node_scripts[i].release(keys=keys, args=[owner]) if i in nodes else 0
-                )
+        """Give back what a failed attempt took (and, for a fresh one, what it may have),
+        in the background: a stalled node must not delay the caller again."""
+        keys = self.keys.release_keys()
+        args = [owner, "all" if unknown else "one"]  # fresh: whatever this owner has there
+        for node in set(outcome.granted) | (set(outcome.unknown) if unknown else set()):
+            self._undoing.append(
+                _pool().submit(self._node_scripts[node].release, keys=keys, args=args)
             )
 
     def release(self) -> None:
         """Give back one hold on every node; the last one frees the lock.
 
-        Raises :class:`LockLostError` when a majority no longer had the hold,
-        :class:`LockQuorumError` (hold kept, retry) when too few nodes answered.
+        Raises :class:`LockLostError` when a majority no longer had the hold, and
+        :class:`LockQuorumError` when too few nodes answered to tell: the release still
+        lands on each silent node when it answers (or the lease ends there), and the
+        hold is no longer this object's.
         """
         owner = self._current_owner()
         self._check_not_inherited(owner)
         hold = self._holds.get(owner)
         keys = self.keys.release_keys()
+        args = self._release_args(owner, hold)
         self._ack_releasing(hold, 1)
         try:
-            round_ = self._round(lambda i: self._node_scripts[i].release(keys=keys, args=[owner]))
+            round_ = self._round(
+                lambda i: self._node_scripts[i].release(keys=keys, args=args),
+                decided_by(given_back, self.quorum),
+            )
         finally:
             self._ack_releasing(hold, -1)
+        self._undoing.extend(self._in_flight)  # the slowest nodes' give-backs still running
         code = release_code(round_, self.quorum)
         if code is None:
-            raise quorum_error(self.name, owner, "release", round_, self.quorum)
+            raise self._unclear_release(owner, round_)
         self._record_released(owner, code)
 
     def extend(self, ttl: float) -> None:
@@ -375,7 +448,10 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
         keys = [self.keys.lock]
-        round_ = self._round(lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease]))
+        round_ = self._round(
+            lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease]),
+            decided_by(renewed, self.quorum),
+        )
         code = renew_code(round_, self.quorum)
         if code is None:
             raise quorum_error(self.name, owner, "extend", round_, self.quorum)
@@ -548,14 +624,24 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
 
         return task_owner()
 
-    async def _round(self, call: Callable[[int], Awaitable[Any]]) -> Round:
-        tasks = [asyncio.ensure_future(call(i)) for i in range(len(self._fast))]
-        try:
-            await asyncio.wait(tasks, timeout=self.node_timeout + 0.05)
-        finally:
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
+    async def _round(
+        self, call: Callable[[int], Awaitable[Any]], decided: Decided | None = None
+    ) -> Round:
+        """:meth:`RedLock._round` for asyncio; requests in flight at the end finish as
+        background tasks (bounded by the nodes' socket timeout)."""
+        tasks = [_background(call(i)) for i in range(len(self._fast))]
+        deadline = time.monotonic() + self.node_timeout + 0.05
+        pending: set[Any] = set(tasks)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            _, pending = await asyncio.wait(
+                pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            if pending and decided and decided(_node_failures_as_round(tasks, self._labels)):
+                break
+        self._in_flight = [t for t in tasks if not t.done()]
         return _node_failures_as_round(tasks, self._labels)
 
     async def acquire(
@@ -595,13 +681,17 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         self, owner: str, lease: int, renew: bool, started: float | None = None
     ) -> QuorumAcquire | None:
         """One attempt on every node: None if acquired, else what the nodes said."""
+        if self._undoing:
+            await asyncio.wait(self._undoing, timeout=self.node_timeout)
+            self._undoing.clear()
         sent_at = time.monotonic()
         keys = self._acquire_keys()
         argv = self._acquire_argv(owner, lease, False)
         fresh = self._live_hold(owner) is None
         try:
             round_ = await self._round(
-                lambda i: self._node_scripts[i].acquire(keys=keys, args=argv)
+                lambda i: self._node_scripts[i].acquire(keys=keys, args=argv),
+                decided_by(granted, self.quorum),
             )
         except asyncio.CancelledError:
             # Whatever reached the nodes is given back before the cancellation goes on.
@@ -613,7 +703,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
             if len(round_.answered()) < self.quorum:
                 await self._undo(owner, outcome, unknown=fresh)
                 raise quorum_error(self.name, owner, "acquire", round_, self.quorum)
-            acquired = len(outcome.granted) >= self.quorum
+            acquired = outcome.taken(self.quorum, fresh=fresh)
             if acquired and (fresh or outcome.hold_count == 1):
                 acquired = await self._write_back(outcome.token)
         except asyncio.CancelledError:
@@ -624,7 +714,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
                 owner, outcome.reply(), sent_at, lease, renew, started
             )
             if is_new and renew:
-                parts = self._start_group(hold, outcome.granted, sent_at, AsyncLeaseLost)
+                parts = self._start_group(hold, outcome, sent_at, AsyncLeaseLost)
                 for node, part in parts:
                     scheduler = async_scheduler_for(self.clients[node])
                     assert scheduler is not None
@@ -638,7 +728,10 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
 
     async def _write_back(self, token: int) -> bool:
         keys = [self.keys.fence]
-        round_ = await self._round(lambda i: self._node_scripts[i].fence(keys=keys, args=[token]))
+        round_ = await self._round(
+            lambda i: self._node_scripts[i].fence(keys=keys, args=[token]),
+            decided_by(answered, self.quorum),
+        )
         return len(round_.answered()) >= self.quorum
 
     async def _undo(
@@ -648,16 +741,12 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
             nodes = set(range(len(self._fast)))
         else:
             nodes = set(outcome.granted) | (set(outcome.unknown) if unknown else set())
-        if not nodes:
-            return
         keys = self.keys.release_keys()
-
-        async def one(i: int) -> Any:
-            if i not in nodes:
-                return 0
-            return await self._node_scripts[i].release(keys=keys, args=[owner])
-
-        await self._round(one)
+        args = [owner, "all" if unknown else "one"]
+        for node in nodes:  # in the background, as in RedLock._undo
+            self._undoing.append(
+                _background(self._node_scripts[node].release(keys=keys, args=args))
+            )
 
     async def release(self) -> None:
         """Give back one hold on every node; see :meth:`RedLock.release`."""
@@ -665,16 +754,21 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         self._check_not_inherited(owner)
         hold = self._holds.get(owner)
         keys = self.keys.release_keys()
+        args = self._release_args(owner, hold)
         self._ack_releasing(hold, 1)
         try:
             round_ = await asyncio.shield(
-                self._round(lambda i: self._node_scripts[i].release(keys=keys, args=[owner]))
+                self._round(
+                    lambda i: self._node_scripts[i].release(keys=keys, args=args),
+                    decided_by(given_back, self.quorum),
+                )
             )
         finally:
             self._ack_releasing(hold, -1)
+        self._undoing.extend(self._in_flight)  # the slowest nodes' give-backs still running
         code = release_code(round_, self.quorum)
         if code is None:
-            raise quorum_error(self.name, owner, "release", round_, self.quorum)
+            raise self._unclear_release(owner, round_)
         self._record_released(owner, code)
 
     async def extend(self, ttl: float) -> None:
@@ -685,7 +779,8 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         sent_at = time.monotonic()
         keys = [self.keys.lock]
         round_ = await self._round(
-            lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease])
+            lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease]),
+            decided_by(renewed, self.quorum),
         )
         code = renew_code(round_, self.quorum)
         if code is None:
@@ -750,6 +845,23 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.release()
+
+
+_background_tasks: set[asyncio.Future[Any]] = set()
+
+
+def _background(awaitable: Awaitable[T]) -> asyncio.Future[T]:
+    """Run ``awaitable`` as a task that is kept alive and whose error is collected."""
+    task = asyncio.ensure_future(awaitable)
+    _background_tasks.add(task)
+    task.add_done_callback(_collected)
+    return task
+
+
+def _collected(task: asyncio.Future[Any]) -> None:
+    _background_tasks.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: a late node failure is not an unhandled error
 
 
 class _AsyncMultiWaiter:

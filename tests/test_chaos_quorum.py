@@ -13,6 +13,7 @@ the lock (it can only reach a majority with nodes 1 and 2).
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -42,7 +43,8 @@ def a_holds_on_nodes_0_and_1(servers: list[RedisServer]) -> RedLock:
     a = RedLock(clients, "ledger", ttl=TTL, owner="A", auto_renew=False, node_timeout=0.1)
     servers[2].signal(signal.SIGSTOP)
     try:
-        assert a.acquire(blocking=False)
+        assert a.acquire(blocking=False)  # returns once nodes 0 and 1 granted it
+        time.sleep(0.3)  # the request to node 2 times out (and its connection is dropped)
     finally:
         servers[2].signal(signal.SIGCONT)
     held = [bool(c.hexists(a.keys.lock, "A")) for c in clients]

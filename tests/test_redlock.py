@@ -63,8 +63,21 @@ def stopped(*servers: RedisServer) -> Iterator[None]:
             server.signal(signal.SIGCONT)
 
 
-def held_on(clients: list[redis.Redis], lock: RedLock) -> list[bool]:
-    return [bool(c.exists(lock.keys.lock)) for c in clients]
+def held_on(clients: list[redis.Redis], lock: RedLock | AsyncRedLock) -> list[bool]:
+    """Which nodes show the lock, once the requests still in flight have landed.
+
+    A quorum operation returns as soon as a majority has answered; the request to the
+    slowest node lands a moment later. Poll briefly for a settled answer.
+    """
+    seen: list[bool] = []
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        now = [bool(c.exists(lock.keys.lock)) for c in clients]
+        if now == seen and len(set(now)) == 1:
+            return now
+        seen = now
+        time.sleep(0.02)
+    return seen
 
 
 def test_acquire_release_reentry_on_every_node(three: list[redis.Redis]) -> None:
@@ -92,15 +105,18 @@ def test_acquire_release_reentry_on_every_node(three: list[redis.Redis]) -> None
 def test_tokens_stay_monotonic_when_the_majority_changes(
     nodes: list[RedisServer], three: list[redis.Redis]
 ) -> None:
-    # Node 0's counter ran ahead (it served majorities the others missed).
+    # Earlier holders wrote token 100 back to a majority (nodes 0 and 1); node 2 missed it.
     fence_key = RedLock(three, "acct", ttl=10).keys.fence
     three[0].set(fence_key, 100)
+    three[1].set(fence_key, 100)
     first = RedLock(three, "acct", ttl=10)
     assert first.acquire(blocking=False)
-    assert first.token == 101  # the highest of the majority's tokens...
-    assert [int(c.get(fence_key) or 0) >= 101 for c in three] == [True, True, True]  # written back
+    # Any majority shares a node with that one: the highest of its tokens is 101.
+    assert first.token == 101
+    counters = [int(c.get(fence_key) or 0) for c in three]
+    assert sum(1 for c in counters if c >= 101) >= 2  # written back to a majority
     first.release()
-    # ...so a later majority that no longer includes node 0 still hands out a larger one.
+    # A later majority without node 0 still hands out a larger one.
     with stopped(nodes[0]):
         second = RedLock(three, "acct", ttl=10, node_timeout=0.2)
         assert second.acquire(blocking=False)
@@ -264,7 +280,7 @@ async def test_async_quorum_lock(nodes: list[RedisServer], three: list[redis.Red
     try:
         lock = AsyncRedLock(clients, "a-pay", ttl=10, node_timeout=0.2)
         async with lock:
-            assert held_on(three, lock) == [True, True, True]  # type: ignore[arg-type]
+            assert held_on(three, lock) == [True, True, True]
             assert await lock.owned() and lock.token is not None
             assert await lock.acquire(blocking=False) and lock.hold_count == 2
             await lock.release()
@@ -292,3 +308,22 @@ async def test_async_quorum_lock(nodes: list[RedisServer], three: list[redis.Red
         for client in clients:
             await aclose_background(client)
             await client.aclose()
+
+
+def test_a_release_that_cannot_tell_says_so(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    keys = RedLock(three, "unclear", ttl=10).keys
+    three[2].hset(keys.lock, "other", 1)  # node 2 belongs to someone else
+    three[2].pexpire(keys.lock, 10_000)
+    lock = RedLock(three, "unclear", ttl=10, node_timeout=0.2)
+    assert lock.acquire(blocking=False)  # on nodes 0 and 1
+    # Node 1 stalls during the release: one node gave it back, one shows another owner,
+    # one is silent. That is not a loss, and not a release the caller can count on.
+    with stopped(nodes[1]):
+        with pytest.raises(LockQuorumError, match="confirm the release") as caught:
+            lock.release()
+        assert f"127.0.0.1:{nodes[1].port}" in caught.value.failures
+        assert lock.hold_count == 0  # given up here: a retry could not tell either
+    # The release sent to node 1 lands once it answers.
+    assert held_on(three[:2], lock) == [False, False]
