@@ -81,7 +81,7 @@ def held_on(clients: list[redis.Redis], lock: RedLock | AsyncRedLock) -> list[bo
 
 
 def test_acquire_release_reentry_on_every_node(three: list[redis.Redis]) -> None:
-    lock = RedLock(three, "pay:1", ttl=10)
+    lock = RedLock(three, "pay:1", ttl=10, node_timeout=1.0)
     assert lock.quorum == 2
     assert lock.acquire(blocking=False)
     assert held_on(three, lock) == [True, True, True]
@@ -223,14 +223,14 @@ def test_bad_arguments_are_named(three: list[redis.Redis]) -> None:
 
 
 def test_urls_are_accepted(nodes: list[RedisServer], three: list[redis.Redis]) -> None:
-    lock = RedLock([s.url for s in nodes[:3]], "by-url", ttl=5)
+    lock = RedLock([s.url for s in nodes[:3]], "by-url", ttl=5, node_timeout=1.0)
     with lock:
         assert held_on(three, lock) == [True, True, True]
     assert held_on(three, lock) == [False, False, False]
 
 
 def test_force_release_clears_every_node(three: list[redis.Redis]) -> None:
-    lock = RedLock(three, "stuck", ttl=30, owner="gone")
+    lock = RedLock(three, "stuck", ttl=30, owner="gone", node_timeout=1.0)
     assert lock.acquire(blocking=False)
     assert RedLock.force_release(three, "stuck")
     assert held_on(three, lock) == [False, False, False]
@@ -278,7 +278,7 @@ def test_processes_on_a_quorum_never_overlap(
 async def test_async_quorum_lock(nodes: list[RedisServer], three: list[redis.Redis]) -> None:
     clients = [redis.asyncio.Redis(port=s.port) for s in nodes[:3]]
     try:
-        lock = AsyncRedLock(clients, "a-pay", ttl=10, node_timeout=0.2)
+        lock = AsyncRedLock(clients, "a-pay", ttl=10, node_timeout=1.0)
         async with lock:
             assert held_on(three, lock) == [True, True, True]
             assert await lock.owned() and lock.token is not None
@@ -327,3 +327,54 @@ def test_a_release_that_cannot_tell_says_so(
         assert lock.hold_count == 0  # given up here: a retry could not tell either
     # The release sent to node 1 lands once it answers.
     assert held_on(three[:2], lock) == [False, False]
+
+
+def test_one_node_is_allowed_and_extend_follows_the_quorum_rule(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    single = RedLock(three[:1], "solo", ttl=5)
+    assert single.quorum == 1
+    with single:
+        assert single.owned()
+    lock = RedLock(three, "extended", ttl=2, node_timeout=0.2)
+    assert lock.acquire(blocking=False)
+    with stopped(nodes[0]):
+        lock.extend(20)  # two of three renewed: valid
+        remaining = lock.remaining()
+        assert remaining is not None and remaining > 15
+        with stopped(nodes[1]):
+            with pytest.raises(LockQuorumError, match="extend"):
+                lock.extend(20)
+    lock.release()
+    with pytest.raises(LockLostError):
+        late = RedLock(three, "gone", ttl=1, auto_renew=False)
+        assert late.acquire(blocking=False)
+        time.sleep(1.1)
+        late.extend(5)  # never recreates an expired lock
+
+
+async def test_a_cancelled_async_acquire_leaves_nothing_behind(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    clients = [redis.asyncio.Redis(port=s.port) for s in nodes[:3]]
+    try:
+        holder = AsyncRedLock(clients, "a-cancel", ttl=30, owner="holder")
+        assert await holder.acquire(blocking=False)
+        waiter = AsyncRedLock(clients, "a-cancel", ttl=30, owner="waiter", node_timeout=0.2)
+        task = asyncio.ensure_future(waiter.acquire(timeout=20))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await holder.release()
+        await asyncio.sleep(0.3)  # give-backs run in the background
+        assert [bool(c.hexists(holder.keys.lock, "waiter")) for c in three] == [False] * 3
+        assert not await holder.locked()
+        await waiter.aclose()
+        await holder.aclose()
+    finally:
+        from celery_redislock.aio import aclose_background
+
+        for client in clients:
+            await aclose_background(client)
+            await client.aclose()
