@@ -114,6 +114,9 @@ class _QuorumBase:
     """Node set, timeouts and the per-node holds: what both quorum locks share."""
 
     clients: tuple[Any, ...]
+    client: Any
+    _fast: list[Any]
+    _node_scripts: list[Any]
     quorum: int
     node_timeout: float
     retry_delay: float
@@ -124,9 +127,11 @@ class _QuorumBase:
     _in_flight: list[Any]
 
     def _setup_nodes(
-        self, clients: Any, node_timeout: float | None, retry_delay: float, ttl: float
-    ) -> list[Any]:
+        self, clients: Any, node_timeout: float | None, retry_delay: float, *, asyncio_client: bool
+    ) -> None:
+        """Validate the nodes and options; open the private per-node clients."""
         nodes = validate_nodes(clients)
+        ttl = self._lease / 1000.0  # type: ignore[attr-defined]
         timeout = NODE_TIMEOUT if node_timeout is None else node_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise LockConfigurationError(
@@ -144,12 +149,19 @@ class _QuorumBase:
         self.node_timeout = float(timeout)
         self.retry_delay = float(retry_delay)
         self.quorum = quorum_of(len(nodes))
+        self._fast = [_bounded(c, self.node_timeout, asyncio_client=asyncio_client) for c in nodes]
+        # The caller's clients (for waiting and renewal); a URL's client is the private one.
+        self.clients = tuple(
+            self._fast[i] if isinstance(c, str) else c for i, c in enumerate(nodes)
+        )
+        self.client = self.clients
+        self._labels = [node_label(c) for c in self._fast]
+        self._node_scripts = [scripts_for(c) for c in self._fast]
         self._groups = {}
         #: Give-backs of failed attempts still in flight: the next attempt waits for them,
         #: so a late "give back everything" cannot land on top of its grant.
         self._undoing: list[Any] = []
         self._in_flight: list[Any] = []
-        return nodes
 
     def _retry_pause(self, outcome: QuorumAcquire | None) -> float:
         """After a split vote (or with no holder to wait for), a random delay; otherwise
@@ -291,14 +303,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
             timeout=timeout,
             prefix=prefix,
         )
-        nodes = self._setup_nodes(clients, node_timeout, retry_delay, self._lease / 1000.0)
-        self._fast = [_bounded(c, self.node_timeout, asyncio_client=False) for c in nodes]
-        self.clients = tuple(
-            self._fast[i] if isinstance(c, str) else c for i, c in enumerate(nodes)
-        )
-        self.client = self.clients
-        self._labels = [node_label(c) for c in self._fast]
-        self._node_scripts = [scripts_for(c) for c in self._fast]
+        self._setup_nodes(clients, node_timeout, retry_delay, asyncio_client=False)
 
     def _default_owner(self) -> str:
         return thread_owner()
@@ -610,14 +615,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
             timeout=timeout,
             prefix=prefix,
         )
-        nodes = self._setup_nodes(clients, node_timeout, retry_delay, self._lease / 1000.0)
-        self._fast = [_bounded(c, self.node_timeout, asyncio_client=True) for c in nodes]
-        self.clients = tuple(
-            self._fast[i] if isinstance(c, str) else c for i, c in enumerate(nodes)
-        )
-        self.client = self.clients
-        self._labels = [node_label(c) for c in self._fast]
-        self._node_scripts = [scripts_for(c) for c in self._fast]
+        self._setup_nodes(clients, node_timeout, retry_delay, asyncio_client=True)
 
     def _default_owner(self) -> str:
         from .aio import task_owner
