@@ -18,6 +18,12 @@ fencing token) does::
 Admitting before reading makes the read-modify-write safe under fencing: once a newer
 holder has admitted its token, an older holder's write is refused, and any older write
 that got in before is visible to the newer holder's read.
+
+Quorum variant (``quorum_ports``): the lock is a :class:`RedLock` over the redis-servers
+on those ports (the lock nodes, which the scenarios fault), while the fenced resource
+and the counter stay on the server on ``port`` (never faulted). A
+:class:`LockQuorumError` from an acquire is logged ("quorum-error", with the failed
+nodes) and the attempt retried; one from a release is logged as a failed release.
 """
 
 from __future__ import annotations
@@ -36,13 +42,24 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from celery_redislock import FencedResource, LockLostError, RedisLock, RedisLockError
+from celery_redislock import (
+    FencedResource,
+    LockLostError,
+    LockQuorumError,
+    RedisLock,
+    RedisLockError,
+    RedLock,
+)
 
 COUNTER = "chaos:counter"
 RESOURCE = "chaos"
 FAKE_TOKENS = "chaos:fake-token"  # only when the lock is deliberately defeated
 #: Faults that may end any holder's lease early (so a killed holder's interval is unproven).
 SERVER_FAULTS = ("debug-sleep", "client-kill")
+#: Kinds of lock-node faults of the quorum variant (prefixes): any of them may end a
+#: holder's lease early, since a hold granted by a bare majority of the nodes needs every
+#: one of them (a killed holder's interval that overlaps one is unproven).
+NODE_FAULTS = ("node-", "majority-")
 
 
 def _now() -> float:
@@ -91,6 +108,8 @@ def worker(
     pause_max: float,
     seed: int,
     defeat: str = "",
+    quorum_ports: tuple[int, ...] = (),
+    node_timeout: float = 0.5,
 ) -> None:
     """Complete items ``first..end-1`` in order, one critical section per attempt.
 
@@ -99,19 +118,30 @@ def worker(
 
     ``defeat`` (only for the suite's self-test): "shared-owner" gives every worker the
     same owner (one shared reentrant hold), "no-lock" skips the lock altogether.
+
+    ``quorum_ports``: take a :class:`RedLock` over these lock nodes (``node_timeout``)
+    instead of a :class:`RedisLock` on ``port``, which then only holds the resource.
     """
     rng = random.Random(seed)
     log = EventLog(log_path)
     pid = os.getpid()
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=5)
     fence = FencedResource(client, RESOURCE)
+    nodes = [
+        redis.Redis(host="127.0.0.1", port=p, socket_timeout=2, socket_connect_timeout=1)
+        for p in quorum_ports
+    ]
     log(ev="start", first=first, end=end, t=_now())
     item, seq = first, 0
     deadline = _now() + 300
     while item < end and _now() < deadline:
         seq += 1
         owner = "shared" if defeat == "shared-owner" else f"w{pid}.{seq}"
-        lock = RedisLock(client, name, ttl=ttl, owner=owner)
+        lock: RedisLock | RedLock
+        if nodes:
+            lock = RedLock(nodes, name, ttl=ttl, owner=owner, node_timeout=node_timeout)
+        else:
+            lock = RedisLock(client, name, ttl=ttl, owner=owner)
         lock.on_lost(
             lambda _lock, error, o=owner: log(ev="lost", owner=o, reason=error.reason, t=_now())
         )
@@ -123,6 +153,10 @@ def worker(
                     continue
             except RedisError as exc:  # e.g. a killed connection past redis-py's retries
                 log(ev="acquire-error", error=repr(exc), t=_now())
+                time.sleep(0.05)
+                continue
+            except LockQuorumError as exc:  # quorum variant: too few lock nodes answered
+                log(ev="quorum-error", failed=sorted(exc.failures), error=str(exc), t=_now())
                 time.sleep(0.05)
                 continue
             token = lock.token or 0
@@ -137,6 +171,8 @@ def worker(
         time.sleep(rng.uniform(0, pause_max))
     log(ev="finish" if item >= end else "gave-up", t=_now())
     client.close()
+    for node in nodes:
+        node.close()
 
 
 def _section(
@@ -190,7 +226,7 @@ def _section(
     return admitted is True
 
 
-def _release(lock: RedisLock, log: EventLog, owner: str, token: int) -> None:
+def _release(lock: RedisLock | RedLock, log: EventLog, owner: str, token: int) -> None:
     failed = False
     deadline = _now() + 10
     while True:
@@ -256,6 +292,8 @@ class Swarm:
         pause_max: float,
         seed: int,
         defeat: str = "",
+        quorum_ports: tuple[int, ...] = (),
+        node_timeout: float = 0.5,
     ) -> None:
         self.port = port
         self.name = name
@@ -273,6 +311,13 @@ class Swarm:
         self.faults: list[Fault] = []
         self.admin: Any = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
         self.lock_key = RedisLock(self.admin, name).keys.lock
+        #: Quorum variant: the lock nodes (faulted: short timeouts for the holder lookup).
+        self.quorum_ports = tuple(quorum_ports)
+        self.node_timeout = node_timeout
+        self.node_admins: list[Any] = [
+            redis.Redis(host="127.0.0.1", port=p, socket_timeout=0.2, socket_connect_timeout=0.2)
+            for p in self.quorum_ports
+        ]
         self._ctx = multiprocessing.get_context("spawn")
         self._gens = [0] * slots
         #: How many fault victims were holding the lock when chosen.
@@ -292,6 +337,11 @@ class Swarm:
         seed = self.seed * 1000 + slot * 37 + gen
         args = (self.port, self.name, self.ttl, first, end, log_path)
         args += (self.hold_max, self.pause_max, seed, self.defeat)  # type: ignore[assignment]
+        if self.quorum_ports:
+            ports = self.quorum_ports
+            if self.defeat == "split-nodes":  # self-test: each slot its own one-node "quorum"
+                ports = (ports[slot % len(ports)],)
+            args += (ports, self.node_timeout)  # type: ignore[assignment]
         process = self._ctx.Process(target=worker, args=args, daemon=True)
         process.start()
         assert process.pid is not None
@@ -309,17 +359,21 @@ class Swarm:
         return bool(self.members)
 
     def holder_pid(self) -> int | None:
-        """The live worker named as owner in the lock hash now (None: free or unknown)."""
-        try:
-            fields = self.admin.hkeys(self.lock_key)
-        except RedisError:
-            return None
-        for raw in fields:
-            owner = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if owner.startswith("w"):
-                pid = int(owner[1:].split(".")[0])
-                if pid in self.members:
-                    return pid
+        """The live worker named as owner in the lock hash now (None: free or unknown).
+
+        Quorum variant: as shown by the first lock node that answers.
+        """
+        for admin in self.node_admins or [self.admin]:
+            try:
+                fields = admin.hkeys(self.lock_key)
+            except RedisError:
+                continue
+            for raw in fields:
+                owner = raw.decode() if isinstance(raw, bytes) else str(raw)
+                if owner.startswith("w"):
+                    pid = int(owner[1:].split(".")[0])
+                    if pid in self.members:
+                        return pid
         return None
 
     def victim(self, rng: random.Random) -> int | None:
@@ -406,6 +460,8 @@ class Swarm:
             member.process.join(10)
             self.finished[pid] = self.members.pop(pid)
         self.admin.close()
+        for admin in self.node_admins:
+            admin.close()
 
     def log_paths(self) -> list[str]:
         return [m.log_path for m in [*self.finished.values(), *self.members.values()]]
@@ -641,6 +697,7 @@ def _valid_intervals(
                 and f.t0 <= t_kill
                 and (
                     f.kind in ("debug-sleep", "client-kill")
+                    or f.kind.startswith(NODE_FAULTS)
                     or (f.pid == s.pid and "stop" in f.kind)
                 )
                 for f in faults
