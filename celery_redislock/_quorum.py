@@ -70,6 +70,13 @@ class Round:
 
     replies: list[Any]
     labels: Sequence[str]
+    #: Every node's request (a future or task), in node order.
+    sources: list[Any] = field(default_factory=list)
+
+    @property
+    def pending(self) -> list[Any]:
+        """Requests still running when the round ended: they land later."""
+        return [r for r in self.sources if not r.done()]
 
     def answered(self) -> list[int]:
         return [i for i, r in enumerate(self.replies) if not isinstance(r, BaseException)]
@@ -129,9 +136,6 @@ class QuorumAcquire:
     granted: list[int] = field(default_factory=list)
     token: int = 0
     hold_count: int = 0
-    #: Highest token among the nodes that handed out a new one (hold count 1). A node that
-    #: answered with a re-entry returned the token of an older hold of the same owner.
-    new_token: int = 0
     #: Nodes whose reply never came or failed (the grant may have landed there).
     unknown: list[int] = field(default_factory=list)
     #: Shortest remaining lease of another owner among the nodes that refused (ms).
@@ -143,17 +147,9 @@ class QuorumAcquire:
     def reply(self) -> AcquireReply:
         return AcquireReply(True, token=self.token, hold_count=self.hold_count)
 
-    def taken(self, quorum: int, *, fresh: bool) -> bool:
-        """Whether a majority granted it. A fresh hold (none held here before) takes the
-        highest *new* token: a re-entry into a leftover hold of this owner on some node
-        (a late grant of an earlier attempt) returns that hold's old token. With no new
-        token at all, the attempt does not count; its undo clears the leftovers."""
-        if len(self.granted) < quorum:
-            return False
-        if fresh:
-            self.token = self.new_token
-            return self.new_token > 0
-        return True
+    def taken(self, quorum: int) -> bool:
+        """Whether a majority granted it."""
+        return len(self.granted) >= quorum
 
 
 def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply]) -> QuorumAcquire:
@@ -168,8 +164,6 @@ def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply])
             outcome.granted.append(i)
             outcome.token = max(outcome.token, reply.token)
             outcome.hold_count = max(outcome.hold_count, reply.hold_count)
-            if reply.hold_count == 1:
-                outcome.new_token = max(outcome.new_token, reply.token)
         elif reply.finished:
             outcome.finished = True
         else:
@@ -221,6 +215,10 @@ def renew_code(round_: Round, quorum: int) -> int | None:
     return -1 if -1 in codes else 0
 
 
+#: How often a share of a lost quorum hold still wakes the watchdog (it renews nothing).
+IDLE_SHARE = 3600.0
+
+
 class NodeHold(Hold):
     """One node's share of a quorum hold, renewed by that node's watchdog."""
 
@@ -229,6 +227,11 @@ class NodeHold(Hold):
     group: HoldGroup
 
     def renewed(self, sent_at: float) -> None:
+        if self.group.over:
+            # The quorum hold is lost: this share is not renewed again (the watchdog drops
+            # it when the hold is released or taken anew).
+            self.next_due = time.monotonic() + IDLE_SHARE
+            return
         super().renewed(sent_at)
         self.group.refresh()
 
@@ -243,6 +246,8 @@ class HoldGroup:
         self._signal_type = signal_type
         self._mutex = threading.Lock()
         self._reasons: list[str] = []
+        #: The quorum hold is lost: its shares are no longer renewed.
+        self.over = False
 
     def add(self, node: int, sent_at: float) -> NodeHold:
         hold = self.hold
@@ -260,15 +265,27 @@ class HoldGroup:
         self.parts.append((node, part))
         return part
 
-    def set_lease(self, lease: int, sent_at: float) -> None:
-        for _, part in self.parts:
-            if not part.lost.is_set():
+    def extended(self, replies: Sequence[Any], lease: int, sent_at: float) -> None:
+        """Apply an ``extend`` round: a node that renewed moves its share's deadline, a
+        node that no longer had the hold loses its share, a silent node changes nothing."""
+        for node, part in self.parts:
+            reply = replies[node]
+            if part.lost.is_set() or isinstance(reply, BaseException):
+                continue
+            code = int(reply[0])
+            if code == 1:
                 part.lease = lease
                 part.renewed(sent_at)
+            else:
+                part.mark_lost("expired" if code == 0 else "stolen")
 
     def set_releasing(self, delta: int) -> None:
         for _, part in self.parts:
             part.releasing += delta
+
+    def alive(self, now: float) -> int:
+        """Shares that still count: not lost, and confirmed with a deadline ahead."""
+        return sum(1 for _, p in self.parts if not p.lost.is_set() and p.deadline > now)
 
     def refresh(self) -> None:
         """Validity = the latest time a majority of the nodes' leases all still run."""
@@ -282,11 +299,12 @@ class HoldGroup:
     def _part_lost(self, part: Hold, reason: str) -> None:
         with self._mutex:
             self._reasons.append(reason)
-            alive = sum(1 for _, p in self.parts if not p.lost.is_set())
+            alive = self.alive(time.monotonic())
             reasons = list(self._reasons)
+        self.refresh()
         if alive >= self.quorum:
             return
-        self.refresh()
+        self.over = True
         for why in ("stolen", "unreachable", "expired"):
             if why in reasons:
                 self.hold.mark_lost(why)

@@ -45,7 +45,7 @@ from ._core import (
     wait_bound,
     wait_event,
 )
-from ._errors import LockConfigurationError
+from ._errors import LockConfigurationError, LockQuorumError
 from ._quorum import (
     Decided,
     HoldGroup,
@@ -70,6 +70,7 @@ from ._quorum import (
 from ._renewal import async_scheduler_for, scheduler_for
 from ._scripts import scripts_for
 from ._waiting import UNCONFIRMED_POLL, async_subscriber_for, subscriber_for
+from .aio import _to_completion, task_owner
 
 T = TypeVar("T")
 
@@ -122,9 +123,9 @@ class _QuorumBase:
     retry_delay: float
     _labels: list[str]
     _groups: dict[int, HoldGroup]
-    _undoing: list[Any]
-    #: Requests of the last round still running when it returned.
-    _in_flight: list[Any]
+    #: Per owner: give-backs still in flight (futures or tasks) and when they were sent.
+    _undoing: dict[str, list[tuple[Any, float]]]
+    _undoing_mutex: threading.Lock
 
     def _setup_nodes(
         self, clients: Any, node_timeout: float | None, retry_delay: float, *, asyncio_client: bool
@@ -158,10 +159,11 @@ class _QuorumBase:
         self._labels = [node_label(c) for c in self._fast]
         self._node_scripts = [scripts_for(c) for c in self._fast]
         self._groups = {}
-        #: Give-backs of failed attempts still in flight: the next attempt waits for them,
-        #: so a late "give back everything" cannot land on top of its grant.
-        self._undoing: list[Any] = []
-        self._in_flight: list[Any] = []
+        # Give-backs still in flight (a failed attempt's undo, the slowest nodes' share of a
+        # release): the owner's next attempt waits for them, so a late "give back
+        # everything" cannot land on top of its new grant.
+        self._undoing = {}
+        self._undoing_mutex = threading.Lock()
 
     def _retry_pause(self, outcome: QuorumAcquire | None) -> float:
         """After a split vote (or with no holder to wait for), a random delay; otherwise
@@ -169,6 +171,78 @@ class _QuorumBase:
         if outcome is not None and (outcome.split or outcome.pttl == 0):
             return random.uniform(0, self.retry_delay)
         return 0.0
+
+    def _begin_attempt(self, owner: str) -> bool:
+        """Whether this attempt is fresh (no hold here); a hold already known lost is
+        dropped first, so taking the lock again starts over with a new token."""
+        hold = self._live_hold(owner)  # type: ignore[attr-defined]
+        if hold is not None and hold.lost.is_set():
+            self._forget(hold)  # type: ignore[attr-defined]
+            hold = None
+        return hold is None
+
+    @staticmethod
+    def _attempt_argv(owner: str, lease: int, fresh: bool) -> list[Any]:
+        """A fresh attempt asks every node for a new token, re-entry or not: the highest
+        token of its majority must be newer than any written back before it, and a node
+        re-entered (a leftover of this owner's earlier attempt) would return an old one."""
+        return [owner, lease, "", "new-token"] if fresh else [owner, lease]
+
+    def _undo_plan(
+        self, owner: str, outcome: QuorumAcquire | None, fresh: bool
+    ) -> tuple[list[int], list[Any]]:
+        """Which nodes a failed attempt gives back to, and how: a fresh one gives back
+        whatever this owner has there (including a grant that may land late), a re-entry
+        only the hold it added."""
+        if outcome is None:
+            nodes = set(range(len(self._fast)))
+        else:
+            nodes = set(outcome.granted) | (set(outcome.unknown) if fresh else set())
+        return sorted(nodes), [owner, "all" if fresh else "one"]
+
+    def _track(self, owner: str, running: Sequence[Any]) -> None:
+        if running:
+            now = time.monotonic()
+            with self._undoing_mutex:
+                self._undoing.setdefault(owner, []).extend((r, now) for r in running)
+
+    def _still_undoing(self, owner: str) -> tuple[list[Any], float]:
+        """The owner's give-backs still running, and how long to wait for them at most
+        (until each could have timed out at its node)."""
+        with self._undoing_mutex:
+            entries = [(r, at) for r, at in self._undoing.pop(owner, []) if not r.done()]
+            if entries:
+                self._undoing[owner] = entries
+        if not entries:
+            return [], 0.0
+        latest = max(at for _, at in entries)
+        return [r for r, _ in entries], max(0.0, latest + self.node_timeout * 2 - time.monotonic())
+
+    def _settle_acquire(self, owner: str, round_: Round, fresh: bool) -> tuple[QuorumAcquire, bool]:
+        """(what the nodes said, granted by a majority?); raises if too few answered."""
+        outcome = tally_acquire(round_.replies, decode_acquire)
+        if len(round_.answered()) < self.quorum:
+            raise quorum_error(self.name, owner, "acquire", round_, self.quorum)  # type: ignore[attr-defined]
+        return outcome, outcome.taken(self.quorum)
+
+    def _settle_release(self, owner: str, hold: Hold | None, round_: Round) -> None:
+        self._track(owner, round_.pending)  # the slowest nodes' give-backs still running
+        code = release_code(round_, self.quorum)
+        if code is None:
+            raise self._unclear_release(owner, round_)
+        self._record_released(owner, code)  # type: ignore[attr-defined]
+
+    def _settle_extend(self, owner: str, round_: Round, lease: int, sent_at: float) -> None:
+        code = renew_code(round_, self.quorum)
+        if code is None:
+            raise quorum_error(self.name, owner, "extend", round_, self.quorum)  # type: ignore[attr-defined]
+        if code == 1 and not attempt_valid(sent_at, lease):
+            code = 0
+        self._record_extended(owner, code, lease, sent_at)  # type: ignore[attr-defined]
+        hold = self._holds.get(owner)  # type: ignore[attr-defined]
+        group = None if hold is None else self._group_of(hold)
+        if group is not None:
+            group.extended(round_.replies, lease, sent_at)
 
     def _group_of(self, hold: Hold) -> HoldGroup | None:
         return self._groups.get(id(hold))
@@ -233,7 +307,7 @@ def _node_failures_as_round(futures: Sequence[Any], labels: Sequence[str]) -> Ro
             replies.append(future.exception())
         else:
             replies.append(future.result())
-    return Round(replies, labels)
+    return Round(replies, labels, list(futures))
 
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -326,7 +400,6 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
             )
             if pending and decided and decided(_node_failures_as_round(futures, self._labels)):
                 break
-        self._in_flight = [f for f in futures if not f.done()]
         return _node_failures_as_round(futures, self._labels)
 
     # -- acquire / release -----------------------------------------------------
@@ -368,22 +441,22 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
         self, owner: str, lease: int, renew: bool, started: float | None = None
     ) -> QuorumAcquire | None:
         """One attempt on every node: None if acquired, else what the nodes said."""
-        if self._undoing:
-            concurrent.futures.wait(self._undoing, timeout=self.node_timeout)
-            self._undoing.clear()
+        running, within = self._still_undoing(owner)
+        if running:
+            concurrent.futures.wait(running, timeout=within)
+        fresh = self._begin_attempt(owner)
         sent_at = time.monotonic()
         keys = self._acquire_keys()
-        argv = self._acquire_argv(owner, lease, False)
-        fresh = self._live_hold(owner) is None
+        argv = self._attempt_argv(owner, lease, fresh)
         round_ = self._round(
             lambda i: self._node_scripts[i].acquire(keys=keys, args=argv),
             decided_by(granted, self.quorum),
         )
-        outcome = tally_acquire(round_.replies, decode_acquire)
-        if len(round_.answered()) < self.quorum:
-            self._undo(owner, outcome, unknown=fresh)
-            raise quorum_error(self.name, owner, "acquire", round_, self.quorum)
-        acquired = outcome.taken(self.quorum, fresh=fresh)
+        try:
+            outcome, acquired = self._settle_acquire(owner, round_, fresh)
+        except LockQuorumError:
+            self._undo(owner, tally_acquire(round_.replies, decode_acquire), fresh, round_)
+            raise
         if acquired and (fresh or outcome.hold_count == 1):
             acquired = self._write_back(outcome.token)
         if acquired and attempt_valid(sent_at, lease):
@@ -394,7 +467,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
                 for node, part in self._start_group(hold, outcome, sent_at, LeaseLost):
                     scheduler_for(self.clients[node]).add(part)
             return None
-        self._undo(owner, outcome, unknown=fresh)
+        self._undo(owner, outcome, fresh, round_)
         if outcome.finished:
             raise OwnerFinished(self.name)
         outcome.split = outcome.split and not acquired
@@ -409,15 +482,19 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
         )
         return len(round_.answered()) >= self.quorum
 
-    def _undo(self, owner: str, outcome: QuorumAcquire, *, unknown: bool = True) -> None:
-        """Give back what a failed attempt took (and, for a fresh one, what it may have),
-        in the background: a stalled node must not delay the caller again."""
+    def _undo(self, owner: str, outcome: QuorumAcquire, fresh: bool, round_: Round) -> None:
+        """Give back what a failed attempt took (see :meth:`_undo_plan`), in the
+        background: a stalled node must not delay the caller again. Each give-back waits
+        for that node's acquire request, if it is still running, so it lands after it."""
+        nodes, args = self._undo_plan(owner, outcome, fresh)
         keys = self.keys.release_keys()
-        args = [owner, "all" if unknown else "one"]  # fresh: whatever this owner has there
-        for node in set(outcome.granted) | (set(outcome.unknown) if unknown else set()):
-            self._undoing.append(
-                _pool().submit(self._node_scripts[node].release, keys=keys, args=args)
-            )
+        futures = round_.sources
+
+        def give_back(node: int) -> Any:
+            concurrent.futures.wait([futures[node]], timeout=self.node_timeout * 2)
+            return self._node_scripts[node].release(keys=keys, args=args)
+
+        self._track(owner, [_pool().submit(give_back, node) for node in nodes])
 
     def release(self) -> None:
         """Give back one hold on every node; the last one frees the lock.
@@ -440,11 +517,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
             )
         finally:
             self._ack_releasing(hold, -1)
-        self._undoing.extend(self._in_flight)  # the slowest nodes' give-backs still running
-        code = release_code(round_, self.quorum)
-        if code is None:
-            raise self._unclear_release(owner, round_)
-        self._record_released(owner, code)
+        self._settle_release(owner, hold, round_)
 
     def extend(self, ttl: float) -> None:
         """Replace the calling owner's lease with ``ttl`` seconds on every node (quorum rule)."""
@@ -457,16 +530,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
             lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease]),
             decided_by(renewed, self.quorum),
         )
-        code = renew_code(round_, self.quorum)
-        if code is None:
-            raise quorum_error(self.name, owner, "extend", round_, self.quorum)
-        if code == 1 and not attempt_valid(sent_at, lease):
-            code = 0
-        self._record_extended(owner, code, lease, sent_at)
-        hold = self._holds.get(owner)
-        group = None if hold is None else self._group_of(hold)
-        if group is not None:
-            group.set_lease(lease, sent_at)
+        self._settle_extend(owner, round_, lease, sent_at)
 
     def _unschedule(self, hold: Hold) -> None:
         group = self._groups.pop(id(hold), None)
@@ -618,18 +682,22 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         self._setup_nodes(clients, node_timeout, retry_delay, asyncio_client=True)
 
     def _default_owner(self) -> str:
-        from .aio import task_owner
-
         return task_owner()
 
     async def _round(
-        self, call: Callable[[int], Awaitable[Any]], decided: Decided | None = None
+        self,
+        call: Callable[[int], Awaitable[Any]],
+        decided: Decided | None = None,
+        tasks: list[asyncio.Future[Any]] | None = None,
     ) -> Round:
-        """:meth:`RedLock._round` for asyncio; requests in flight at the end finish as
-        background tasks (bounded by the nodes' socket timeout)."""
-        tasks = [_background(call(i)) for i in range(len(self._fast))]
+        """:meth:`RedLock._round` for asyncio. The requests are background tasks (pass
+        ``tasks`` to see them even if the caller is cancelled): those in flight at the
+        end finish by themselves, bounded by the nodes' socket timeout."""
+        sources = [_background(call(i)) for i in range(len(self._fast))]
+        if tasks is not None:
+            tasks.extend(sources)
         deadline = time.monotonic() + self.node_timeout + 0.05
-        pending: set[Any] = set(tasks)
+        pending: set[Any] = set(sources)
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -637,10 +705,9 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
             _, pending = await asyncio.wait(
                 pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
             )
-            if pending and decided and decided(_node_failures_as_round(tasks, self._labels)):
+            if pending and decided and decided(_node_failures_as_round(sources, self._labels)):
                 break
-        self._in_flight = [t for t in tasks if not t.done()]
-        return _node_failures_as_round(tasks, self._labels)
+        return _node_failures_as_round(sources, self._labels)
 
     async def acquire(
         self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
@@ -679,33 +746,30 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         self, owner: str, lease: int, renew: bool, started: float | None = None
     ) -> QuorumAcquire | None:
         """One attempt on every node: None if acquired, else what the nodes said."""
-        if self._undoing:
-            await asyncio.wait(self._undoing, timeout=self.node_timeout)
-            self._undoing.clear()
+        running, within = self._still_undoing(owner)
+        if running:
+            await asyncio.wait(running, timeout=within)
+        fresh = self._begin_attempt(owner)
         sent_at = time.monotonic()
         keys = self._acquire_keys()
-        argv = self._acquire_argv(owner, lease, False)
-        fresh = self._live_hold(owner) is None
+        argv = self._attempt_argv(owner, lease, fresh)
+        sources: list[asyncio.Future[Any]] = []
         try:
             round_ = await self._round(
                 lambda i: self._node_scripts[i].acquire(keys=keys, args=argv),
                 decided_by(granted, self.quorum),
+                sources,
             )
-        except asyncio.CancelledError:
-            # Whatever reached the nodes is given back before the cancellation goes on.
-            if fresh:
-                await asyncio.shield(self._undo(owner, None))
-            raise
-        outcome = tally_acquire(round_.replies, decode_acquire)
-        try:
-            if len(round_.answered()) < self.quorum:
-                await self._undo(owner, outcome, unknown=fresh)
-                raise quorum_error(self.name, owner, "acquire", round_, self.quorum)
-            acquired = outcome.taken(self.quorum, fresh=fresh)
+            try:
+                outcome, acquired = self._settle_acquire(owner, round_, fresh)
+            except LockQuorumError:
+                self._undo(owner, fresh, sources)
+                raise
             if acquired and (fresh or outcome.hold_count == 1):
                 acquired = await self._write_back(outcome.token)
         except asyncio.CancelledError:
-            await asyncio.shield(self._undo(owner, outcome, unknown=fresh))
+            # Whatever reaches the nodes is given back, after it lands.
+            self._undo(owner, fresh, sources)
             raise
         if acquired and attempt_valid(sent_at, lease):
             hold, is_new = self._record_acquired(
@@ -718,7 +782,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
                     assert scheduler is not None
                     scheduler.add(part)
             return None
-        await asyncio.shield(self._undo(owner, outcome, unknown=fresh))
+        self._undo(owner, fresh, sources)
         if outcome.finished:
             raise OwnerFinished(self.name)
         outcome.split = outcome.split and not acquired
@@ -732,42 +796,49 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         )
         return len(round_.answered()) >= self.quorum
 
-    async def _undo(
-        self, owner: str, outcome: QuorumAcquire | None, *, unknown: bool = True
-    ) -> None:
-        if outcome is None:
-            nodes = set(range(len(self._fast)))
-        else:
-            nodes = set(outcome.granted) | (set(outcome.unknown) if unknown else set())
+    def _undo(self, owner: str, fresh: bool, sources: list[asyncio.Future[Any]]) -> None:
+        """Give back what a failed or cancelled attempt took, in the background, once
+        each node's acquire request has landed (or timed out): see :meth:`_undo_plan`."""
         keys = self.keys.release_keys()
-        args = [owner, "all" if unknown else "one"]
-        for node in nodes:  # in the background, as in RedLock._undo
-            self._undoing.append(
-                _background(self._node_scripts[node].release(keys=keys, args=args))
+
+        async def give_back() -> None:
+            if not sources:
+                return
+            await asyncio.wait(sources, timeout=self.node_timeout * 2)
+            outcome = tally_acquire(
+                _node_failures_as_round(sources, self._labels).replies, decode_acquire
+            )
+            nodes, args = self._undo_plan(owner, outcome, fresh)
+            await asyncio.gather(
+                *(self._node_scripts[n].release(keys=keys, args=args) for n in nodes),
+                return_exceptions=True,
             )
 
+        self._track(owner, [_background(give_back())])
+
     async def release(self) -> None:
-        """Give back one hold on every node; see :meth:`RedLock.release`."""
+        """Give back one hold on every node; see :meth:`RedLock.release`. A cancelled
+        release still completes (and is recorded) before the cancellation goes on."""
         owner = self._current_owner()
         self._check_not_inherited(owner)
+        future, cancelled = await _to_completion(self._release(owner))
+        if cancelled is not None:
+            raise cancelled
+        future.result()
+
+    async def _release(self, owner: str) -> None:
         hold = self._holds.get(owner)
         keys = self.keys.release_keys()
         args = self._release_args(owner, hold)
         self._ack_releasing(hold, 1)
         try:
-            round_ = await asyncio.shield(
-                self._round(
-                    lambda i: self._node_scripts[i].release(keys=keys, args=args),
-                    decided_by(given_back, self.quorum),
-                )
+            round_ = await self._round(
+                lambda i: self._node_scripts[i].release(keys=keys, args=args),
+                decided_by(given_back, self.quorum),
             )
         finally:
             self._ack_releasing(hold, -1)
-        self._undoing.extend(self._in_flight)  # the slowest nodes' give-backs still running
-        code = release_code(round_, self.quorum)
-        if code is None:
-            raise self._unclear_release(owner, round_)
-        self._record_released(owner, code)
+        self._settle_release(owner, hold, round_)
 
     async def extend(self, ttl: float) -> None:
         """Replace the calling owner's lease with ``ttl`` seconds; see :meth:`RedLock.extend`."""
@@ -780,16 +851,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
             lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease]),
             decided_by(renewed, self.quorum),
         )
-        code = renew_code(round_, self.quorum)
-        if code is None:
-            raise quorum_error(self.name, owner, "extend", round_, self.quorum)
-        if code == 1 and not attempt_valid(sent_at, lease):
-            code = 0
-        self._record_extended(owner, code, lease, sent_at)
-        hold = self._holds.get(owner)
-        group = None if hold is None else self._group_of(hold)
-        if group is not None:
-            group.set_lease(lease, sent_at)
+        self._settle_extend(owner, round_, lease, sent_at)
 
     def _unschedule(self, hold: Hold) -> None:
         group = self._groups.pop(id(hold), None)

@@ -90,8 +90,14 @@ from kombu.utils import json as kombu_json
 
 from . import metrics, signals
 from ._core import LockKeys, OwnerFinished, backoff, decode_acquire, lease_ms
-from ._errors import LockConfigurationError, LockContendedError, LockLostError, LockNotOwnedError
-from ._quorum import quorum_error, release_code
+from ._errors import (
+    LockConfigurationError,
+    LockContendedError,
+    LockLostError,
+    LockNotOwnedError,
+    LockQuorumError,
+)
+from ._quorum import decided_by, given_back, quorum_error, release_code
 from ._renewal import scheduler_for
 from ._scripts import scripts_for
 from .keys import KeyTemplate
@@ -270,7 +276,10 @@ class QuorumTaskLock(RedLock):
         return self._each_node(self.keys.release_keys(), [self.owner, "all"])
 
     def finish(self, *, hold: float, done_ttl: float | None) -> str | None:
-        """Give the hold back (or keep it ``hold`` seconds), marking the task id done."""
+        """Give the hold back on every node (or keep it ``hold`` seconds), marking the task
+        id done. Raises :class:`LockLostError` like :meth:`TaskLock.finish`; when too few
+        nodes answer to tell, the hold is given up with a warning (the silent nodes get
+        the release when they answer, or the lease ends there)."""
         owner = self._current_owner()
         keys = self.keys.release_keys()
         args: list[Any] = (
@@ -278,7 +287,7 @@ class QuorumTaskLock(RedLock):
             if hold > 0
             else [
                 owner,
-                "one",
+                "all",
                 0,
             ]
         )
@@ -288,10 +297,16 @@ class QuorumTaskLock(RedLock):
         held = self._holds.get(owner)
         self._ack_releasing(held, 1)
         try:
-            code = self._each_node(keys, args)
+            round_ = self._round(
+                lambda i: self._node_scripts[i].release(keys=keys, args=args),
+                decided_by(given_back, self.quorum),
+            )
         finally:
             self._ack_releasing(held, -1)
-        self._record_released(owner, code)
+        try:
+            self._settle_release(owner, held, round_)
+        except LockQuorumError as exc:
+            log.warning("redislock: %s", exc)
         return None
 
 

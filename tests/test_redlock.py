@@ -7,7 +7,7 @@ import multiprocessing
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -22,6 +22,7 @@ from celery_redislock import (
     RedisLock,
     RedLock,
 )
+from celery_redislock._scripts import scripts_for
 from celery_redislock.testing import RedisServer
 
 from . import _procs
@@ -378,3 +379,98 @@ async def test_a_cancelled_async_acquire_leaves_nothing_behind(
         for client in clients:
             await aclose_background(client)
             await client.aclose()
+
+
+# ------------------------------------------------------- regressions found in review
+
+
+def test_tokens_stay_monotonic_when_a_node_is_re_entered(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    """B's fresh acquire re-enters a leftover hold of its own on node x, the one node that
+    saw A's written-back token: x must still hand B a new token, or B's would be older."""
+    _, y, z = servers = [redis_server_factory(appendonly=True) for _ in range(3)]
+
+    def clients() -> list[redis.Redis]:
+        return [s.client(socket_timeout=2) for s in servers]
+
+    raw = clients()
+    y.kill()  # three acquisitions while y is down: counters x, z run ahead of y
+    for _ in range(3):
+        c = RedLock(clients(), "ledger", owner="C", ttl=5, auto_renew=False, node_timeout=0.2)
+        assert c.acquire(blocking=False)
+        c.release()
+    y.start(y.port)
+    keys = c.keys
+    # A late grant of an earlier attempt of B's, left on x.
+    args = [keys.lock, keys.fence, keys.waiters, keys.claims]
+    scripts_for(raw[0]).acquire(keys=args, args=["B", 20000])
+    a = RedLock(clients(), "ledger", owner="A", ttl=5, auto_renew=False, node_timeout=0.2)
+    write_back = a._write_back
+
+    def y_dies_before_the_write_back(token: int) -> bool:
+        y.kill()  # AOF always: y keeps A's grant and its counter, misses the write-back
+        return write_back(token)
+
+    a._write_back = y_dies_before_the_write_back  # type: ignore[method-assign]
+    assert a.acquire(blocking=False)
+    token_a = a.token
+    y.start(y.port)
+    a.release()
+    with stopped(z):
+        b = RedLock(clients(), "ledger", owner="B", ttl=5, auto_renew=False, node_timeout=0.2)
+        assert b.acquire(blocking=False)  # majority {x (re-entered), y}
+    assert token_a is not None and b.token is not None
+    assert b.token > token_a
+
+
+def test_extend_moves_only_the_shares_of_nodes_that_renewed(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    with stopped(nodes[2]):
+        lock = RedLock(three, "x-extend", owner="A", ttl=6, node_timeout=0.3)
+        assert lock.acquire(blocking=False)  # node 2's share is unconfirmed
+        group = lock._group_of(lock._holds["A"])
+        assert group is not None
+        lock.extend(6)
+        now = time.monotonic()
+        deadlines = {node: part.deadline - now for node, part in group.parts}
+        assert deadlines[0] > 5 and deadlines[1] > 5
+        assert deadlines[2] <= 0  # it did not renew: it does not count
+    lock.release()
+
+
+def test_a_lost_hold_is_not_re_entered(nodes: list[RedisServer], three: list[redis.Redis]) -> None:
+    lock = RedLock(three, "relost", owner="A", ttl=1.0, node_timeout=0.1)
+    assert lock.acquire(blocking=False)
+    first = lock.token
+    with stopped(nodes[0], nodes[1]):
+        assert lock.lost.wait(5)
+    time.sleep(1.1)  # the shares on nodes 0 and 1 expired meanwhile
+    assert lock.acquire(timeout=5)  # starts over: a new hold with a newer token
+    assert lock.hold_count == 1 and not lock.lost
+    assert first is not None and lock.token is not None and lock.token > first
+    lock.release()
+
+
+def test_a_task_release_that_cannot_tell_does_not_keep_the_lock(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    from celery_redislock.settings import LockOptions
+    from celery_redislock.task import QuorumTaskLock
+
+    servers = [redis_server_factory(appendonly=True) for _ in range(3)]
+    clients = [s.client() for s in servers]
+    lock = QuorumTaskLock(
+        clients, "job", task_id="task-1", options=LockOptions(ttl=3.0), node_timeout=0.2
+    )
+    assert lock.take()
+    servers[1].kill()
+    servers[2].kill()
+    assert lock.finish(hold=0.0, done_ttl=None) is None  # warns, does not raise
+    assert lock.hold_count == 0  # not renewed any more
+    servers[1].start(servers[1].port)
+    servers[2].start(servers[2].port)
+    other = RedLock([s.client() for s in servers], "job", owner="other", ttl=3, node_timeout=0.5)
+    assert other.acquire(timeout=10)  # the lease ran out; nobody renewed it
+    other.release()

@@ -7,7 +7,10 @@
 -- ARGV[1]  owner id (never "__fence__")
 -- ARGV[2]  lease in milliseconds (a positive integer)
 -- ARGV[3]  optional: join the line when contended, keeping the place this many ms past the
---          holder's lease (a blocked acquire passes it; a single try does not)
+--          holder's lease (a blocked acquire passes it; a single try does not; "" = no)
+-- ARGV[4]  optional: "new-token" hands out a new token on re-entry too (the quorum lock's
+--          fresh attempt: the highest token of its majority must be newer than any
+--          token written back before it; the hold's stored token is left as it is)
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
@@ -26,7 +29,7 @@ local function now_ms()
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 local function join_line(wait_ms)
-  if ARGV[3] then
+  if ARGV[3] and ARGV[3] ~= '' then
     local until_ms = now_ms() + math.max(wait_ms, 0) + tonumber(ARGV[3])
     if redis.call('zadd', KEYS[4], until_ms, ARGV[1]) == 1 then
       redis.call('rpush', KEYS[3], ARGV[1])
@@ -65,6 +68,9 @@ if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
   local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
   if redis.call('pttl', KEYS[1]) < lease then  -- re-entering never shortens the lease
     redis.call('pexpire', KEYS[1], lease)
+  end
+  if ARGV[4] == 'new-token' then
+    return {1, redis.call('incr', KEYS[2]), count}
   end
   return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')), count}
 end
