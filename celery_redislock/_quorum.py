@@ -189,18 +189,26 @@ def quorum_error(
     )
 
 
-def release_code(round_: Round, quorum: int) -> int | None:
+def release_code(
+    round_: Round, quorum: int, *, valid: bool = False, last: bool = True
+) -> int | None:
     """One release code for the quorum (see release.lua), or None: too few answered.
 
-    n >= 0 when a majority gave the hold back (n: holds still left), else the loss:
-    -2 if some node shows another owner, -1 if the hold was simply gone.
+    n >= 0 when a majority gave the hold back (n: holds still left), or when the hold was
+    still ``valid`` here when the release was sent (its lease ran on a majority until
+    then: nobody else can have held it; the nodes that did not answer get the release
+    when they do, or their lease ends). Otherwise the loss: -2 if some node shows
+    another owner, -1 if the hold was simply gone; None if the silent nodes could still
+    make a majority either way.
     """
     codes = [int(round_.replies[i]) for i in round_.answered()]
     given_back = [c for c in codes if c >= 0]
     if len(given_back) >= quorum:
         return max(given_back)
+    if valid:
+        return max(given_back, default=0 if last else 1)
     if len(given_back) + len(round_.replies) - len(codes) >= quorum:
-        return None  # the silent nodes may make a majority: keep the hold, retry the release
+        return None
     return -2 if -2 in codes else -1
 
 

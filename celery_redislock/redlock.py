@@ -225,9 +225,15 @@ class _QuorumBase:
             raise quorum_error(self.name, owner, "acquire", round_, self.quorum)  # type: ignore[attr-defined]
         return outcome, outcome.taken(self.quorum)
 
-    def _settle_release(self, owner: str, hold: Hold | None, round_: Round) -> None:
+    @staticmethod
+    def _valid(hold: Hold | None) -> bool:
+        """Whether a hold is still valid here (checked before a release is sent)."""
+        return hold is not None and not hold.lost.is_set() and not hold.past_deadline()
+
+    def _settle_release(self, owner: str, hold: Hold | None, round_: Round, valid: bool) -> None:
         self._track(owner, round_.pending)  # the slowest nodes' give-backs still running
-        code = release_code(round_, self.quorum)
+        last = hold is None or hold.count <= 1
+        code = release_code(round_, self.quorum, valid=valid, last=last)
         if code is None:
             raise self._unclear_release(owner, round_)
         self._record_released(owner, code)  # type: ignore[attr-defined]
@@ -509,6 +515,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
         hold = self._holds.get(owner)
         keys = self.keys.release_keys()
         args = self._release_args(owner, hold)
+        valid = self._valid(hold)
         self._ack_releasing(hold, 1)
         try:
             round_ = self._round(
@@ -517,7 +524,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
             )
         finally:
             self._ack_releasing(hold, -1)
-        self._settle_release(owner, hold, round_)
+        self._settle_release(owner, hold, round_, valid)
 
     def extend(self, ttl: float) -> None:
         """Replace the calling owner's lease with ``ttl`` seconds on every node (quorum rule)."""
@@ -611,8 +618,9 @@ def _remaining(round_: Round, quorum: int) -> float | None:
 class _MultiWaiter:
     """One blocked acquire subscribed to the lock's release channel on every node.
 
-    Registration does not wait for a confirmation from each node (a stalled node would
-    stall every waiter); while no node has confirmed, the wait polls briefly.
+    Each node's subscription is made in the background: subscribing may have to connect,
+    and a stalled node must not hold up the waiter (the other nodes' release messages
+    wake it). Until some node has confirmed its subscription, the wait polls briefly.
     """
 
     def __init__(self, clients: Sequence[Any], channel: bytes, owner: str) -> None:
@@ -621,22 +629,36 @@ class _MultiWaiter:
         self._clients = clients
         self._channel = channel
         self._owner = owner
+        self._mutex = threading.Lock()
+        self._closed = False
 
     def __enter__(self) -> _MultiWaiter:
         for client in self._clients:
-            subscriber = subscriber_for(client)
-            waiter = subscriber.waiter(self._channel, self._owner)
-            waiter.event = self._event
-            waiter._channel = subscriber._register(self._channel, waiter)
-            self._waiters.append(waiter)
+            _pool().submit(self._subscribe, client)
         return self
 
+    def _subscribe(self, client: Any) -> None:
+        subscriber = subscriber_for(client)
+        waiter = subscriber.waiter(self._channel, self._owner)
+        waiter.event = self._event
+        waiter._channel = subscriber._register(self._channel, waiter)
+        with self._mutex:
+            if not self._closed:
+                self._waiters.append(waiter)
+                return
+        subscriber._unregister(self._channel, waiter)  # the acquire ended meanwhile
+
     def __exit__(self, *exc: object) -> None:
-        for waiter in self._waiters:
+        with self._mutex:
+            self._closed = True
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
             waiter._subscriber._unregister(self._channel, waiter)
 
     def wait(self, timeout: float) -> bool:
-        if not any(w._channel.confirmed.is_set() for w in self._waiters):
+        with self._mutex:
+            confirmed = any(w._channel.confirmed.is_set() for w in self._waiters)
+        if not confirmed:
             timeout = min(timeout, UNCONFIRMED_POLL)
         woken = self._event.wait(timeout) if timeout > 0 else self._event.is_set()
         self._event.clear()
@@ -830,6 +852,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         hold = self._holds.get(owner)
         keys = self.keys.release_keys()
         args = self._release_args(owner, hold)
+        valid = self._valid(hold)
         self._ack_releasing(hold, 1)
         try:
             round_ = await self._round(
@@ -838,7 +861,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
             )
         finally:
             self._ack_releasing(hold, -1)
-        self._settle_release(owner, hold, round_)
+        self._settle_release(owner, hold, round_, valid)
 
     async def extend(self, ttl: float) -> None:
         """Replace the calling owner's lease with ``ttl`` seconds; see :meth:`RedLock.extend`."""
@@ -925,7 +948,8 @@ def _collected(task: asyncio.Future[Any]) -> None:
 
 
 class _AsyncMultiWaiter:
-    """:class:`_MultiWaiter` for asyncio: one subscription per node, one shared event."""
+    """:class:`_MultiWaiter` for asyncio: one subscription per node, made in background
+    tasks, and one shared event."""
 
     def __init__(self, clients: Sequence[Any], channel: bytes, owner: str) -> None:
         self._event = asyncio.Event()
@@ -933,22 +957,31 @@ class _AsyncMultiWaiter:
         self._clients = clients
         self._channel = channel
         self._owner = owner
+        self._closed = False
 
     async def enter(self) -> None:
         for client in self._clients:
-            subscriber = async_subscriber_for(client)
-            assert subscriber is not None
-            waiter = subscriber.waiter(self._channel, self._owner)
-            waiter.event = self._event
+            _background(self._subscribe(client))
+
+    async def _subscribe(self, client: Any) -> None:
+        subscriber = async_subscriber_for(client)
+        assert subscriber is not None
+        waiter = subscriber.waiter(self._channel, self._owner)
+        waiter.event = self._event
+        waiter._channel = await subscriber._register(self._channel, waiter)
+        if self._closed:
+            subscriber._unregister(self._channel, waiter)  # the acquire ended meanwhile
+        else:
             self._waiters.append(waiter)
-            waiter._channel = await subscriber._register(self._channel, waiter)
 
     def exit(self) -> None:
-        for waiter in self._waiters:
+        self._closed = True
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
             waiter._subscriber._unregister(self._channel, waiter)
 
     async def wait(self, timeout: float) -> bool:
-        if not any(w._channel is not None and w._channel.confirmed.is_set() for w in self._waiters):
+        if not any(w._channel.confirmed.is_set() for w in self._waiters):
             timeout = min(timeout, UNCONFIRMED_POLL)
         woken = self._event.is_set() or (timeout > 0 and await wait_event(self._event, timeout))
         self._event.clear()

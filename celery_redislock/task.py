@@ -295,6 +295,7 @@ class QuorumTaskLock(RedLock):
             keys.append(self.done_key)
             args.append(lease_ms(done_ttl, "lock_done_ttl"))
         held = self._holds.get(owner)
+        valid = self._valid(held)
         self._ack_releasing(held, 1)
         try:
             round_ = self._round(
@@ -304,7 +305,7 @@ class QuorumTaskLock(RedLock):
         finally:
             self._ack_releasing(held, -1)
         try:
-            self._settle_release(owner, held, round_)
+            self._settle_release(owner, held, round_, valid)
         except LockQuorumError as exc:
             log.warning("redislock: %s", exc)
         return None
