@@ -41,11 +41,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._core import cancel_and_wait, wait_event
+from ._core import LINE_MARGIN_MS, cancel_and_wait, wait_event
 from ._scripts import is_cluster
 
 log = logging.getLogger(__name__)
 
+#: After a release hands the lock to a waiter of another process, how long until that
+#: grant lapses if never taken (release.lua keeps it LINE_MARGIN_MS), plus a margin.
+GRANT_WINDOW = LINE_MARGIN_MS / 1000.0 + 0.05
 #: Longest a new waiter waits for its SUBSCRIBE to be confirmed before it retries anyway.
 CONFIRM_WAIT = 1.0
 #: While a channel's subscription is not confirmed, waiters poll this often.
@@ -72,29 +75,81 @@ class _Channel:
 
     def wake_all(self) -> None:
         for waiter in self.waiters:
-            waiter.event.set()
+            waiter.kick()
 
     def wake_one(self) -> None:
         for waiter in self.waiters:
-            if not waiter.event.is_set():
-                waiter.event.set()
+            if not waiter.kicked:
+                waiter.kick()
                 return
 
     def wake(self, data: bytes) -> None:
-        """A release names the waiter it handed the lock to, or says "1": wake one."""
+        """A release names the waiter it handed the lock to, or says "1": wake one.
+
+        Handed to a waiter of another process, the lock is that waiter's to take within
+        the grant's window; if it never does (it died), the grant lapses without a
+        message. So the waiters here re-check when the window ends, not when their own
+        (lease-bounded) wait would have ended.
+        """
         if data == b"1":
             self.wake_one()
             return
         for waiter in self.waiters:
             if waiter.owner == data:
-                waiter.event.set()
+                waiter.kick()
                 return
+        recheck_at = time.monotonic() + GRANT_WINDOW
+        for waiter in self.waiters:
+            waiter.nudge(recheck_at)
 
 
-class Waiter:
+class _WaiterState:
+    """How a waiter is woken: ``kick`` (retry now) or ``nudge`` (retry by a time)."""
+
+    __slots__ = ("event", "kicked", "recheck_at")
+    event: Any
+    kicked: bool
+    recheck_at: float | None
+
+    def kick(self) -> None:
+        self.kicked = True
+        self.event.set()
+
+    def nudge(self, at: float) -> None:
+        if self.recheck_at is None or at < self.recheck_at:
+            self.recheck_at = at
+        self.event.set()  # the waiting side recomputes its wait with the new bound
+
+    def _bound(self, end: float) -> float:
+        """Seconds to sleep now: until ``end`` or the re-check time, whichever is first."""
+        now = time.monotonic()
+        recheck_at = self.recheck_at
+        return min(end, recheck_at if recheck_at is not None else end) - now
+
+    def _woken(self, end: float) -> bool | None:
+        """After a sleep: True (retry now), False (timed out) or None (sleep again)."""
+        self.event.clear()
+        if self.kicked:
+            self.kicked = False
+            self.recheck_at = None
+            return True
+        now = time.monotonic()
+        if self.recheck_at is not None and now >= self.recheck_at:
+            self.recheck_at = None
+            return True
+        return False if now >= end else None
+
+
+class Waiter(_WaiterState):
     """One blocked acquire's registration; use as a context manager around the retry loop."""
 
-    __slots__ = ("_channel", "_name", "_relocate", "_subscriber", "event", "owner")
+    __slots__ = (
+        "_channel",
+        "_name",
+        "_relocate",
+        "_subscriber",
+        "owner",
+    )
 
     def __init__(
         self,
@@ -109,6 +164,8 @@ class Waiter:
         self._relocate = relocate
         self.event = threading.Event()
         self.owner = owner.encode()
+        self.kicked = False
+        self.recheck_at: float | None = None
 
     def __enter__(self) -> Waiter:
         self._channel = self._subscriber._register(self._name, self)
@@ -133,9 +190,14 @@ class Waiter:
             self._channel = self._subscriber._register(self._name, self)
         if not self._channel.confirmed.is_set():
             timeout = min(timeout, UNCONFIRMED_POLL)
-        woken = self.event.wait(timeout) if timeout > 0 else self.event.is_set()
-        self.event.clear()
-        return woken
+        end = time.monotonic() + timeout
+        while True:
+            left = self._bound(end)
+            if left > 0:
+                self.event.wait(left)
+            woken = self._woken(end)
+            if woken is not None:
+                return woken
 
 
 class Subscriber:
@@ -182,7 +244,7 @@ class Subscriber:
                 channel.waiters.remove(waiter)
             except ValueError:
                 return
-            if waiter.event.is_set():
+            if waiter.kicked:
                 # The wake-up it got was not used for a retry: pass it on.
                 channel.wake_one()
             if not channel.waiters:
@@ -232,7 +294,7 @@ class Subscriber:
         for channel in self._channels.values():
             channel.confirmed.clear()
             for waiter in channel.waiters:
-                waiter.event.set()  # a release may have been missed: everyone retries
+                waiter.kick()  # a release may have been missed: everyone retries
 
     def _resubscribe_unconfirmed_locked(self) -> None:
         names = [n for n, ch in self._channels.items() if ch.waiters and not ch.confirmed.is_set()]
@@ -390,10 +452,16 @@ class _AsyncChannel(_Channel):
         self.confirmed = asyncio.Event()
 
 
-class AsyncWaiter:
+class AsyncWaiter(_WaiterState):
     """The asyncio twin of :class:`Waiter` (``async with``)."""
 
-    __slots__ = ("_channel", "_name", "_relocate", "_subscriber", "event", "owner")
+    __slots__ = (
+        "_channel",
+        "_name",
+        "_relocate",
+        "_subscriber",
+        "owner",
+    )
 
     def __init__(
         self,
@@ -408,6 +476,8 @@ class AsyncWaiter:
         self._relocate = relocate
         self.event = asyncio.Event()
         self.owner = owner.encode()
+        self.kicked = False
+        self.recheck_at: float | None = None
 
     async def __aenter__(self) -> AsyncWaiter:
         try:
@@ -429,9 +499,14 @@ class AsyncWaiter:
             self._channel = await self._subscriber._register(self._name, self)
         if not self._channel.confirmed.is_set():
             timeout = min(timeout, UNCONFIRMED_POLL)
-        woken = self.event.is_set() or (timeout > 0 and await wait_event(self.event, timeout))
-        self.event.clear()
-        return woken
+        end = time.monotonic() + timeout
+        while True:
+            left = self._bound(end)
+            if left > 0 and not self.event.is_set():
+                await wait_event(self.event, left)
+            woken = self._woken(end)
+            if woken is not None:
+                return woken
 
 
 class AsyncSubscriber:
@@ -495,7 +570,7 @@ class AsyncSubscriber:
             channel.waiters.remove(waiter)
         except ValueError:
             return
-        if waiter.event.is_set():
+        if waiter.kicked:
             channel.wake_one()
         if not channel.waiters:
             channel.idle_since = time.monotonic()
@@ -524,7 +599,7 @@ class AsyncSubscriber:
         for channel in self._channels.values():
             channel.confirmed.clear()
             for waiter in channel.waiters:
-                waiter.event.set()
+                waiter.kick()
 
     async def _run(self) -> None:
         failures = 0

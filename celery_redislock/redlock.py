@@ -662,6 +662,9 @@ class _MultiWaiter:
             timeout = min(timeout, UNCONFIRMED_POLL)
         woken = self._event.wait(timeout) if timeout > 0 else self._event.is_set()
         self._event.clear()
+        with self._mutex:  # every subscription, also one made while this waited
+            for waiter in self._waiters:
+                waiter.kicked = False  # used: the next release may wake it again
         return woken
 
 
@@ -985,4 +988,6 @@ class _AsyncMultiWaiter:
             timeout = min(timeout, UNCONFIRMED_POLL)
         woken = self._event.is_set() or (timeout > 0 and await wait_event(self._event, timeout))
         self._event.clear()
+        for waiter in self._waiters:
+            waiter.kicked = False  # used: the next release may wake it again
         return woken

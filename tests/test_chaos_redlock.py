@@ -247,14 +247,14 @@ def test_3a_a_release_with_one_of_three_nodes_stopped_is_not_a_quorum_error(
     start_nodes: Callable[[int], Nodes],
 ) -> None:
     """A regression test: found by 3a and 3b (the "release" quorum errors of their summary
-    lines), made deterministic. One way it happens in the swarm: holder P releases; the release returns once
-    a majority gave it back, while P's give-back to the slowest node is still in flight;
-    Q's acquire reaches that node first, is refused there (P still holds it) and granted by
-    the other two. P's give-back lands. Now one of Q's two granting nodes stalls (or is
-    restarted), and Q's release meets: one node gives it back, one node that never had Q's
-    hold answers -1, one is silent. Two of three answered, Q's hold was valid on a majority
-    until the release, and after it the lock is free on a majority (the other two nodes):
-    no quorum error is due."""
+    lines), made deterministic. One way it happens in the swarm: holder P releases; the
+    release returns once a majority gave it back, while P's give-back to the slowest node is
+    still in flight; Q's acquire reaches that node first, is refused there (P still holds
+    it) and granted by the other two. P's give-back lands. Now one of Q's two granting nodes
+    stalls (or is restarted), and Q's release meets: one node gives it back, one node that
+    never had Q's hold answers -1, one is silent. Two of three answered, Q's hold was valid
+    on a majority until the release, and after it the lock is free on a majority (the other
+    two nodes): no quorum error is due."""
     nodes = start_nodes(3)
     clients = [s.client(socket_timeout=2) for s in nodes.locks]
     try:
@@ -424,11 +424,12 @@ def test_3c_a_waiter_is_not_stalled_by_one_stopped_node(
     start_nodes: Callable[[int], Nodes],
 ) -> None:
     """A regression test: found by 3c (a freshly started worker that had to wait during an
-    outage logged no quorum error for seconds): a waiter whose process has no subscriber connection to a
-    node yet connects to it synchronously when it starts to wait. Deterministic here with
-    a minority: holder H holds; node 2 is SIGSTOPped; waiter W (its own clients, so no
-    subscriber connection yet) blocks in acquire; H releases 0.3 s later. W must get the
-    lock within a few node timeouts: a majority is up and was told of the release."""
+    outage logged no quorum error for seconds): a waiter whose process has no subscriber
+    connection to a node yet connected to it synchronously when it started to wait.
+    Deterministic here with a minority: holder H holds; node 2 is SIGSTOPped; waiter W (its
+    own clients, so no subscriber connection yet) blocks in acquire; H releases 0.3 s later.
+    W must get the lock within a few node timeouts: a majority is up and was told of the
+    release."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
