@@ -127,6 +127,35 @@ class _QuorumBase:
     _undoing: dict[str, list[tuple[Any, float]]]
     _undoing_mutex: threading.Lock
 
+    #: The twin's client kind (redis.asyncio for AsyncRedLock).
+    _asyncio_clients = False
+
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        name: str | bytes,
+        *,
+        ttl: float = 30.0,
+        owner: str | None = None,
+        auto_renew: bool = True,
+        blocking: bool = True,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        node_timeout: float | None = None,
+        retry_delay: float = RETRY_DELAY,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]  # LockBase, next in either twin's MRO
+            clients,
+            name,
+            ttl=ttl,
+            owner=owner,
+            auto_renew=auto_renew,
+            blocking=blocking,
+            timeout=timeout,
+            prefix=prefix,
+        )
+        self._setup_nodes(clients, node_timeout, retry_delay, asyncio_client=self._asyncio_clients)
+
     def _setup_nodes(
         self, clients: Any, node_timeout: float | None, retry_delay: float, *, asyncio_client: bool
     ) -> None:
@@ -358,32 +387,6 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
     """
 
     _signal_type = LeaseLost
-
-    def __init__(
-        self,
-        clients: Sequence[Any],
-        name: str | bytes,
-        *,
-        ttl: float = 30.0,
-        owner: str | None = None,
-        auto_renew: bool = True,
-        blocking: bool = True,
-        timeout: float | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        node_timeout: float | None = None,
-        retry_delay: float = RETRY_DELAY,
-    ) -> None:
-        super().__init__(
-            clients,
-            name,
-            ttl=ttl,
-            owner=owner,
-            auto_renew=auto_renew,
-            blocking=blocking,
-            timeout=timeout,
-            prefix=prefix,
-        )
-        self._setup_nodes(clients, node_timeout, retry_delay, asyncio_client=False)
 
     def _default_owner(self) -> str:
         return thread_owner()
@@ -679,32 +682,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
     """
 
     _signal_type = AsyncLeaseLost
-
-    def __init__(
-        self,
-        clients: Sequence[Any],
-        name: str | bytes,
-        *,
-        ttl: float = 30.0,
-        owner: str | None = None,
-        auto_renew: bool = True,
-        blocking: bool = True,
-        timeout: float | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        node_timeout: float | None = None,
-        retry_delay: float = RETRY_DELAY,
-    ) -> None:
-        super().__init__(
-            clients,
-            name,
-            ttl=ttl,
-            owner=owner,
-            auto_renew=auto_renew,
-            blocking=blocking,
-            timeout=timeout,
-            prefix=prefix,
-        )
-        self._setup_nodes(clients, node_timeout, retry_delay, asyncio_client=True)
+    _asyncio_clients = True
 
     def _default_owner(self) -> str:
         return task_owner()
