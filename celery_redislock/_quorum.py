@@ -195,17 +195,19 @@ def release_code(
     """One release code for the quorum (see release.lua), or None: too few answered.
 
     n >= 0 when a majority gave the hold back (n: holds still left), or when the hold was
-    still ``valid`` here when the release was sent (its lease ran on a majority until
-    then: nobody else can have held it; the nodes that did not answer get the release
-    when they do, or their lease ends). Otherwise the loss: -2 if some node shows
-    another owner, -1 if the hold was simply gone; None if the silent nodes could still
-    make a majority either way.
+    still ``valid`` here when the release was sent and some node gave it back (the
+    nodes that did not answer get the release when they do, or their lease ends) —
+    unless a majority answered that it did not have the hold: that is a loss whatever
+    the local clock says (-2 if some node shows another owner, -1 if it was simply
+    gone). None if the silent nodes could still make a majority either way.
     """
     codes = [int(round_.replies[i]) for i in round_.answered()]
     given_back = [c for c in codes if c >= 0]
     if len(given_back) >= quorum:
         return max(given_back)
-    if valid:
+    if len(codes) - len(given_back) >= quorum:  # a majority did not have it: a loss
+        return -2 if -2 in codes else -1
+    if valid and given_back:
         return max(given_back, default=0 if last else 1)
     if len(given_back) + len(round_.replies) - len(codes) >= quorum:
         return None

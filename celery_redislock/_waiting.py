@@ -88,8 +88,8 @@ class _Channel:
 
         Handed to a waiter of another process, the lock is that waiter's to take within
         the grant's window; if it never does (it died), the grant lapses without a
-        message. So the waiters here re-check when the window ends, not when their own
-        (lease-bounded) wait would have ended.
+        message. So the oldest waiter here re-checks when the window ends, not when its
+        own (lease-bounded) wait would have ended.
         """
         if data == b"1":
             self.wake_one()
@@ -98,9 +98,10 @@ class _Channel:
             if waiter.owner == data:
                 waiter.kick()
                 return
-        recheck_at = time.monotonic() + GRANT_WINDOW
-        for waiter in self.waiters:
-            waiter.nudge(recheck_at)
+        # Only the oldest local waiter re-checks: it is this process's first in line, so
+        # if the line's head is here, it is the one. One request per process per window.
+        if self.waiters:
+            self.waiters[0].nudge(time.monotonic() + GRANT_WINDOW)
 
 
 class _WaiterState:

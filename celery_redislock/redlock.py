@@ -359,9 +359,26 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         return _executor
 
 
+_subscribers_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _subscriptions() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that subscribe waiters to each node, apart from the rounds' pool: a
+    subscription to a stalled node may block (connecting under its subscriber's lock)
+    until the node answers, and must not take a worker the rounds need."""
+    global _subscribers_executor
+    with _executor_mutex:
+        if _subscribers_executor is None:
+            _subscribers_executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=8, thread_name_prefix="redislock-quorum-subscribe"
+            )
+        return _subscribers_executor
+
+
 def _after_fork_in_child() -> None:
-    global _executor, _executor_mutex
+    global _executor, _executor_mutex, _subscribers_executor
     _executor = None
+    _subscribers_executor = None
     _executor_mutex = threading.Lock()
 
 
@@ -442,6 +459,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
                     time.sleep(pause if remaining is None else min(pause, remaining))
                 else:
                     waiter.wait(wait_bound(outcome.pttl, remaining))
+                waiter.mark()
                 outcome = self._try(owner, lease_millis, renew, started)
                 if outcome is None:
                     return True
@@ -634,11 +652,19 @@ class _MultiWaiter:
         self._owner = owner
         self._mutex = threading.Lock()
         self._closed = False
+        #: Whether some node's subscription was confirmed when the last attempt started:
+        #: only then can a release after that attempt not have been missed.
+        self._listening = False
 
     def __enter__(self) -> _MultiWaiter:
         for client in self._clients:
-            _pool().submit(self._subscribe, client)
+            _subscriptions().submit(self._subscribe, client)
         return self
+
+    def mark(self) -> None:
+        """Call just before an attempt (see ``_listening``)."""
+        with self._mutex:
+            self._listening = any(w._channel.confirmed.is_set() for w in self._waiters)
 
     def _subscribe(self, client: Any) -> None:
         subscriber = subscriber_for(client)
@@ -659,9 +685,7 @@ class _MultiWaiter:
             waiter._subscriber._unregister(self._channel, waiter)
 
     def wait(self, timeout: float) -> bool:
-        with self._mutex:
-            confirmed = any(w._channel.confirmed.is_set() for w in self._waiters)
-        if not confirmed:
+        if not self._listening:
             timeout = min(timeout, UNCONFIRMED_POLL)
         woken = self._event.wait(timeout) if timeout > 0 else self._event.is_set()
         self._event.clear()
@@ -739,6 +763,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
                     await asyncio.sleep(pause if remaining is None else min(pause, remaining))
                 else:
                     await waiter.wait(wait_bound(outcome.pttl, remaining))
+                waiter.mark()
                 outcome = await self._try(owner, lease_millis, renew, started)
                 if outcome is None:
                     return True
@@ -939,6 +964,10 @@ class _AsyncMultiWaiter:
         self._channel = channel
         self._owner = owner
         self._closed = False
+        self._listening = False  # as in _MultiWaiter
+
+    def mark(self) -> None:
+        self._listening = any(w._channel.confirmed.is_set() for w in self._waiters)
 
     async def enter(self) -> None:
         for client in self._clients:
@@ -962,7 +991,7 @@ class _AsyncMultiWaiter:
             waiter._subscriber._unregister(self._channel, waiter)
 
     async def wait(self, timeout: float) -> bool:
-        if not any(w._channel.confirmed.is_set() for w in self._waiters):
+        if not self._listening:
             timeout = min(timeout, UNCONFIRMED_POLL)
         woken = self._event.is_set() or (timeout > 0 and await wait_event(self._event, timeout))
         self._event.clear()

@@ -339,6 +339,9 @@ def test_what_a_release_round_adds_up_to() -> None:
     assert release_code(round_of(1, 1, -1), 2) == 1  # an inner hold given back
     assert release_code(round_of(0, -2, silent), 2) is None  # cannot tell...
     assert release_code(round_of(0, -2, silent), 2, valid=True) == 0  # ...unless still valid
+    # A majority without the hold is a loss, whatever the local clock says.
+    assert release_code(round_of(-2, -2, 0), 2, valid=True) == -2
+    assert release_code(round_of(silent, silent, silent), 2, valid=True) is None
     assert release_code(round_of(-1, -2, silent), 2) == -2  # lost: another owner has it
     assert release_code(round_of(-1, -1, 0), 2) == -1
 
