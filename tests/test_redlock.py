@@ -137,8 +137,9 @@ def test_one_of_three_nodes_stopped_still_acquires_within_the_node_timeout(
         assert held_on([three[0], three[2]], lock) == [True, True]
         lock.release()
         assert held_on([three[0], three[2]], lock) == [False, False]
-    # The attempt waited for the stopped node no longer than its timeout (+ margin).
-    assert took < 2.0, took
+    # The attempt did not hang on the stopped node: one round costs at most its timeout
+    # (0.2 s); the bound leaves a wide margin for a busy machine.
+    assert took < 3.0, took
 
 
 def test_two_of_five_nodes_stopped_still_acquires(
