@@ -134,6 +134,8 @@ class QuorumAcquire:
     """What a round of acquire replies adds up to."""
 
     granted: list[int] = field(default_factory=list)
+    #: The token each granting node handed out, in the order of ``granted``.
+    tokens: list[int] = field(default_factory=list)
     token: int = 0
     hold_count: int = 0
     #: Nodes whose reply never came or failed (the grant may have landed there).
@@ -151,6 +153,15 @@ class QuorumAcquire:
         """Whether a majority granted it."""
         return len(self.granted) >= quorum
 
+    def needs_write_back(self, quorum: int) -> bool:
+        """Whether the token must still be written back to a majority of the counters.
+
+        Each granting node handed out its counter's new value, so when a majority of them
+        handed out the same (highest) token, a majority of counters already holds it (the
+        usual case: counters move together); otherwise the write-back makes it so.
+        """
+        return self.tokens.count(self.token) < quorum
+
 
 def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply]) -> QuorumAcquire:
     outcome = QuorumAcquire()
@@ -162,6 +173,7 @@ def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply])
         reply = decode(raw)
         if reply.acquired:
             outcome.granted.append(i)
+            outcome.tokens.append(reply.token)
             outcome.token = max(outcome.token, reply.token)
             outcome.hold_count = max(outcome.hold_count, reply.hold_count)
         elif reply.finished:

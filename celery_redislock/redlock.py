@@ -484,7 +484,11 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
         except LockQuorumError:
             self._undo(owner, tally_acquire(round_.replies, decode_acquire), fresh, round_)
             raise
-        if acquired and (fresh or outcome.hold_count == 1):
+        if (
+            acquired
+            and (fresh or outcome.hold_count == 1)
+            and outcome.needs_write_back(self.quorum)
+        ):
             acquired = self._write_back(outcome.token)
         if acquired and attempt_valid(sent_at, lease):
             hold, is_new = self._record_acquired(
@@ -793,7 +797,11 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
             except LockQuorumError:
                 self._undo(owner, fresh, sources)
                 raise
-            if acquired and (fresh or outcome.hold_count == 1):
+            if (
+                acquired
+                and (fresh or outcome.hold_count == 1)
+                and outcome.needs_write_back(self.quorum)
+            ):
                 acquired = await self._write_back(outcome.token)
         except asyncio.CancelledError:
             # Whatever reaches the nodes is given back, after it lands.

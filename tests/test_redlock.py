@@ -22,7 +22,8 @@ from celery_redislock import (
     RedisLock,
     RedLock,
 )
-from celery_redislock._quorum import NoReply, Round, release_code
+from celery_redislock._core import decode_acquire
+from celery_redislock._quorum import NoReply, QuorumAcquire, Round, release_code, tally_acquire
 from celery_redislock._scripts import scripts_for
 from celery_redislock.testing import RedisServer
 
@@ -491,3 +492,13 @@ def test_a_task_release_that_cannot_tell_does_not_keep_the_lock(
     other = RedLock([s.client() for s in servers], "job", owner="other", ttl=3, node_timeout=0.5)
     assert other.acquire(timeout=10)  # the lease ran out; nobody renewed it
     other.release()
+
+
+def test_the_write_back_is_skipped_only_when_a_majority_already_has_the_token() -> None:
+    def tally(*tokens: int) -> QuorumAcquire:
+        return tally_acquire([[1, t, 1] for t in tokens], decode_acquire)
+
+    assert not tally(7, 7, 7).needs_write_back(2)  # counters in step: no extra round
+    assert not tally(7, 7, 5).needs_write_back(2)
+    assert tally(7, 6, 5).needs_write_back(2)  # only one counter has 7
+    assert tally(9, 7).needs_write_back(2)
