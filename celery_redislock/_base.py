@@ -39,6 +39,8 @@ from ._scripts import is_cluster
 log = logging.getLogger("celery_redislock")
 
 LostCallback = Callable[[Any, LockLostError], object]
+L = TypeVar("L", bound="SyncContext")
+A = TypeVar("A", bound="AsyncContext")
 F = TypeVar("F", bound=LostCallback)
 Signal = TypeVar("Signal", bound=LossSignal)
 
@@ -304,6 +306,12 @@ class LockBase(Generic[Signal]):
     def _unschedule(self, hold: Hold) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Stop renewing this lock's holds here (this process, or this event loop for the
+        asyncio locks); they expire after their lease."""
+        for hold in list(self._holds.values()):
+            self._unschedule(hold)
+
     def _timeout_error(self, timeout: float | None) -> LockTimeoutError:
         return LockTimeoutError(
             f"lock {self.name!r} not acquired within {timeout}s: another owner holds it "
@@ -395,3 +403,51 @@ def validate_replicas(
             f"replication could not be checked (use min_replicas=0 on a cluster)"
         )
     return min_replicas, timeout_ms / 1000.0
+
+
+class SyncContext:
+    """``with lock:`` for the blocking locks: acquire per the lock's defaults, release."""
+
+    blocking: bool
+    timeout: float | None
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def _timeout_error(self, timeout: float | None) -> LockTimeoutError:
+        raise NotImplementedError
+
+    def __enter__(self: L) -> L:
+        if not self.acquire(self.blocking, self.timeout):
+            raise self._timeout_error(self.timeout if self.blocking else None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class AsyncContext:
+    """``async with lock:`` for the asyncio locks."""
+
+    blocking: bool
+    timeout: float | None
+
+    async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+    async def release(self) -> None:
+        raise NotImplementedError
+
+    def _timeout_error(self, timeout: float | None) -> LockTimeoutError:
+        raise NotImplementedError
+
+    async def __aenter__(self: A) -> A:
+        if not await self.acquire(self.blocking, self.timeout):
+            raise self._timeout_error(self.timeout if self.blocking else None)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()

@@ -107,10 +107,27 @@ class _Channel:
 class _WaiterState:
     """How a waiter is woken: ``kick`` (retry now) or ``nudge`` (retry by a time)."""
 
-    __slots__ = ("event", "kicked", "recheck_at")
-    event: Any
-    kicked: bool
-    recheck_at: float | None
+    __slots__ = (
+        "_channel",
+        "_name",
+        "_relocate",
+        "_subscriber",
+        "event",
+        "kicked",
+        "owner",
+        "recheck_at",
+    )
+    _channel: Any
+
+    def __init__(self, subscriber: Any, name: bytes, owner: str, relocate: Any, event: Any) -> None:
+        self._subscriber = subscriber
+        self._name = name
+        self._channel = None
+        self._relocate = relocate
+        self.event = event
+        self.owner = owner.encode()
+        self.kicked = False
+        self.recheck_at: float | None = None
 
     def kick(self) -> None:
         self.kicked = True
@@ -144,13 +161,7 @@ class _WaiterState:
 class Waiter(_WaiterState):
     """One blocked acquire's registration; use as a context manager around the retry loop."""
 
-    __slots__ = (
-        "_channel",
-        "_name",
-        "_relocate",
-        "_subscriber",
-        "owner",
-    )
+    __slots__ = ()
 
     def __init__(
         self,
@@ -159,14 +170,7 @@ class Waiter(_WaiterState):
         owner: str,
         relocate: Callable[[], Subscriber] | None = None,
     ) -> None:
-        self._subscriber = subscriber
-        self._name = name
-        self._channel: _Channel | None = None
-        self._relocate = relocate
-        self.event = threading.Event()
-        self.owner = owner.encode()
-        self.kicked = False
-        self.recheck_at: float | None = None
+        super().__init__(subscriber, name, owner, relocate, threading.Event())
 
     def __enter__(self) -> Waiter:
         self._channel = self._subscriber._register(self._name, self)
@@ -456,13 +460,7 @@ class _AsyncChannel(_Channel):
 class AsyncWaiter(_WaiterState):
     """The asyncio twin of :class:`Waiter` (``async with``)."""
 
-    __slots__ = (
-        "_channel",
-        "_name",
-        "_relocate",
-        "_subscriber",
-        "owner",
-    )
+    __slots__ = ()
 
     def __init__(
         self,
@@ -471,14 +469,7 @@ class AsyncWaiter(_WaiterState):
         owner: str,
         relocate: Callable[[], AsyncSubscriber] | None = None,
     ) -> None:
-        self._subscriber = subscriber
-        self._name = name
-        self._channel: _AsyncChannel | None = None
-        self._relocate = relocate
-        self.event = asyncio.Event()
-        self.owner = owner.encode()
-        self.kicked = False
-        self.recheck_at: float | None = None
+        super().__init__(subscriber, name, owner, relocate, asyncio.Event())
 
     async def __aenter__(self) -> AsyncWaiter:
         try:

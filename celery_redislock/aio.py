@@ -26,7 +26,7 @@ from typing import Any, Awaitable, TypeVar
 
 from redis.exceptions import NoScriptError, RedisError
 
-from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase
+from ._base import DEFAULT_REPLICA_TIMEOUT, AsyncContext, LockBase
 from ._core import (
     DEFAULT_PREFIX,
     AsyncLeaseLost,
@@ -91,6 +91,15 @@ async def _to_completion(awaitable: Awaitable[T]) -> tuple[asyncio.Future[T], Ba
     return future, cancelled
 
 
+async def to_completion(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile, then
+    re-raise that cancellation (or return its result)."""
+    future, cancelled = await _to_completion(awaitable)
+    if cancelled is not None:
+        raise cancelled
+    return future.result()
+
+
 async def aclose_background(client: Any) -> None:
     """Stop this event loop's subscriber and watchdog tasks for ``client``.
 
@@ -105,7 +114,7 @@ async def aclose_background(client: Any) -> None:
         await scheduler.aclose()
 
 
-class AsyncRedisLock(LockBase[AsyncLeaseLost]):
+class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
     """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
 
     See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
@@ -256,10 +265,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         """Give back one hold of the calling owner. See :meth:`RedisLock.release`."""
         owner = self._current_owner()
         self._check_not_inherited(owner)
-        future, cancelled = await _to_completion(self._release(owner))
-        if cancelled is not None:
-            raise cancelled
-        future.result()
+        await to_completion(self._release(owner))
 
     async def _release(self, owner: str) -> None:
         hold = self._holds.get(owner)
@@ -304,11 +310,6 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
             return None
         return float("inf") if pttl == -1 else pttl / 1000.0
 
-    def close(self) -> None:
-        """Stop renewing this lock's holds in this loop (they expire after their lease)."""
-        for hold in list(self._holds.values()):
-            self._unschedule(hold)
-
     @staticmethod
     async def force_release(
         client: Any, name: str | bytes, *, prefix: str = DEFAULT_PREFIX
@@ -317,11 +318,3 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost]):
         keys = LockKeys.for_name(name, validate_prefix(prefix))
         code = await scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
         return int(code) == 0
-
-    async def __aenter__(self) -> AsyncRedisLock:
-        if not await self.acquire(self.blocking, self.timeout):
-            raise self._timeout_error(self.timeout if self.blocking else None)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()

@@ -20,12 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from types import TracebackType
 from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
-from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase
+from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase, SyncContext
 from ._core import (
     DEFAULT_PREFIX,
     Hold,
@@ -46,7 +45,7 @@ from ._waiting import waiter_for
 log = logging.getLogger(__name__)
 
 
-class RedisLock(LockBase[LeaseLost]):
+class RedisLock(LockBase[LeaseLost], SyncContext):
     """A reentrant, owner-checked, fenced lock on one Redis server.
 
     Args:
@@ -282,11 +281,6 @@ class RedisLock(LockBase[LeaseLost]):
             return None
         return float("inf") if pttl == -1 else pttl / 1000.0
 
-    def close(self) -> None:
-        """Stop renewing this lock's holds in this process (they expire after their lease)."""
-        for hold in list(self._holds.values()):
-            self._unschedule(hold)
-
     @staticmethod
     def force_release(client: Any, name: str | bytes, *, prefix: str = DEFAULT_PREFIX) -> bool:
         """Operator's tool: delete the lock whoever holds it and wake its waiters.
@@ -297,18 +291,3 @@ class RedisLock(LockBase[LeaseLost]):
         keys = LockKeys.for_name(name, validate_prefix(prefix))
         code = scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
         return int(code) == 0
-
-    # -- context manager -------------------------------------------------------
-
-    def __enter__(self) -> RedisLock:
-        if not self.acquire(self.blocking, self.timeout):
-            raise self._timeout_error(self.timeout if self.blocking else None)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()

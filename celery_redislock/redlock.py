@@ -22,14 +22,13 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ._base import LockBase
+from ._base import AsyncContext, LockBase, SyncContext
 from ._core import (
     DEFAULT_PREFIX,
     AsyncLeaseLost,
@@ -70,7 +69,7 @@ from ._quorum import (
 from ._renewal import async_scheduler_for, scheduler_for
 from ._scripts import scripts_for
 from ._waiting import UNCONFIRMED_POLL, async_subscriber_for, subscriber_for
-from .aio import _to_completion, task_owner
+from .aio import task_owner, to_completion
 
 T = TypeVar("T")
 
@@ -345,47 +344,42 @@ def _node_failures_as_round(futures: Sequence[Any], labels: Sequence[str]) -> Ro
     return Round(replies, labels, list(futures))
 
 
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _executor_mutex = threading.Lock()
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _executor
+def _threads(kind: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
     with _executor_mutex:
-        if _executor is None:
-            _executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=32, thread_name_prefix="redislock-quorum"
+        found = _executors.get(kind)
+        if found is None:
+            found = _executors[kind] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix=f"redislock-quorum-{kind}"
             )
-        return _executor
+        return found
 
 
-_subscribers_executor: concurrent.futures.ThreadPoolExecutor | None = None
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The rounds' requests, one per node."""
+    return _threads("round", 32)
 
 
 def _subscriptions() -> concurrent.futures.ThreadPoolExecutor:
     """Threads that subscribe waiters to each node, apart from the rounds' pool: a
     subscription to a stalled node may block (connecting under its subscriber's lock)
     until the node answers, and must not take a worker the rounds need."""
-    global _subscribers_executor
-    with _executor_mutex:
-        if _subscribers_executor is None:
-            _subscribers_executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=8, thread_name_prefix="redislock-quorum-subscribe"
-            )
-        return _subscribers_executor
+    return _threads("subscribe", 8)
 
 
 def _after_fork_in_child() -> None:
-    global _executor, _executor_mutex, _subscribers_executor
-    _executor = None
-    _subscribers_executor = None
+    global _executor_mutex
+    _executors.clear()
     _executor_mutex = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class RedLock(_QuorumBase, LockBase[LeaseLost]):
+class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
     """A reentrant, owner-checked, fenced lock over N independent Redis masters.
 
     Args:
@@ -590,11 +584,6 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
         """Seconds until fewer than a majority of the nodes hold the lock (None: not locked)."""
         return _remaining(self._pttls(), self.quorum)
 
-    def close(self) -> None:
-        """Stop renewing this lock's holds in this process (they expire after their lease)."""
-        for hold in list(self._holds.values()):
-            self._unschedule(hold)
-
     @staticmethod
     def force_release(
         clients: Sequence[Any], name: str | bytes, *, prefix: str = DEFAULT_PREFIX
@@ -611,21 +600,6 @@ class RedLock(_QuorumBase, LockBase[LeaseLost]):
                 )
                 deleted |= int(scripts_for(node).release(keys=keys, args=["", "force"])) == 0
         return deleted
-
-    # -- context manager -------------------------------------------------------
-
-    def __enter__(self) -> RedLock:
-        if not self.acquire(self.blocking, self.timeout):
-            raise self._timeout_error(self.timeout if self.blocking else None)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
 
 
 def _remaining(round_: Round, quorum: int) -> float | None:
@@ -702,7 +676,7 @@ class _MultiWaiter:
 # ----------------------------------------------------------------------------- asyncio
 
 
-class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
+class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
     """The asyncio twin of :class:`RedLock` over ``redis.asyncio`` clients (or URLs).
 
     Same arguments and rules; owners are asyncio tasks as for :class:`AsyncRedisLock`.
@@ -857,10 +831,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         release still completes (and is recorded) before the cancellation goes on."""
         owner = self._current_owner()
         self._check_not_inherited(owner)
-        future, cancelled = await _to_completion(self._release(owner))
-        if cancelled is not None:
-            raise cancelled
-        future.result()
+        await to_completion(self._release(owner))
 
     async def _release(self, owner: str) -> None:
         hold = self._holds.get(owner)
@@ -925,23 +896,10 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost]):
         """Seconds until fewer than a majority of the nodes hold the lock (None: not locked)."""
         return _remaining(await self._pttls(), self.quorum)
 
-    def close(self) -> None:
-        """Stop renewing this lock's holds in this loop (they expire after their lease)."""
-        for hold in list(self._holds.values()):
-            self._unschedule(hold)
-
     async def aclose(self) -> None:
         """Close this lock's private per-node connections."""
         for client in self._fast:
             await client.aclose()
-
-    async def __aenter__(self) -> AsyncRedLock:
-        if not await self.acquire(self.blocking, self.timeout):
-            raise self._timeout_error(self.timeout if self.blocking else None)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
 
 
 _background_tasks: set[asyncio.Future[Any]] = set()
