@@ -75,8 +75,10 @@ import functools
 import logging
 import os
 import random
+import secrets
 import threading
 import time
+import uuid
 import weakref
 from typing import Any, ClassVar, NamedTuple
 
@@ -143,11 +145,13 @@ class TaskLock(RedisLock):
         """Give back the hold count this acquire added in Redis; the local hold stays."""
         self._scripts.release(keys=self.keys.release_keys(), args=[self.owner])
 
-    def park(self, message: str, keep_for: float) -> bool | int:
+    def park(self, message: str, keep_for: float, *, behind: bool = False) -> bool | int | None:
         """Take the lock, or park ``message`` behind the holder: True, or the holder's pttl.
 
-        The lock is also entered in the registry the workers' sweeper scans (same round
-        trip, pipelined).
+        With ``behind``, park only behind another owner's hold and never take the lock:
+        None when it is free or this task id holds it (the worker's main process parking
+        before a pool process gets the task). The lock is also entered in the registry the
+        workers' sweeper scans (same round trip, pipelined).
         """
         owner = self._current_owner()
         sent_at = time.monotonic()
@@ -160,10 +164,15 @@ class TaskLock(RedisLock):
             self.dispatched,
         ]
         args = [owner, self._lease, message, lease_ms(keep_for, "parking lifetime")]
+        if behind:
+            args.append("behind")
         pipe = self.client.pipeline(transaction=False)
         self._scripts.park(keys=keys, args=args, client=pipe)
         pipe.zadd(self.prefix + "parked", {self.keys.lock: time.time()})
-        reply = decode_acquire(pipe.execute()[0])
+        raw = pipe.execute()[0]
+        if int(raw[0]) == 2:
+            return None
+        reply = decode_acquire(raw)
         if reply.finished:
             raise OwnerFinished(self.name)
         if not reply.acquired:
@@ -207,7 +216,7 @@ class TaskLock(RedisLock):
                 handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl)
                 reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
                 code = int(reply[0])
-                message = _text(reply[1]) if len(reply) > 1 else None
+                message = _text(reply[1]) if len(reply) > 1 and reply[1] is not None else None
             else:
                 keys = self.keys.release_keys()
                 args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold")]
@@ -390,6 +399,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
     abstract = True
     Request = "celery_redislock.task:LockedRequest"
+    Strategy = "celery_redislock.parking:strategy"
 
     lock_key: ClassVar[Any] = None
     lock_key_hash: ClassVar[bool] = False
@@ -847,7 +857,8 @@ class LockedRequest(Request):  # type: ignore[misc]
                 keys, args = lock.handoff_args(self.id, "all", None)
                 reply = scripts_for(lock.client).handoff(keys=keys, args=args)
                 code = int(reply[0])
-                task.publish_handed_over(_text(reply[1]) if len(reply) > 1 else None)
+                handed = reply[1] if len(reply) > 1 else None
+                task.publish_handed_over(None if handed is None else _text(handed))
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
@@ -946,12 +957,37 @@ class Sweeper(threading.Thread):
                         lock_key,
                         _text(reply[2]),
                     )
-                    publish_to_handoff_queue(self.app, _text(reply[1]))
+                    deliver_parked(self.app, client, _text(reply[1]))
                     published += 1
         return published
 
 
 _sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()
+
+
+#: First character of a parked broker envelope (a parked signature is JSON: "{...").
+ENVELOPE = "E"
+
+
+def envelope_entry(queue_list: str, envelope: dict[str, Any]) -> str:
+    """A parked broker envelope: ``E<queue list>\\n<tag placeholder>\\n<envelope JSON>``.
+
+    The envelope is the broker's own message (Redis transport), with a placeholder for
+    its delivery tag: whoever hands the lock over pushes it back to the head of
+    ``queue_list`` with a new tag (``handoff.lua``, or :func:`deliver_parked`).
+    """
+    placeholder = "rltag" + secrets.token_hex(8)  # letters and digits: a plain Lua pattern
+    envelope["properties"]["delivery_tag"] = placeholder
+    return f"{ENVELOPE}{queue_list}\n{placeholder}\n{_dumps(envelope)}"
+
+
+def deliver_parked(app: Any, client: Any, message: str) -> None:
+    """Send a parked task the lock was handed to on its way (the sweeper's path)."""
+    if message.startswith(ENVELOPE):
+        queue_list, placeholder, envelope = message[1:].split("\n", 2)
+        client.rpush(queue_list, envelope.replace(placeholder, uuid.uuid4().hex, 1))
+    else:
+        publish_to_handoff_queue(app, message)
 
 
 def publish_to_handoff_queue(app: Any, message: str) -> None:

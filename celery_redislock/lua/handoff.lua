@@ -15,6 +15,8 @@
 -- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it)
 --          {0}                     released; nobody parked: waiters notified
 --          {0, message, task id}   released and handed over: publish message now
+--          {0, nil, task id}       released and handed over to a parked broker envelope: it is
+--                                  back at the head of its queue list already (see park.lua)
 local exists = redis.call('exists', KEYS[1]) == 1
 if exists and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
   return {-2}
@@ -54,6 +56,14 @@ if next_id then
   -- hold count 0: handed over, not yet started; the task's own acquire makes it 1
   redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
   redis.call('pexpire', KEYS[1], ARGV[3])
+  if string.sub(message, 1, 1) == 'E' then  -- "E<list>\n<tag placeholder>\n<envelope>"
+    local first = string.find(message, '\n', 1, true)
+    local second = string.find(message, '\n', first + 1, true)
+    local placeholder = string.sub(message, first + 1, second - 1)  -- letters and digits only
+    local envelope = string.gsub(string.sub(message, second + 1), placeholder, next_id .. '.' .. token, 1)
+    redis.call('rpush', string.sub(message, 2, first - 1), envelope)  -- next for BRPOP
+    return {code, false, next_id}
+  end
   return {code, message, next_id}
 end
 -- Nobody parked: hand the lock to the first blocked waiter still in line, or wake waiters.

@@ -11,15 +11,24 @@
 -- ARGV[2]  lease in milliseconds (a positive integer)
 -- ARGV[3]  the task's message, to publish again when the lock is handed to it
 -- ARGV[4]  lifetime of the parked structures in milliseconds
+-- ARGV[5]  optional: "behind" parks only behind another owner's hold and never takes the lock
+--          (the worker's main process, before a pool process gets the task)
+-- The message is a Celery signature (JSON, published again by whoever hands the lock over)
+-- or a broker envelope ("E<list>\n<tag placeholder>\n<envelope>", pushed back to the head
+-- of its queue list by handoff.lua itself).
 -- returns  {1, token, hold_count}  taken (or re-entered: hold_count > 1)
 --          {0, pttl}               parked (or already parked) behind the holder
 --          {-1, 0}                 this task id already finished
+--          {2, 0}                  "behind": the lock is free, or this task id holds it
 local lease = tonumber(ARGV[2])
 if not lease or lease <= 0 then
   return redis.error_reply('ERR redislock: lease must be a positive number of milliseconds')
 end
 if redis.call('exists', KEYS[3]) == 1 then
   return {-1, 0}
+end
+if ARGV[5] == 'behind' and (redis.call('exists', KEYS[1]) == 0 or redis.call('hexists', KEYS[1], ARGV[1]) == 1) then
+  return {2, 0}
 end
 if redis.call('exists', KEYS[1]) == 0 then
   local token = redis.call('incr', KEYS[2])

@@ -1,0 +1,167 @@
+"""Parking at delivery: the worker's main process parks a contended task before a pool
+process ever gets it.
+
+``LockedTask.Strategy`` wraps Celery's default task strategy (the function the worker's
+consumer calls for every message of a task type). For a message whose lock another task
+holds, it parks the broker's own message (the *envelope*) behind the holder and acks it:
+no pool process is taken, no publish is made. The holder's release (``handoff.lua``)
+hands the lock to the first parked task and pushes its envelope back to the head of its
+queue list in the same atomic step, so the next fetch of any worker takes it at once.
+
+It applies only where it is exact: a Redis broker on the same server and database as the
+locks (checked once, by ``run_id``), messages of task protocol 2 without ``eta`` or
+``expires``, ``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
+``redislock_urls``), and no parked-task fallback copies. Everything else (and any error
+here) goes the usual way: the pool process takes the lock, or parks the task itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import redis
+from celery.worker.strategy import default as default_strategy
+
+from . import signals
+from ._core import OwnerFinished
+from .task import (
+    REQUEUE_HEADER,
+    LockedTask,
+    TaskLock,
+    _park_fallback,
+    client_for,
+    envelope_entry,
+    settings_for,
+)
+
+log = logging.getLogger(__name__)
+
+
+def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    """Celery's default strategy, with contended messages parked before dispatch."""
+    handler = default_strategy(task, app, consumer, **kwargs)
+    parker = Parker.for_consumer(task, app, consumer)
+    if parker is None:
+        return handler
+    errors = consumer.connection_errors
+
+    def task_message_handler(
+        message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any
+    ) -> Any:
+        if parker.park(message):
+            ack(log, errors)  # as Request.acknowledge does
+            return None
+        return handler(message, body, ack, reject, callbacks, **kw)
+
+    return task_message_handler
+
+
+class Parker:
+    """Parks one task type's contended messages in the worker's main process."""
+
+    def __init__(self, task: Any, app: Any, revoked: Any) -> None:
+        self.task = task
+        self.app = app
+        self.revoked = revoked
+        self.queues: dict[tuple[str, str], list[str]] = {}
+
+    @classmethod
+    def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
+        if not isinstance(task, LockedTask):
+            return None
+        try:
+            settings = settings_for(app)
+            if settings.urls or _park_fallback(app) or not _same_redis(app, consumer):
+                return None
+        except Exception:
+            log.debug("redislock: parking at delivery is off for %s", task.name, exc_info=True)
+            return None
+        return cls(task, app, consumer.controller.state.revoked)
+
+    def park(self, message: Any) -> bool:
+        """True if the message was parked (the caller acks it); False: deliver it."""
+        try:
+            return self._park(message)
+        except Exception:  # the pool process takes the usual way
+            log.debug("redislock: could not park at delivery", exc_info=True)
+            return False
+
+    def _park(self, message: Any) -> bool:
+        headers = message.headers or {}
+        raw = getattr(message, "_raw", None)
+        task_id = headers.get("id")
+        if (
+            not isinstance(raw, dict)
+            or "task" not in headers  # task protocol 1
+            or headers.get("eta")
+            or headers.get("expires")
+            or not task_id
+            or task_id in self.revoked
+        ):
+            return False
+        task = self.task
+        options = task.lock_options()
+        count = int(headers.get(REQUEUE_HEADER) or 0)
+        if options.on_contention != "requeue" or count >= options.max_requeues:
+            return False
+        args, kwargs, _embed = message.decode()
+        name = task.lock_name(args, kwargs)  # a bad value: the pool process fails the task
+        channel = message.channel
+        info = raw["properties"]["delivery_info"]
+        queues = self._queues_for(channel, info.get("exchange") or "", info["routing_key"])
+        if len(queues) != 1:
+            return False
+        envelope = copy.deepcopy(raw)
+        envelope["headers"][REQUEUE_HEADER] = count + 1
+        priority = channel._get_message_priority(envelope, reverse=False)
+        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], priority)
+        if "\n" in queue_list:
+            return False
+        lock = TaskLock(client_for(self.app), name, task_id=task_id, options=options)
+        keep_for = max(options.done_ttl, task._fallback_delay(options) * 4 + options.ttl)
+        try:
+            outcome = lock.park(envelope_entry(queue_list, envelope), keep_for, behind=True)
+        except OwnerFinished:
+            return False  # the pool process logs the duplicate and ignores it
+        if outcome is None or outcome is True:
+            return False
+        lock._contended(task_id)
+        signals.task_parked.send(task, name=name, task_id=task_id)
+        log.info(
+            "redislock: %s[%s] parked behind the holder of %r (%d) before dispatch",
+            task.name,
+            task_id,
+            name,
+            count + 1,
+        )
+        return True
+
+    def _queues_for(self, channel: Any, exchange: str, routing_key: str) -> list[str]:
+        found = self.queues.get((exchange, routing_key))
+        if found is None:
+            found = self.queues[(exchange, routing_key)] = list(
+                channel._lookup(exchange, routing_key)
+            )
+        return found
+
+
+def _same_redis(app: Any, consumer: Any) -> bool:
+    """Whether the broker is a Redis on the same server and database as the locks."""
+    connection = consumer.connection
+    if connection is None or connection.transport.driver_type != "redis":
+        return False
+    uri = connection.as_uri(include_password=True)
+    if not uri.startswith(("redis://", "rediss://", "unix://")):
+        return False
+    broker = redis.Redis.from_url(uri, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        locks = client_for(app)
+        same_db = broker.connection_pool.connection_kwargs.get(
+            "db", 0
+        ) == locks.connection_pool.connection_kwargs.get("db", 0)
+        run_ids = (broker.info("server")["run_id"], locks.info("server")["run_id"])
+    finally:
+        broker.close()
+    return bool(same_db and run_ids[0] == run_ids[1])

@@ -1,0 +1,168 @@
+"""Parking at delivery: the worker's main process parks a contended task's broker envelope,
+and the holder's release pushes it back to the head of its queue (Redis broker)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import redis
+
+from celery_redislock import RedisLock
+from celery_redislock._scripts import scripts_for
+from celery_redislock.parking import Parker, _same_redis
+from celery_redislock.task import Sweeper, TaskLock
+from celery_redislock.testing import RedisServer
+
+from . import celery_app as ca
+from ._celery import wait_until, worker
+
+PARKED = "redislock:{job:%s}:parked"
+
+
+def _release_as(r: redis.Redis, name: str, owner: str) -> list[Any]:
+    """The holder's release (what a finishing task runs): hand over to the first parked."""
+    lock = TaskLock(r, f"job:{name}", task_id=owner, options=ca.hold_for.lock_options())
+    keys, args = lock.handoff_args(owner, "one", None)
+    return list(scripts_for(r).handoff(keys=keys, args=args))
+
+
+def _fetch(queue: str, timeout: float = 5.0) -> Any:
+    with ca.app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(queue)
+        try:
+            message = simple.get(timeout=timeout)
+            message.ack()
+            return message
+        finally:
+            simple.close()
+
+
+def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
+    broker: RedisServer,
+) -> None:
+    r = broker.client()
+    queue = "parking-envelope"
+    RedisLock(r, "job:env", ttl=60, owner="holder", auto_renew=False).acquire()
+    sent = [ca.hold_for.apply_async(("env", 0.01), queue=queue) for _ in range(3)]
+    other = ca.hold_for.apply_async(("free", 0.01), queue=queue)  # its lock is free
+    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    with ca.app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(queue)
+        try:
+            for result in sent:
+                message = simple.get(timeout=5)
+                assert message.headers["id"] == result.id
+                assert parker.park(message) is True  # parked: the worker acks it
+                message.ack()
+            message = simple.get(timeout=5)
+            assert message.headers["id"] == other.id
+            assert parker.park(message) is False  # free: delivered as usual
+            message.ack()
+        finally:
+            simple.close()
+    parked = [p.decode() for p in r.lrange(PARKED % "env", 0, -1)]
+    assert parked == [result.id for result in sent]  # first come, first served
+    entries = r.hgetall(PARKED % "env" + ":messages")
+    assert all(entry.startswith(b"E" + queue.encode() + b"\n") for entry in entries.values())
+    assert r.llen(queue) == 0
+
+    # The holder's release hands the lock to the first and pushes its envelope back.
+    reply = _release_as(r, "env", "holder")
+    assert reply[0] == 0 and reply[1] is None and reply[2].decode() == sent[0].id
+    assert r.hget("redislock:{job:env}", sent[0].id) == b"0"  # handed over, not yet started
+    assert r.llen(queue) == 1
+    envelope = json.loads(r.lindex(queue, -1))
+    assert envelope["headers"]["id"] == sent[0].id
+    assert envelope["headers"]["redislock_requeues"] == 1
+    assert "rltag" not in envelope["properties"]["delivery_tag"]
+    # ...and a newer message published meanwhile does not overtake it.
+    later = ca.hold_for.apply_async(("later", 0.01), queue=queue)
+    first = _fetch(queue)
+    assert first.headers["id"] == sent[0].id
+    assert first.decode()[0] == ["env", 0.01]
+    assert _fetch(queue).headers["id"] == later.id
+
+
+def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
+    broker: RedisServer,
+) -> None:
+    r = broker.client()
+    queue = "parking-sweeper"
+    RedisLock(r, "job:swept", ttl=60, owner="holder", auto_renew=False).acquire()
+    sent = [ca.hold_for.apply_async(("swept", 0.01), queue=queue) for _ in range(2)]
+    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    for result in sent:
+        message = _fetch_unacked_and_park(parker, queue)
+        assert message.headers["id"] == result.id
+    sweeper = Sweeper(ca.app)
+    assert sweeper.sweep_once() == 0  # the holder is alive: nothing to do
+
+    _release_as(r, "swept", "holder")
+    assert r.delete(queue) == 1  # the handed-over message is lost on its way
+    stale = sweeper.ttl / 2
+    time.sleep(stale + 0.2)
+    assert sweeper.sweep_once() == 1  # ...so the sweeper sends it again
+    again = _fetch(queue)
+    assert again.headers["id"] == sent[0].id
+
+    # Its task never starts and its hand-over lease runs out: the next parked task is served.
+    r.delete("redislock:{job:swept}")
+    assert sweeper.sweep_once() == 1
+    assert _fetch(queue).headers["id"] == sent[1].id
+
+
+def _fetch_unacked_and_park(parker: Parker, queue: str) -> Any:
+    with ca.app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(queue)
+        try:
+            message = simple.get(timeout=5)
+            assert parker.park(message) is True
+            message.ack()
+            return message
+        finally:
+            simple.close()
+
+
+def test_a_worker_parks_contended_tasks_without_a_pool_process_and_runs_them_in_order(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    r = broker.client()
+    proc = worker(broker.url, tmp_path / "w.log")
+    try:
+        RedisLock(r, "job:line", ttl=60, owner="holder", auto_renew=False).acquire()
+        results = [ca.hold_for.delay("line", 0.01) for _ in range(5)]
+        wait_until(lambda: r.llen(PARKED % "line") == 5, timeout=30)
+        assert r.llen("started:line") == 0  # no pool process ran any of them
+        assert proc.text().count("before dispatch") == 5
+        assert _release_as(r, "line", "holder")[2].decode() == results[0].id
+        tokens = [result.get(timeout=60) for result in results]
+        started = [line.split()[0].decode() for line in r.lrange("started:line", 0, -1)]
+        assert started == [result.id for result in results]  # once each, in arrival order
+        assert tokens == sorted(tokens) and len(set(tokens)) == 5
+        wait_until(lambda: not r.exists("redislock:{job:line}"), timeout=10)
+    finally:
+        proc.stop()
+
+
+def test_parking_at_delivery_needs_the_locks_in_the_brokers_own_redis(
+    broker: RedisServer, redis_server_factory: Any
+) -> None:
+    consumer = SimpleNamespace(connection=ca.app.connection_for_read())
+    try:
+        assert _same_redis(ca.app, consumer)
+        other = redis_server_factory()
+        ca.app.conf.broker_url = other.url  # the same code on another server: no
+        consumer.connection.release()
+        consumer.connection = ca.app.connection_for_read()
+        assert not _same_redis(ca.app, consumer)
+        ca.app.conf.broker_url = broker.url.rsplit("/", 1)[0] + "/5"  # same server, other db
+        consumer.connection.release()
+        consumer.connection = ca.app.connection_for_read()
+        assert not _same_redis(ca.app, consumer)
+    finally:
+        consumer.connection.release()
+        ca.app.conf.broker_url = broker.url
