@@ -101,6 +101,8 @@ class Parker:
             or task_id in self.revoked
         ):
             return False
+        if str(message.delivery_tag).startswith(task_id + "."):
+            return False  # pushed back by a hand-over (handoff.lua's tag): the lock is its own
         task = self.task
         options = task.lock_options()
         count = int(headers.get(REQUEUE_HEADER) or 0)

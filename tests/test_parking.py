@@ -84,6 +84,7 @@ def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
     first = _fetch(queue)
     assert first.headers["id"] == sent[0].id
     assert first.decode()[0] == ["env", 0.01]
+    assert first.delivery_tag.startswith(sent[0].id + ".")  # "handed over": not checked again
     assert _fetch(queue).headers["id"] == later.id
 
 

@@ -61,6 +61,7 @@ if next_id then
     local second = string.find(message, '\n', first + 1, true)
     local placeholder = string.sub(message, first + 1, second - 1)  -- letters and digits only
     local envelope = string.gsub(string.sub(message, second + 1), placeholder, next_id .. '.' .. token, 1)
+    -- (the tag "<task id>.<token>" tells the worker's main process it was handed over)
     redis.call('rpush', string.sub(message, 2, first - 1), envelope)  -- next for BRPOP
     return {code, false, next_id}
   end
