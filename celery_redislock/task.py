@@ -800,12 +800,8 @@ def _finish_quietly(
     done: bool = True,
 ) -> None:
     """Release (handing over to a parked task) and publish the hand-over; never raises
-    LockNotOwnedError (the caller reports a lost lease itself)."""
-    try:
-        stats_client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
-        metrics.flush_to_redis(stats_client, options.prefix)
-    except Exception:  # stats are best effort; the lock is not
-        log.debug("redislock: could not flush stats", exc_info=True)
+    LockNotOwnedError (the caller reports a lost lease itself). Stats are flushed after
+    the release, off the next task's critical path."""
     keep = options.hold if hold is None else hold
     try:
         task.publish_handed_over(
@@ -816,6 +812,12 @@ def _finish_quietly(
         log.warning(
             "redislock: %s[%s] could not release %r: %s", task.name, task.request.id, lock.name, exc
         )
+    finally:
+        try:
+            stats_client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
+            metrics.flush_to_redis(stats_client, options.prefix)
+        except Exception:  # stats are best effort; the lock is not
+            log.debug("redislock: could not flush stats", exc_info=True)
 
 
 # ------------------------------------------------------------------ the worker's main process
