@@ -77,6 +77,8 @@ class LockBase(Generic[Signal]):
         self.name = name
         self.prefix = validate_prefix(prefix)
         self.keys = LockKeys.for_name(name, self.prefix)
+        #: KEYS of release.lua, built once (the hot path passes them as they are).
+        self._release_keys = tuple(self.keys.release_keys())
         self.ttl = ttl
         self._lease = lease_ms(ttl, "ttl")
         self.owner = validate_owner(owner)

@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from ._errors import LockConfigurationError, LockLostError
 
@@ -185,8 +185,9 @@ os.register_at_fork(after_in_child=_reset_process_id)
 # --------------------------------------------------------------------- replies
 
 
-@dataclass(frozen=True)
-class AcquireReply:
+class AcquireReply(NamedTuple):
+    """acquire.lua's reply, decoded (a named tuple: built once per attempt, on the hot path)."""
+
     acquired: bool
     token: int = 0
     hold_count: int = 0

@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import weakref
 from importlib import resources
-from typing import Any
+from typing import Any, Sequence
+
+from redis.exceptions import NoScriptError
 
 SCRIPT_NAMES = ("acquire", "release", "renew", "fence", "park", "handoff", "sweep")
 
@@ -55,6 +57,29 @@ class Scripts:
         self.park = client.register_script(text("park"))
         self.handoff = client.register_script(text("handoff"))
         self.sweep = client.register_script(text("sweep"))
+
+
+def run(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """Run a registered script on ``client`` (sync) in one round trip: EVALSHA, and on
+    NOSCRIPT (a restarted or flushed server) SCRIPT LOAD and EVALSHA again.
+
+    What ``script(keys=..., args=...)`` does, without its per-call work (argument
+    tuples rebuilt, a pipeline check, two wrapper layers): the lock's hot path calls it.
+    """
+    try:
+        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        client.script_load(script.script)
+        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+async def run_async(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """:func:`run` for ``redis.asyncio`` clients."""
+    try:
+        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        await client.script_load(script.script)
+        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()

@@ -42,7 +42,7 @@ from ._core import (
     wait_bound,
 )
 from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
-from ._scripts import scripts_for
+from ._scripts import run_async, scripts_for
 from ._waiting import async_subscribers_of, async_waiter_for
 
 T = TypeVar("T")
@@ -205,7 +205,8 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         if self.min_replicas:
             call = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
         else:
-            call = self._plain(self._scripts.acquire(keys=self._acquire_keys(), args=argv))
+            keys = self._acquire_keys()
+            call = self._plain(run_async(self.client, self._scripts.acquire, keys, argv))
         future, cancelled = await _to_completion(call)
         if cancelled is not None and future.exception() is not None:
             raise cancelled
@@ -272,7 +273,9 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         if hold is not None:
             hold.releasing += 1
         try:
-            code = int(await self._scripts.release(keys=self.keys.release_keys(), args=[owner]))
+            code = int(
+                await run_async(self.client, self._scripts.release, self._release_keys, [owner])
+            )
         finally:
             if hold is not None:
                 hold.releasing -= 1

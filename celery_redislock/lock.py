@@ -39,7 +39,7 @@ from ._core import (
     wait_bound,
 )
 from ._renewal import RenewalScheduler, require_replicas, scheduler_for
-from ._scripts import scripts_for
+from ._scripts import run, scripts_for
 from ._waiting import waiter_for
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         if self.min_replicas:
             raw, acks = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
         else:
-            raw = self._scripts.acquire(keys=self._acquire_keys(), args=argv)
+            raw = run(self.client, self._scripts.acquire, self._acquire_keys(), argv)
         reply = decode_acquire(raw)
         if not reply.acquired:
             if reply.finished:
@@ -240,7 +240,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         if hold is not None:
             hold.releasing += 1
         try:
-            code = int(self._scripts.release(keys=self.keys.release_keys(), args=[owner]))
+            code = int(run(self.client, self._scripts.release, self._release_keys, (owner,)))
         finally:
             if hold is not None:
                 hold.releasing -= 1

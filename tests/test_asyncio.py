@@ -62,6 +62,17 @@ async def test_acquire_reenter_release(aclient: aioredis.Redis) -> None:
     assert not await lock.locked() and lock.hold_count == 0
 
 
+async def test_a_flushed_script_cache_is_reloaded_by_acquire_and_release(
+    aclient: aioredis.Redis,
+) -> None:
+    lock = AsyncRedisLock(aclient, "job")
+    await aclient.script_flush()
+    assert await lock.acquire(blocking=False)
+    await aclient.script_flush()
+    await lock.release()
+    assert not await lock.locked()
+
+
 async def test_two_coroutines_on_one_thread_are_different_owners(aclient: aioredis.Redis) -> None:
     lock = AsyncRedisLock(aclient, "job")
 

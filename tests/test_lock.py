@@ -87,6 +87,33 @@ def test_release_when_not_locked_raises_and_changes_nothing(redis_client: redis.
     assert isinstance(info.value, RedisLockError)
 
 
+def test_release_reports_how_the_hold_ended_and_touches_nothing_else(
+    redis_client: redis.Redis,
+) -> None:
+    lock = RedisLock(redis_client, "job", auto_renew=False)
+    keys = lock.keys.release_keys()
+    release = scripts_for(redis_client).release
+    assert release(keys=keys, args=["nobody"]) == -1  # not locked
+    lock.acquire()
+    assert release(keys=keys, args=["nobody"]) == -2  # another owner holds it
+    assert release(keys=keys, args=["nobody", "all"]) == -2
+    assert release(keys=keys, args=["nobody", "hold", 5000]) == -2
+    assert lock.owned() and redis_client.pttl(lock.keys.lock) > 20_000
+    lock.release()
+    assert not lock.locked()
+
+
+def test_a_flushed_script_cache_is_reloaded_by_acquire_and_release(
+    redis_client: redis.Redis,
+) -> None:
+    lock = RedisLock(redis_client, "job")
+    redis_client.script_flush()
+    assert lock.acquire(blocking=False)
+    redis_client.script_flush()
+    lock.release()
+    assert not lock.locked()
+
+
 def test_explicit_owner_hands_a_hold_across_threads(redis_client: redis.Redis) -> None:
     lock = RedisLock(redis_client, "job", owner="task-42")
     lock.acquire()

@@ -27,14 +27,17 @@ if mode == 'leave' then
   if redis.call('hget', KEYS[1], ARGV[1]) ~= '0' then
     return -3
   end
-elseif redis.call('exists', KEYS[1]) == 0 then
-  return -1
-elseif mode ~= 'force' and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
-  return -2
-end
-if mode == 'one' then
-  local count = tonumber(redis.call('hget', KEYS[1], ARGV[1]))
-  if count > 1 then
+elseif mode == 'force' then
+  if redis.call('exists', KEYS[1]) == 0 then
+    return -1
+  end
+else
+  -- One HGET answers the usual case (the owner's count); the rarer ones need one more call.
+  local count = redis.call('hget', KEYS[1], ARGV[1])
+  if not count then
+    return redis.call('exists', KEYS[1]) == 0 and -1 or -2
+  end
+  if mode == 'one' and tonumber(count) > 1 then
     return redis.call('hincrby', KEYS[1], ARGV[1], -1)
   end
 end
@@ -51,22 +54,23 @@ if mode == 'hold' then
   return 0
 end
 redis.call('del', KEYS[1])
--- Hand the lock to the first waiter whose place is still kept.
-local t = redis.call('time')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-while true do
-  local head = redis.call('lpop', KEYS[4])
-  if not head then
-    break
-  end
-  local keep = tonumber(redis.call('zscore', KEYS[5], head) or '0')
-  redis.call('zrem', KEYS[5], head)
-  if keep >= now then
-    local token = redis.call('incr', KEYS[3])
-    redis.call('hset', KEYS[1], head, 0, '__fence__', token)  -- count 0: granted, not yet taken
-    redis.call('pexpire', KEYS[1], tonumber(ARGV[5] or '2000'))
-    redis.call('publish', KEYS[2], head)
-    return 0
+-- Hand the lock to the first waiter whose place is still kept (the clock is read only
+-- when someone is in line).
+local head = redis.call('lpop', KEYS[4])
+if head then
+  local t = redis.call('time')
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  while head do
+    local keep = tonumber(redis.call('zscore', KEYS[5], head) or '0')
+    redis.call('zrem', KEYS[5], head)
+    if keep >= now then
+      local token = redis.call('incr', KEYS[3])
+      redis.call('hset', KEYS[1], head, 0, '__fence__', token)  -- count 0: granted, not yet taken
+      redis.call('pexpire', KEYS[1], tonumber(ARGV[5] or '2000'))
+      redis.call('publish', KEYS[2], head)
+      return 0
+    end
+    head = redis.call('lpop', KEYS[4])
   end
 end
 redis.call('publish', KEYS[2], '1')
