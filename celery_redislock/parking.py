@@ -28,6 +28,7 @@ from . import signals
 from ._core import OwnerFinished
 from .task import (
     REQUEUE_HEADER,
+    TAG_PREFIX,
     LockedTask,
     TaskLock,
     _park_fallback,
@@ -101,8 +102,8 @@ class Parker:
             or task_id in self.revoked
         ):
             return False
-        if str(message.delivery_tag).startswith(task_id + "."):
-            return False  # pushed back by a hand-over (handoff.lua's tag): the lock is its own
+        if str(message.delivery_tag).startswith(TAG_PREFIX):
+            return False  # pushed back by a hand-over or the sweeper: the lock is its own
         task = self.task
         options = task.lock_options()
         count = int(headers.get(REQUEUE_HEADER) or 0)
@@ -113,12 +114,13 @@ class Parker:
         channel = message.channel
         info = raw["properties"]["delivery_info"]
         queues = self._queues_for(channel, info.get("exchange") or "", info["routing_key"])
-        if len(queues) != 1:
-            return False
+        if len(queues) != 1 or queues[0] not in getattr(channel, "_active_queues", ()):
+            return False  # several queues, or one this worker does not consume (dead letter)
         envelope = copy.deepcopy(raw)
         envelope["headers"][REQUEUE_HEADER] = count + 1
-        priority = channel._get_message_priority(envelope, reverse=False)
-        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], priority)
+        # Back to the queue's first-read list (priority 0) whatever the message's priority:
+        # once handed the lock, it must not wait behind a backlog while it holds it.
+        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], 0)
         if "\n" in queue_list:
             return False
         lock = TaskLock(client_for(self.app), name, task_id=task_id, options=options)

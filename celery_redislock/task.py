@@ -133,6 +133,7 @@ class TaskLock(RedisLock):
         self.parked = self.keys.lock + b":parked"
         self.parked_messages = self.keys.lock + b":parked:messages"
         self.dispatched = self.keys.lock + b":parked:dispatched"
+        self.registry = self.prefix + "parked"  # the sweeper's: locks with parked tasks
 
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
@@ -150,8 +151,8 @@ class TaskLock(RedisLock):
 
         With ``behind``, park only behind another owner's hold and never take the lock:
         None when it is free or this task id holds it (the worker's main process parking
-        before a pool process gets the task). The lock is also entered in the registry the
-        workers' sweeper scans (same round trip, pipelined).
+        before a pool process gets the task). A parked task's lock is also entered in
+        the registry the workers' sweeper scans, in the same script.
         """
         owner = self._current_owner()
         sent_at = time.monotonic()
@@ -162,14 +163,12 @@ class TaskLock(RedisLock):
             self.parked,
             self.parked_messages,
             self.dispatched,
+            self.registry,
         ]
         args = [owner, self._lease, message, lease_ms(keep_for, "parking lifetime")]
         if behind:
             args.append("behind")
-        pipe = self.client.pipeline(transaction=False)
-        self._scripts.park(keys=keys, args=args, client=pipe)
-        pipe.zadd(self.prefix + "parked", {self.keys.lock: time.time()})
-        raw = pipe.execute()[0]
+        raw = self._scripts.park(keys=keys, args=args)
         if int(raw[0]) == 2:
             return None
         reply = decode_acquire(raw)
@@ -845,7 +844,14 @@ class LockedRequest(Request):  # type: ignore[misc]
             if isinstance(exc, _CHILD_DIED):
                 self._release_for_dead_process(type(exc).__name__)
 
-    def _release_for_dead_process(self, why: str) -> None:
+    def _announce_revoked(self, reason: Any, terminated: Any, signum: Any, expired: Any) -> None:
+        super()._announce_revoked(reason, terminated, signum, expired)
+        if not terminated:  # dropped before it ran: give back a lock handed to it
+            self._release_for_dead_process("revoked" if not expired else "expired", "unstarted")
+
+    def _release_for_dead_process(self, why: str, mode: str = "all") -> None:
+        """Release every hold of this task id (``mode="unstarted"``: only a lock handed
+        to it that it never took up), handing over to the next parked task."""
         task = self.task
         if not isinstance(task, LockedTask):
             return
@@ -854,9 +860,12 @@ class LockedRequest(Request):  # type: ignore[misc]
             name = task.lock_name(self.args, self.kwargs)
             lock = task_lock(task.app, name, task_id=self.id, options=options)
             if isinstance(lock, QuorumTaskLock):
+                if mode != "all":
+                    return  # no hand-over on a quorum: nothing is handed to an unstarted task
                 code = lock.release_all()
             else:
-                keys, args = lock.handoff_args(self.id, "all", None)
+                done_ttl = options.done_ttl if mode == "unstarted" else None
+                keys, args = lock.handoff_args(self.id, mode, done_ttl)
                 reply = scripts_for(lock.client).handoff(keys=keys, args=args)
                 code = int(reply[0])
                 handed = reply[1] if len(reply) > 1 else None
@@ -868,10 +877,12 @@ class LockedRequest(Request):  # type: ignore[misc]
             return
         if int(code) == 0:
             log.warning(
-                "redislock: released %r held by %s[%s]: its worker process died (%s)",
+                "redislock: released %r %s %s[%s]: %s (%s)",
                 name,
+                "held by" if mode == "all" else "handed to",
                 task.name,
                 self.id,
+                "its worker process died" if mode == "all" else "it was dropped before it ran",
                 why,
             )
 
@@ -939,29 +950,34 @@ class Sweeper(threading.Thread):
             registry = prefix + "parked"
             members: list[bytes] = list(client.zrange(registry, 0, -1))  # type: ignore[arg-type]
             for lock_key in members:
-                keys = [
-                    lock_key,
-                    lock_key + b":released",
-                    lock_key + b":fence",
-                    lock_key + b":parked",
-                    lock_key + b":parked:messages",
-                    lock_key + b":parked:unused",
-                    lock_key + b":parked:dispatched",
-                ]
-                args = [lease_ms(self.ttl, "redislock_ttl"), lease_ms(self.ttl / 2, "stale")]
-                reply = scripts.sweep(keys=keys, args=args)
-                code = int(reply[0])
-                if code == -1:
-                    client.zrem(registry, lock_key)
-                elif code == 1 and reply[1] is not None:
-                    log.warning(
-                        "redislock: sweeper hands %r to parked task %s (holder or hand-over lost)",
-                        lock_key,
-                        _text(reply[2]),
-                    )
-                    deliver_parked(self.app, client, _text(reply[1]))
-                    published += 1
+                try:
+                    published += self._sweep_lock(client, scripts, registry, lock_key)
+                except Exception:  # one bad lock does not stop the pass
+                    log.exception("redislock: sweeping %r failed; retrying next pass", lock_key)
         return published
+
+    def _sweep_lock(self, client: Any, scripts: Any, registry: str, lock_key: bytes) -> int:
+        keys = [
+            lock_key,
+            lock_key + b":released",
+            lock_key + b":fence",
+            lock_key + b":parked",
+            lock_key + b":parked:messages",
+            lock_key + b":parked:unused",
+            lock_key + b":parked:dispatched",
+            registry,
+        ]
+        args = [lease_ms(self.ttl, "redislock_ttl"), lease_ms(self.ttl / 2, "stale")]
+        reply = scripts.sweep(keys=keys, args=args)
+        if int(reply[0]) != 1 or reply[1] is None:
+            return 0
+        log.warning(
+            "redislock: sweeper hands %r to parked task %s (holder or hand-over lost)",
+            lock_key,
+            _text(reply[2]),
+        )
+        deliver_parked(self.app, client, _text(reply[1]))
+        return 1
 
 
 _sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()
@@ -969,6 +985,9 @@ _sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()
 
 #: First character of a parked broker envelope (a parked signature is JSON: "{...").
 ENVELOPE = "E"
+#: Start of the delivery-tag placeholder of a parked envelope, and so of the delivery tag
+#: of every envelope a hand-over (or the sweeper) pushed back.
+TAG_PREFIX = "rltag"
 
 
 def envelope_entry(queue_list: str, envelope: dict[str, Any]) -> str:
@@ -978,7 +997,7 @@ def envelope_entry(queue_list: str, envelope: dict[str, Any]) -> str:
     its delivery tag: whoever hands the lock over pushes it back to the head of
     ``queue_list`` with a new tag (``handoff.lua``, or :func:`deliver_parked`).
     """
-    placeholder = "rltag" + secrets.token_hex(8)  # letters and digits: a plain Lua pattern
+    placeholder = TAG_PREFIX + secrets.token_hex(8)  # letters and digits, unique
     envelope["properties"]["delivery_tag"] = placeholder
     return f"{ENVELOPE}{queue_list}\n{placeholder}\n{_dumps(envelope)}"
 
@@ -987,7 +1006,9 @@ def deliver_parked(app: Any, client: Any, message: str) -> None:
     """Send a parked task the lock was handed to on its way (the sweeper's path)."""
     if message.startswith(ENVELOPE):
         queue_list, placeholder, envelope = message[1:].split("\n", 2)
-        client.rpush(queue_list, envelope.replace(placeholder, uuid.uuid4().hex, 1))
+        client.rpush(
+            queue_list, envelope.replace(placeholder, f"{placeholder}s{uuid.uuid4().hex}", 1)
+        )
     else:
         publish_to_handoff_queue(app, message)
 

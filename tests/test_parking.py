@@ -4,6 +4,7 @@ and the holder's release pushes it back to the head of its queue (Redis broker).
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,7 +48,9 @@ def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
     r = broker.client()
     queue = "parking-envelope"
     RedisLock(r, "job:env", ttl=60, owner="holder", auto_renew=False).acquire()
-    sent = [ca.hold_for.apply_async(("env", 0.01), queue=queue) for _ in range(3)]
+    # Task ids are the caller's to choose: quotes, backslashes and %-escapes included.
+    ids = ['say "hi"', "C:\\temp\\x", "sync%2Fuser%1"]
+    sent = [ca.hold_for.apply_async(("env", 0.01), queue=queue, task_id=i) for i in ids]
     other = ca.hold_for.apply_async(("free", 0.01), queue=queue)  # its lock is free
     parker = Parker(ca.hold_for, ca.app, revoked=set())
     with ca.app.connection_for_read() as conn:
@@ -69,6 +72,8 @@ def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
     entries = r.hgetall(PARKED % "env" + ":messages")
     assert all(entry.startswith(b"E" + queue.encode() + b"\n") for entry in entries.values())
     assert r.llen(queue) == 0
+    assert r.zscore("redislock:parked", "redislock:{job:env}") is not None  # for the sweeper
+    assert r.zscore("redislock:parked", "redislock:{job:free}") is None  # nothing parked there
 
     # The holder's release hands the lock to the first and pushes its envelope back.
     reply = _release_as(r, "env", "holder")
@@ -78,13 +83,20 @@ def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
     envelope = json.loads(r.lindex(queue, -1))
     assert envelope["headers"]["id"] == sent[0].id
     assert envelope["headers"]["redislock_requeues"] == 1
-    assert "rltag" not in envelope["properties"]["delivery_tag"]
+    tag = envelope["properties"]["delivery_tag"]
+    assert re.fullmatch(r"rltag[0-9a-f]{16}h[0-9]+", tag)  # the placeholder, filled in once
+    assert tag.split("h")[0].encode() in entries[sent[0].id.encode()]
     # ...and a newer message published meanwhile does not overtake it.
     later = ca.hold_for.apply_async(("later", 0.01), queue=queue)
     first = _fetch(queue)
     assert first.headers["id"] == sent[0].id
     assert first.decode()[0] == ["env", 0.01]
-    assert first.delivery_tag.startswith(sent[0].id + ".")  # "handed over": not checked again
+    assert first.delivery_tag.startswith("rltag")  # "handed over": not checked again
+    # The next two come back the same way, ids intact.
+    for previous, result in zip(sent, sent[1:]):
+        reply = _release_as(r, "env", previous.id)
+        assert reply[0] == 0 and reply[2].decode() == result.id
+        assert _fetch(queue).headers["id"] == result.id
     assert _fetch(queue).headers["id"] == later.id
 
 
@@ -167,3 +179,40 @@ def test_parking_at_delivery_needs_the_locks_in_the_brokers_own_redis(
     finally:
         consumer.connection.release()
         ca.app.conf.broker_url = broker.url
+
+
+def test_one_broken_lock_does_not_stop_the_sweepers_pass(broker: RedisServer) -> None:
+    r = broker.client()
+    queue = "parking-broken"
+    RedisLock(r, "job:good", ttl=60, owner="holder", auto_renew=False).acquire()
+    sent = ca.hold_for.apply_async(("good", 0.01), queue=queue)
+    _fetch_unacked_and_park(Parker(ca.hold_for, ca.app, revoked=set()), queue)
+    # A lock ahead of it in the registry whose parked entry cannot be published.
+    r.rpush("redislock:{job:bad}:parked", "t-bad")
+    r.hset("redislock:{job:bad}:parked:messages", "t-bad", "{not json")
+    r.zadd("redislock:parked", {"redislock:{job:bad}": 0})
+    r.delete("redislock:{job:good}")  # the good lock's holder vanished
+    assert Sweeper(ca.app).sweep_once() == 1
+    assert _fetch(queue).headers["id"] == sent.id
+
+
+def test_a_revoked_task_the_lock_was_handed_to_passes_it_on(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    r = broker.client()
+    proc = worker(broker.url, tmp_path / "w.log")
+    try:
+        holder = ca.hold_for.delay("rv", 1.5)
+        wait_until(lambda: r.llen("started:rv") == 1, timeout=30)
+        dropped, after = ca.hold_for.delay("rv", 0.01), ca.hold_for.delay("rv", 0.01)
+        wait_until(lambda: r.llen(PARKED % "rv") == 2, timeout=30)
+        dropped.revoke()
+        holder.get(timeout=30)
+        after.get(timeout=30)  # not stuck behind the revoked task's unstarted hold
+        assert dropped.state == "REVOKED"
+        started = [line.split()[0].decode() for line in r.lrange("started:rv", 0, -1)]
+        assert started == [holder.id, after.id]
+        assert "it was dropped before it ran (revoked)" in proc.text()
+        wait_until(lambda: not r.exists("redislock:{job:rv}"), timeout=10)
+    finally:
+        proc.stop()

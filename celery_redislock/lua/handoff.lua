@@ -9,14 +9,20 @@
 -- KEYS[8]  waiters of blocking acquires (list), served when no task is parked
 -- KEYS[9]  their claims (sorted set owner -> ms its place is kept until)
 -- ARGV[1]  releasing task id (the owner)
--- ARGV[2]  mode: "one" one hold; "all" every hold (the worker releasing for a dead process)
+-- ARGV[2]  mode: "one" one hold; "all" every hold (the worker releasing for a dead process);
+--          "unstarted" only a lock handed to this task and not started (hold count 0): the
+--          worker dropping a revoked or expired message
 -- ARGV[3]  lease in milliseconds for the task the lock is handed to
 -- ARGV[4]  lifetime of the done marker in milliseconds (0: do not mark done)
--- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it)
+-- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it,
+--                                  -3 "unstarted": this task does not hold it at count 0)
 --          {0}                     released; nobody parked: waiters notified
 --          {0, message, task id}   released and handed over: publish message now
 --          {0, nil, task id}       released and handed over to a parked broker envelope: it is
 --                                  back at the head of its queue list already (see park.lua)
+if ARGV[2] == 'unstarted' and redis.call('hget', KEYS[1], ARGV[1]) ~= '0' then
+  return {-3}
+end
 local exists = redis.call('exists', KEYS[1]) == 1
 if exists and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
   return {-2}
@@ -59,9 +65,13 @@ if next_id then
   if string.sub(message, 1, 1) == 'E' then  -- "E<list>\n<tag placeholder>\n<envelope>"
     local first = string.find(message, '\n', 1, true)
     local second = string.find(message, '\n', first + 1, true)
-    local placeholder = string.sub(message, first + 1, second - 1)  -- letters and digits only
-    local envelope = string.gsub(string.sub(message, second + 1), placeholder, next_id .. '.' .. token, 1)
-    -- (the tag "<task id>.<token>" tells the worker's main process it was handed over)
+    local placeholder = string.sub(message, first + 1, second - 1)  -- "rltag" + random hex
+    local envelope = string.sub(message, second + 1)
+    local at = string.find(envelope, placeholder, 1, true)
+    -- The new delivery tag "<placeholder>h<token>" is unique, needs no JSON escaping, and
+    -- tells the worker's main process that the lock was handed to this message.
+    envelope = string.sub(envelope, 1, at - 1) .. placeholder .. 'h' .. token
+      .. string.sub(envelope, at + #placeholder)
     redis.call('rpush', string.sub(message, 2, first - 1), envelope)  -- next for BRPOP
     return {code, false, next_id}
   end

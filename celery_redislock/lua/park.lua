@@ -7,6 +7,8 @@
 -- KEYS[4]  parked queue: list of task ids, oldest first
 -- KEYS[5]  parked messages: hash task id -> message (kept until that task finishes)
 -- KEYS[6]  dispatched: hash task id -> ms its hand-over was published (see handoff.lua)
+-- KEYS[7]  optional: the sweeper's registry (sorted set of lock keys with parked tasks),
+--          entered only when the task is parked (single Redis: the key is in another slot)
 -- ARGV[1]  task id (the owner)
 -- ARGV[2]  lease in milliseconds (a positive integer)
 -- ARGV[3]  the task's message, to publish again when the lock is handed to it
@@ -47,6 +49,9 @@ end
 if redis.call('hsetnx', KEYS[5], ARGV[1], ARGV[3]) == 1 or redis.call('hdel', KEYS[6], ARGV[1]) == 1 then
   redis.call('hset', KEYS[5], ARGV[1], ARGV[3])
   redis.call('rpush', KEYS[4], ARGV[1])
+end
+if KEYS[7] then
+  redis.call('zadd', KEYS[7], redis.call('time')[1], KEYS[1])
 end
 redis.call('pexpire', KEYS[4], ARGV[4])
 redis.call('pexpire', KEYS[5], ARGV[4])

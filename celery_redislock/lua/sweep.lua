@@ -4,6 +4,9 @@
 -- worker died before publishing, or the message was lost).
 -- KEYS[1..7]  as handoff.lua: lock, channel, fence, parked queue, parked messages,
 --             (unused done marker slot), dispatched
+-- KEYS[8]     optional: the registry (sorted set of lock keys) to drop this lock from when
+--             nothing is parked or dispatched any more (in the same step: a task parking
+--             meanwhile cannot be dropped with it)
 -- ARGV[1]     lease in milliseconds for a task the lock is handed to
 -- ARGV[2]     milliseconds after which a published hand-over counts as lost
 -- returns     {0}                     nothing to do, tasks still parked
@@ -41,6 +44,9 @@ for i = 1, #dispatched, 2 do
   end
 end
 if redis.call('llen', KEYS[4]) == 0 and redis.call('hlen', KEYS[7]) == 0 then
+  if KEYS[8] then
+    redis.call('zrem', KEYS[8], KEYS[1])
+  end
   return {-1}
 end
 return {0}
