@@ -11,7 +11,8 @@ queue list in the same atomic step, so the next fetch of any worker takes it at 
 It applies only where it is exact: a Redis broker on the same server and database as the
 locks (checked once, by ``run_id``), messages of task protocol 2 without ``eta`` or
 ``expires``, ``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
-``redislock_urls``), and no parked-task fallback copies. Everything else (and any error
+``redislock_urls``), no parked-task fallback copies, and ``redislock_park_at_delivery``
+left on. Everything else (and any error
 here) goes the usual way: the pool process takes the lock, or parks the task itself.
 """
 
@@ -74,7 +75,12 @@ class Parker:
             return None
         try:
             settings = settings_for(app)
-            if settings.urls or _park_fallback(app) or not _same_redis(app, consumer):
+            if (
+                not settings.park_at_delivery
+                or settings.urls
+                or _park_fallback(app)
+                or not _same_redis(app, consumer)
+            ):
                 return None
         except Exception:
             log.debug("redislock: parking at delivery is off for %s", task.name, exc_info=True)

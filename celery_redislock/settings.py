@@ -27,6 +27,9 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_done_ttl`` (``86400.0``) — how long a finished task id is remembered (dedup).
 * ``redislock_park_fallback`` (``"auto"``) — also keep a delayed copy of each parked task in
   the broker: ``"auto"`` does when the lock Redis is not the broker's Redis.
+* ``redislock_park_at_delivery`` (``True``) — park contended messages in the worker's main
+  process before dispatch, where the broker is the locks' own Redis (``False``: pool
+  processes park them, one round trip less per message in the main loop).
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ class LockSettings:
     redis_options: Mapping[str, Any] = field(default_factory=dict)
     defaults: LockOptions = LockOptions()
     park_fallback: bool | str = "auto"
+    park_at_delivery: bool = True
     #: With ``redislock_urls``: the quorum's nodes (empty: one Redis at ``url``).
     urls: tuple[str, ...] = ()
     node_timeout: float = 0.25
@@ -192,12 +196,18 @@ class LockSettings:
             raise LockConfigurationError(
                 f"redislock_park_fallback must be 'auto', True or False, got {fallback!r}"
             )
+        at_delivery = conf.get("redislock_park_at_delivery", True)
+        if not isinstance(at_delivery, bool):
+            raise LockConfigurationError(
+                f"redislock_park_at_delivery must be True or False, got {at_delivery!r}"
+            )
         return cls(
             url=url,
             url_source=source,
             redis_options=dict(options),
             defaults=LockOptions(**values),
             park_fallback=fallback,
+            park_at_delivery=at_delivery,
             urls=urls,
             node_timeout=node_timeout,
         )

@@ -79,6 +79,15 @@ def test_park_fallback_accepts_auto_true_false_only() -> None:
         LockSettings.from_conf({**conf, "redislock_park_fallback": "false"})
 
 
+def test_park_at_delivery_is_a_bool() -> None:
+    conf = {"broker_url": "redis://localhost"}
+    assert LockSettings.from_conf(conf).park_at_delivery is True
+    off = {**conf, "redislock_park_at_delivery": False}
+    assert LockSettings.from_conf(off).park_at_delivery is False
+    with pytest.raises(LockConfigurationError, match="redislock_park_at_delivery"):
+        LockSettings.from_conf({**conf, "redislock_park_at_delivery": "no"})
+
+
 @pytest.mark.parametrize(
     ("urls", "match"),
     [
