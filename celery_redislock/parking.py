@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import uuid
 from typing import Any
 
 import redis
@@ -68,6 +69,7 @@ class Parker:
         self.app = app
         self.revoked = revoked
         self.queues: dict[tuple[str, str], list[str]] = {}
+        self.writable: dict[str, bool] = {}
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -127,9 +129,10 @@ class Parker:
         # Back to the queue's first-read list (priority 0) whatever the message's priority:
         # once handed the lock, it must not wait behind a backlog while it holds it.
         queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], 0)
-        if "\n" in queue_list:
+        client = client_for(self.app)
+        if "\n" in queue_list or not self._may_push(client, queue_list):
             return False
-        lock = TaskLock(client_for(self.app), name, task_id=task_id, options=options)
+        lock = TaskLock(client, name, task_id=task_id, options=options)
         keep_for = max(options.done_ttl, task._fallback_delay(options) * 4 + options.ttl)
         try:
             outcome = lock.park(envelope_entry(queue_list, envelope), keep_for, behind=True)
@@ -148,6 +151,25 @@ class Parker:
         )
         return True
 
+    def _may_push(self, client: Any, queue_list: str) -> bool:
+        """Whether the lock's Redis user may write ``queue_list`` (the hand-over pushes
+        to it from a script): an ``LREM`` of a value that is never there, once a list."""
+        found = self.writable.get(queue_list)
+        if found is None:
+            try:
+                client.lrem(queue_list, 0, "redislock-probe-" + uuid.uuid4().hex)
+                found = True
+            except redis.ResponseError as exc:  # NOPERM: a lock user confined to its keys
+                found = False
+                log.warning(
+                    "redislock: parking at delivery is off for queue %r: the locks' Redis "
+                    "user may not write it (%s); pool processes park its tasks instead",
+                    queue_list,
+                    exc,
+                )
+            self.writable[queue_list] = found
+        return found
+
     def _queues_for(self, channel: Any, exchange: str, routing_key: str) -> list[str]:
         found = self.queues.get((exchange, routing_key))
         if found is None:
@@ -158,20 +180,23 @@ class Parker:
 
 
 def _same_redis(app: Any, consumer: Any) -> bool:
-    """Whether the broker is a Redis on the same server and database as the locks."""
+    """Whether the broker is a Redis on the same server and database as the locks: a
+    key the lock client writes (under the locks' prefix) is read back by the broker's."""
     connection = consumer.connection
     if connection is None or connection.transport.driver_type != "redis":
         return False
     uri = connection.as_uri(include_password=True)
     if not uri.startswith(("redis://", "rediss://", "unix://")):
         return False
+    locks = client_for(app)
+    probe = f"{settings_for(app).defaults.prefix}probe:{uuid.uuid4().hex}"
+    nonce = uuid.uuid4().hex
     broker = redis.Redis.from_url(uri, socket_timeout=5, socket_connect_timeout=5)
     try:
-        locks = client_for(app)
-        same_db = broker.connection_pool.connection_kwargs.get(
-            "db", 0
-        ) == locks.connection_pool.connection_kwargs.get("db", 0)
-        run_ids = (broker.info("server")["run_id"], locks.info("server")["run_id"])
+        locks.set(probe, nonce, px=10_000)
+        try:
+            return bool(broker.get(probe) == nonce.encode())
+        finally:
+            locks.delete(probe)
     finally:
         broker.close()
-    return bool(same_db and run_ids[0] == run_ids[1])

@@ -216,3 +216,50 @@ def test_a_revoked_task_the_lock_was_handed_to_passes_it_on(
         wait_until(lambda: not r.exists("redislock:{job:rv}"), timeout=10)
     finally:
         proc.stop()
+
+
+def test_a_lock_user_that_may_not_write_the_queue_leaves_parking_to_pool_processes(
+    broker: RedisServer, caplog: Any
+) -> None:
+    from celery import Celery
+
+    from celery_redislock.task import LockedTask
+
+    admin = broker.client()
+    admin.execute_command("ACL", "SETUSER", "lockonly", "on", ">pw", "~redislock:*", "+@all")
+    port = broker.url.rsplit(":", 1)[1].split("/")[0]
+    app = Celery("parking-acl", broker=broker.url)
+    app.conf.redislock_url = f"redis://lockonly:pw@127.0.0.1:{port}/0"
+    app.conf.redislock_park_fallback = False  # "auto" compares URL strings: these differ
+
+    @app.task(shared=False, base=LockedTask, lock_key="job:{name}", name="parking.acl")
+    def job(name: str) -> None:
+        pass
+
+    app.finalize()
+    queue = "parking-acl"
+    try:
+        with app.connection_for_read() as conn:
+            parker = Parker.for_consumer(
+                job,
+                app,
+                SimpleNamespace(
+                    connection=conn,
+                    controller=SimpleNamespace(state=SimpleNamespace(revoked=set())),
+                ),
+            )
+            assert parker is not None  # same server and db: found with the probe key
+            RedisLock(admin, "job:acl", ttl=60, owner="holder", auto_renew=False).acquire()
+            job.apply_async(("acl",), queue=queue)
+            simple = conn.SimpleQueue(queue)
+            try:
+                message = simple.get(timeout=5)
+                assert parker.park(message) is False  # delivered: a pool process parks it
+                message.ack()
+            finally:
+                simple.close()
+        assert not admin.exists(PARKED % "acl")
+        assert "parking at delivery is off for queue 'parking-acl'" in caplog.text
+    finally:
+        admin.execute_command("ACL", "DELUSER", "lockonly")
+        app.close()
