@@ -18,7 +18,6 @@ here) goes the usual way: the pool process takes the lock, or parks the task its
 
 from __future__ import annotations
 
-import copy
 import logging
 import uuid
 from typing import Any
@@ -124,7 +123,8 @@ class Parker:
         queues = self._queues_for(channel, info.get("exchange") or "", info["routing_key"])
         if len(queues) != 1 or queues[0] not in getattr(channel, "_active_queues", ()):
             return False  # several queues, or one this worker does not consume (dead letter)
-        envelope = copy.deepcopy(raw)
+        # Copies of the two parts changed (the header here, the delivery tag when parked).
+        envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
         envelope["headers"][REQUEUE_HEADER] = count + 1
         # Back to the queue's first-read list (priority 0) whatever the message's priority:
         # once handed the lock, it must not wait behind a backlog while it holds it.
