@@ -263,3 +263,47 @@ def test_a_lock_user_that_may_not_write_the_queue_leaves_parking_to_pool_process
     finally:
         admin.execute_command("ACL", "DELUSER", "lockonly")
         app.close()
+
+
+def test_a_prioritised_message_under_a_key_prefix_comes_back_to_the_first_read_list(
+    broker: RedisServer,
+) -> None:
+    """kombu's Redis transport: ``global_keyprefix`` on every list, one list per priority
+    step; a handed-over task goes to the queue's priority-0 list, read first."""
+    from celery import Celery
+
+    from celery_redislock.task import LockedTask
+
+    r = broker.client()
+    app = Celery("parking-priority", broker=broker.url)
+    app.conf.broker_transport_options = {"global_keyprefix": "pfx:"}
+
+    @app.task(shared=False, base=LockedTask, lock_key="job:{name}", name="parking.priority")
+    def job(name: str) -> None:
+        pass
+
+    app.finalize()
+    queue = "parking-pri"
+    try:
+        RedisLock(r, "job:pri", ttl=60, owner="holder", auto_renew=False).acquire()
+        sent = job.apply_async(("pri",), queue=queue, priority=9)
+        assert r.llen(f"pfx:{queue}\x06\x169") == 1  # where kombu put it
+        parker = Parker(job, app, revoked=set())
+        with app.connection_for_read() as conn:
+            simple = conn.SimpleQueue(queue)
+            try:
+                message = simple.get(timeout=5)
+                assert parker.park(message) is True
+                message.ack()
+                lock = TaskLock(r, "job:pri", task_id="holder", options=job.lock_options())
+                keys, args = lock.handoff_args("holder", "one", None)
+                assert scripts_for(r).handoff(keys=keys, args=args)[2].decode() == sent.id
+                assert r.llen(f"pfx:{queue}") == 1  # the first-read list
+                again = simple.get(timeout=5)
+                assert again.headers["id"] == sent.id
+                assert again.properties.get("priority") == 9  # its own priority is kept
+                again.ack()
+            finally:
+                simple.close()
+    finally:
+        app.close()
