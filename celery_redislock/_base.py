@@ -198,8 +198,7 @@ class LockBase(Generic[Signal]):
         """KEYS of acquire.lua, in order (a task lock adds its done marker)."""
         return [self.keys.lock, self.keys.fence, self.keys.waiters, self.keys.claims]
 
-    @staticmethod
-    def _acquire_argv(owner: str, lease: int, line: bool) -> list[Any]:
+    def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
         """ARGV of acquire.lua: a blocked acquire (``line``) joins the line when contended."""
         return [owner, lease, LINE_MARGIN_MS] if line else [owner, lease]
 

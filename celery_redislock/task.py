@@ -138,9 +138,24 @@ class TaskLock(RedisLock):
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
 
-    def take(self) -> bool:
-        """One attempt, renewed while held; raises OwnerFinished for a finished task id."""
-        return self._try(self._current_owner(), self._lease, True) is True
+    def take(self, *, keep_lease: bool = False) -> bool:
+        """One attempt, renewed while held; raises OwnerFinished for a finished task id.
+
+        ``keep_lease``: finding this task id's own hold (another delivery of the task) does
+        not lengthen its lease, so a copy checking again and again cannot keep a dead
+        delivery's lock alive. A lock handed to this task is taken up as usual.
+        """
+        self._keep_lease = keep_lease
+        try:
+            return self._try(self._current_owner(), self._lease, True) is True
+        finally:
+            self._keep_lease = False
+
+    def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
+        argv = super()._acquire_argv(owner, lease, line)
+        if getattr(self, "_keep_lease", False):
+            argv = [owner, lease, argv[2] if line else "", "", "keep-lease"]
+        return argv
 
     def drop_extra_hold(self) -> None:
         """Give back the hold count this acquire added in Redis; the local hold stays."""
@@ -467,8 +482,13 @@ class LockedTask(Task):  # type: ignore[misc]
         name = self.lock_name(args, kwargs)  # a bad value fails the task here: nothing taken
         lock = task_lock(self.app, name, task_id=request.id, options=options)
         call = _Call(request, args, kwargs, options, name)
+        # Another delivery of this task may hold the lock: looking must not lengthen its
+        # lease, unless this is a retry adopting the hold its previous attempt kept.
+        adopting = bool(request.retries) and not options.release_on_retry
         try:
-            outcome = lock.take()
+            outcome = (
+                lock.take(keep_lease=not adopting) if isinstance(lock, TaskLock) else lock.take()
+            )
         except OwnerFinished:
             log.info(
                 "redislock: %s[%s] already finished under %r; duplicate delivery ignored",

@@ -27,7 +27,13 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     broker_transport_options={
-        "visibility_timeout": float(os.environ.get("REDISLOCK_TEST_VT", "3600"))
+        "visibility_timeout": float(os.environ.get("REDISLOCK_TEST_VT", "3600")),
+        # with a short visibility timeout, look for messages to restore every second
+        **(
+            {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+            if os.environ.get("REDISLOCK_TEST_VT")
+            else {}
+        ),
     },
     result_expires=600,
     worker_hijack_root_logger=False,

@@ -307,3 +307,72 @@ def test_a_prioritised_message_under_a_key_prefix_comes_back_to_the_first_read_l
                 simple.close()
     finally:
         app.close()
+
+
+def test_tasks_parked_at_delivery_survive_the_whole_worker_being_killed(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    """SIGKILL of the worker's whole process group while one task holds the lock and
+    three wait parked at delivery: a new worker runs all four, in turn, with rising
+    tokens (the holder's unacked message comes back after the visibility timeout; the
+    sweeper serves the parked tasks once the dead holder's lease runs out; whichever
+    comes first, nothing runs beside another)."""
+    import os
+    import signal
+
+    r = broker.client()
+    env = {"REDISLOCK_TEST_TTL": "3", "REDISLOCK_TEST_VT": "2"}
+    first = worker(broker.url, tmp_path / "w1.log", env=env, name="doomed")
+    try:
+        holder = ca.hold_for.delay("kill", 4.0)
+        wait_until(lambda: r.llen("started:kill") == 1, timeout=30)
+        parked = [ca.hold_for.delay("kill", 0.05) for _ in range(3)]
+        wait_until(lambda: r.llen(PARKED % "kill") == 3, timeout=30)
+        assert first.text().count("before dispatch") == 3
+        os.killpg(first.pid, signal.SIGKILL)
+        assert first.process is not None
+        first.process.wait(10)
+    finally:
+        first.stop()
+    second = worker(broker.url, tmp_path / "w2.log", env=env, name="heir")
+    try:
+        for result in [*parked, holder]:  # the killed holder runs again: nothing is lost
+            result.get(timeout=60)
+        started = [line.split() for line in r.lrange("started:kill", 0, -1)]
+        ids = [entry[0].decode() for entry in started]
+        assert ids[0] == holder.id and ids.count(holder.id) == 2  # killed once, then redelivered
+        assert sorted(ids.count(p.id) for p in parked) == [1, 1, 1]  # each exactly once
+        tokens = [int(entry[1]) for entry in started]
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    finally:
+        second.stop()
+
+
+def test_a_copy_looking_for_its_own_delivery_does_not_keep_a_dead_ones_lease_alive(
+    broker: RedisServer,
+) -> None:
+    """A redelivered copy of a task whose first delivery died finds that delivery's hold
+    (same task id). Its check must not lengthen the dead lease (it used to, on every
+    re-queue, until the copy gave up: the task was lost)."""
+    r = broker.client()
+    options = ca.hold_for.lock_options()
+    key = "redislock:{job:dup}"
+    RedisLock(r, "job:dup", ttl=1.0, owner="t-1", auto_renew=False).acquire()  # the dead one
+    copy = TaskLock(r, "job:dup", task_id="t-1", options=options)
+    assert copy.take(keep_lease=True) and copy.server_hold_count == 2  # "another delivery"
+    copy.drop_extra_hold()
+    copy.close()
+    assert 0 < r.pttl(key) <= 1000  # not lengthened to the task's ttl
+    # A retry adopting the hold its first attempt kept lengthens it, as re-entry does.
+    adopter = TaskLock(r, "job:dup", task_id="t-1", options=options)
+    assert adopter.take() and r.pttl(key) > 1000
+    adopter.drop_extra_hold()
+    adopter.close()
+    # A lock handed to the task (hold count 0) is taken up with its full lease either way.
+    r.delete(key)
+    r.hset(key, mapping={"t-2": 0, "__fence__": 7})
+    r.pexpire(key, 500)
+    taker = TaskLock(r, "job:dup", task_id="t-2", options=options)
+    assert taker.take(keep_lease=True) and taker.server_hold_count == 1 and taker.token == 7
+    assert r.pttl(key) > 1000
+    taker.release()

@@ -11,6 +11,9 @@
 -- ARGV[4]  optional: "new-token" hands out a new token on re-entry too (the quorum lock's
 --          fresh attempt: the highest token of its majority must be newer than any
 --          token written back before it; the hold's stored token is left as it is)
+-- ARGV[5]  optional: "keep-lease" does not lengthen the lease when re-entering a hold that
+--          was already taken (a task's check for another delivery of itself: it must not
+--          keep a dead delivery's lease alive); taking up a hand-over still sets it
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
@@ -66,7 +69,8 @@ if redis.call('exists', KEYS[1]) == 0 then
 end
 if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
   local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
-  if redis.call('pttl', KEYS[1]) < lease then  -- re-entering never shortens the lease
+  if (count == 1 or ARGV[5] ~= 'keep-lease') and redis.call('pttl', KEYS[1]) < lease then
+    -- re-entering never shortens the lease
     redis.call('pexpire', KEYS[1], lease)
   end
   if ARGV[4] == 'new-token' then
