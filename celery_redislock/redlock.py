@@ -209,8 +209,7 @@ class _QuorumBase:
             hold = None
         return hold is None
 
-    @staticmethod
-    def _attempt_argv(owner: str, lease: int, fresh: bool) -> list[Any]:
+    def _attempt_argv(self, owner: str, lease: int, fresh: bool) -> list[Any]:
         """A fresh attempt asks every node for a new token, re-entry or not: the highest
         token of its majority must be newer than any written back before it, and a node
         re-entered (a leftover of this owner's earlier attempt) would return an old one."""

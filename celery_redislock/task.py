@@ -278,9 +278,20 @@ class QuorumTaskLock(RedLock):
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
 
-    def take(self) -> bool:
-        """One attempt on every node, renewed while held (OwnerFinished: task finished)."""
-        return self._try(self._current_owner(), self._lease, True) is None
+    def take(self, *, keep_lease: bool = False) -> bool:
+        """One attempt on every node, renewed while held (OwnerFinished: task finished);
+        ``keep_lease`` as :meth:`TaskLock.take`."""
+        self._keep_lease = keep_lease
+        try:
+            return self._try(self._current_owner(), self._lease, True) is None
+        finally:
+            self._keep_lease = False
+
+    def _attempt_argv(self, owner: str, lease: int, fresh: bool) -> list[Any]:
+        argv = super()._attempt_argv(owner, lease, fresh)
+        if getattr(self, "_keep_lease", False):
+            argv = [owner, lease, "", "new-token" if fresh else "", "keep-lease"]
+        return argv
 
     def _each_node(self, keys: list[bytes], args: list[Any]) -> int:
         owner = self._current_owner()
@@ -486,9 +497,7 @@ class LockedTask(Task):  # type: ignore[misc]
         # lease, unless this is a retry adopting the hold its previous attempt kept.
         adopting = bool(request.retries) and not options.release_on_retry
         try:
-            outcome = (
-                lock.take(keep_lease=not adopting) if isinstance(lock, TaskLock) else lock.take()
-            )
+            outcome = lock.take(keep_lease=not adopting)
         except OwnerFinished:
             log.info(
                 "redislock: %s[%s] already finished under %r; duplicate delivery ignored",

@@ -102,3 +102,27 @@ def test_hard_time_limit_frees_the_quorum_lock_at_once(
     started = time.monotonic()
     wait_until(lambda: lock_keys(lock_nodes, "job:q-limit") == [False] * 3, timeout=8)
     assert time.monotonic() - started < 8  # the lease (10 s) did not have to run out
+
+
+def test_a_copy_looking_for_its_own_delivery_keeps_the_quorum_leases_as_they_are(
+    lock_nodes: list[RedisServer],
+) -> None:
+    from celery_redislock import RedLock
+    from celery_redislock.task import QuorumTaskLock
+
+    clients = [server.client(socket_timeout=5) for server in lock_nodes]
+    name = "job:quorum-dup"
+    try:
+        dead = RedLock(clients, name, ttl=1.0, owner="t-q", auto_renew=False)
+        assert dead.acquire(blocking=False)  # the first delivery, whose worker died
+        options = ca.hold_for.lock_options()
+        copy = QuorumTaskLock(clients, name, task_id="t-q", options=options, node_timeout=0.5)
+        assert copy.take(keep_lease=True) and copy.server_hold_count == 2
+        copy.drop_extra_hold()
+        copy.close()
+        key = "redislock:{" + name + "}"
+        assert all(0 < c.pttl(key) <= 1000 for c in clients)  # not lengthened anywhere
+    finally:
+        for client in clients:
+            client.delete("redislock:{" + name + "}")
+            client.close()
