@@ -6,20 +6,23 @@ consumer calls for every message of a task type). For a message whose lock anoth
 holds, it parks the broker's own message (the *envelope*) behind the holder and acks it:
 no pool process is taken, no publish is made. The holder's release (``handoff.lua``)
 hands the lock to the first parked task and pushes its envelope back to the head of its
-queue list in the same atomic step, so the next fetch of any worker takes it at once.
+queue's first-read (priority 0) list in the same atomic step, so the next fetch of any
+worker consuming that queue takes it at once.
 
 It applies only where it is exact: a Redis broker on the same server and database as the
-locks (checked once, by ``run_id``), messages of task protocol 2 without ``eta`` or
-``expires``, ``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
+locks (checked once per worker and broker URL, with a probe key), a queue list the locks'
+Redis user may write, messages of task protocol 2 without ``eta`` or ``expires``,
+``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
 ``redislock_urls``), no parked-task fallback copies, and ``redislock_park_at_delivery``
-left on. Everything else (and any error
-here) goes the usual way: the pool process takes the lock, or parks the task itself.
+left on. Everything else (and any error here) goes the usual way: the pool process takes
+the lock, or parks the task itself.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+import weakref
 from typing import Any
 
 import redis
@@ -179,15 +182,26 @@ class Parker:
         return found
 
 
+_same: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
+
+
 def _same_redis(app: Any, consumer: Any) -> bool:
     """Whether the broker is a Redis on the same server and database as the locks: a
-    key the lock client writes (under the locks' prefix) is read back by the broker's."""
+    key the lock client writes (under the locks' prefix) is read back by the broker's.
+    Asked once per app and broker URL in a process (every task type asks)."""
     connection = consumer.connection
     if connection is None or connection.transport.driver_type != "redis":
         return False
     uri = connection.as_uri(include_password=True)
     if not uri.startswith(("redis://", "rediss://", "unix://")):
         return False
+    known = _same.setdefault(app, {})
+    if uri not in known:
+        known[uri] = _probe(app, uri)
+    return known[uri]
+
+
+def _probe(app: Any, uri: str) -> bool:
     locks = client_for(app)
     probe = f"{settings_for(app).defaults.prefix}probe:{uuid.uuid4().hex}"
     nonce = uuid.uuid4().hex
