@@ -859,7 +859,7 @@ class LockedRequest(Request):  # type: ignore[misc]
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
         if not soft:
-            self._release_for_dead_process("hard time limit")
+            self._release_for_task("hard time limit")
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -871,14 +871,14 @@ class LockedRequest(Request):  # type: ignore[misc]
         finally:
             exc = getattr(exc_info.exception, "exc", exc_info.exception)
             if isinstance(exc, _CHILD_DIED):
-                self._release_for_dead_process(type(exc).__name__)
+                self._release_for_task(type(exc).__name__)
 
     def _announce_revoked(self, reason: Any, terminated: Any, signum: Any, expired: Any) -> None:
         super()._announce_revoked(reason, terminated, signum, expired)
         if not terminated:  # dropped before it ran: give back a lock handed to it
-            self._release_for_dead_process("revoked" if not expired else "expired", "unstarted")
+            self._release_for_task("revoked" if not expired else "expired", "unstarted")
 
-    def _release_for_dead_process(self, why: str, mode: str = "all") -> None:
+    def _release_for_task(self, why: str, mode: str = "all") -> None:
         """Release every hold of this task id (``mode="unstarted"``: only a lock handed
         to it that it never took up), handing over to the next parked task."""
         task = self.task
