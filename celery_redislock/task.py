@@ -493,10 +493,13 @@ class LockedTask(Task):  # type: ignore[misc]
         name = self.lock_name(args, kwargs)  # a bad value fails the task here: nothing taken
         lock = task_lock(self.app, name, task_id=request.id, options=options)
         call = _Call(request, args, kwargs, options, name)
-        # Another delivery of this task may hold the lock: looking must not lengthen its
-        # lease, unless this is a retry adopting the hold its previous attempt kept.
+        # A retry adopts the hold its previous attempt kept (lock_release_on_retry=False)
+        # only once: the first delivery of the retry message claims the marker.
         adopting = bool(request.retries) and not options.release_on_retry
+        adopting = adopting and _claim_kept_hold(lock, request.retries)
         try:
+            # Another delivery of this task may hold the lock: looking must not lengthen
+            # its lease (a dead delivery's lease must run out), unless adopting.
             outcome = lock.take(keep_lease=not adopting)
         except OwnerFinished:
             log.info(
@@ -506,14 +509,6 @@ class LockedTask(Task):  # type: ignore[misc]
                 name,
             )
             raise Ignore() from None
-        if outcome is True and lock.server_hold_count > 1:
-            # Our own task id already held it: undo our extra hold in Redis only.
-            lock.drop_extra_hold()
-            if not (request.retries and not options.release_on_retry):
-                # Another delivery of this very task is running (or just died).
-                lock.close()
-                return self._contended(call, duplicate=True)
-            # else: the hold our previous attempt kept across self.retry(): adopt it.
         if outcome is not True:
             lock._contended(request.id)
             policy = options.on_contention
@@ -523,6 +518,14 @@ class LockedTask(Task):  # type: ignore[misc]
                 pass  # the lock came free meanwhile
             else:
                 return self._contended(call, duplicate=False)
+        if lock.server_hold_count > 1:  # whichever way it was taken
+            # Our own task id already held it: undo our extra hold in Redis only.
+            lock.drop_extra_hold()
+            if not adopting:
+                # Another delivery of this very task is running (or just died).
+                lock.close()
+                return self._contended(call, duplicate=True)
+            # else: the hold our previous attempt kept across self.retry(): adopt it.
         request.redislock = lock
         return self._run_holding(lock, options, args, kwargs)
 
@@ -566,8 +569,10 @@ class LockedTask(Task):  # type: ignore[misc]
     def _keep_for_retry(self, lock: AnyTaskLock, retry: Retry, options: LockOptions) -> None:
         """Keep the hold for the retried run: an unrenewed lease covering the retry delay."""
         delay = retry.when if isinstance(retry.when, (int, float)) else options.ttl
+        hold = max(0.0, float(delay)) + options.ttl
         try:
-            lock.finish(hold=max(0.0, float(delay)) + options.ttl, done_ttl=None)
+            lock.finish(hold=hold, done_ttl=None)
+            _mark_kept_hold(lock, self.request.retries + 1, hold)
         except LockNotOwnedError as exc:
             log.warning(
                 "redislock: %s[%s] could not keep %r for its retry: %s",
@@ -812,6 +817,31 @@ def _loads(text: str) -> dict[str, Any]:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _kept_hold_marker(lock: AnyTaskLock, retries: int) -> tuple[Any, bytes]:
+    """Where a hold kept across ``self.retry()`` is marked for the retry ``retries``: a key
+    beside the lock (on the first node of a quorum), deleted by the one delivery that
+    adopts the hold."""
+    client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
+    return client, lock.keys.lock + f":kept:{lock.owner}:{retries}".encode()
+
+
+def _mark_kept_hold(lock: AnyTaskLock, retries: int, hold: float) -> None:
+    client, key = _kept_hold_marker(lock, retries)
+    try:
+        client.set(key, b"1", px=lease_ms(hold, "kept hold"))
+    except redis.RedisError as exc:  # the retry then waits for the kept hold to run out
+        log.warning("redislock: could not mark %r kept for the retry: %r", lock.name, exc)
+
+
+def _claim_kept_hold(lock: AnyTaskLock, retries: int) -> bool:
+    client, key = _kept_hold_marker(lock, retries)
+    try:
+        return bool(client.delete(key))
+    except redis.RedisError as exc:
+        log.warning("redislock: could not claim the hold kept for %r: %r", lock.name, exc)
+        return False
 
 
 def _visibility_timeout(app: Any) -> float:

@@ -128,6 +128,20 @@ def retry_keeping(self: Any, name: str) -> str:
     return "done"
 
 
+@app.task(
+    bind=True, base=LockedTask, lock_key="job:{name}", max_retries=2, lock_release_on_retry=False
+)
+def retry_keeping_long(self: Any, name: str, work: float) -> str:
+    """Keeps its lock across one retry, then works ``work`` seconds (longer than a short
+    visibility timeout: the retry message is redelivered while it runs)."""
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.2)
+    r().rpush(f"runs:{name}", f"start {self.request.retries} {os.getpid()} {self.lock.token}")
+    time.sleep(work)
+    r().rpush(f"runs:{name}", f"end {self.request.retries} {os.getpid()}")
+    return "done"
+
+
 @app.task(bind=True, base=LockedTask, lock_key="job:{name}")
 def reject(self: Any, name: str) -> None:
     raise Reject("no", requeue=False)

@@ -236,3 +236,24 @@ def test_warm_shutdown_lets_the_task_finish_and_release(
     assert proc.stop(timeout=60) == 0  # SIGTERM: a warm shutdown waits for running tasks
     assert result.get(timeout=10) is not None
     assert not r.exists("redislock:{job:warm}")  # released by the task, not by the lease
+
+
+def test_a_redelivered_retry_message_does_not_adopt_the_kept_hold_twice(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    """lock_release_on_retry=False: the retry adopts the hold its first attempt kept. A
+    second delivery of the same retry message (the visibility timeout ran out while the
+    retry works) used to adopt it too and run beside it; only one may."""
+    r = broker.client()
+    env = {"REDISLOCK_TEST_TTL": "3", "REDISLOCK_TEST_VT": "2"}
+    proc = worker(broker.url, tmp_path / "w.log", env=env)
+    try:
+        result = ca.retry_keeping_long.delay("twice", 6.0)
+        assert result.get(timeout=60) == "done"
+        time.sleep(3)  # room for a late copy to start, had it been let in
+        runs = [line.decode().split() for line in r.lrange("runs:twice", 0, -1)]
+        starts = [run for run in runs if run[0] == "start"]
+        assert len(starts) == 1, runs  # the retry ran once
+        assert "held by another delivery of this task" in proc.text()  # the copy was seen
+    finally:
+        proc.stop()
