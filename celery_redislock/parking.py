@@ -129,9 +129,11 @@ class Parker:
         # Copies of the two parts changed (the header here, the delivery tag when parked).
         envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
         envelope["headers"][REQUEUE_HEADER] = count + 1
-        # Back to the queue's first-read list (priority 0) whatever the message's priority:
-        # once handed the lock, it must not wait behind a backlog while it holds it.
-        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], 0)
+        # Back to the queue's first-read list (kombu's BRPOP reads the lists in the order
+        # of priority_steps) whatever the message's priority: once handed the lock, it
+        # must not wait behind a backlog while it holds it.
+        first = channel.priority_steps[0]
+        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], first)
         client = client_for(self.app)
         if "\n" in queue_list or not self._may_push(client, queue_list):
             return False
