@@ -301,9 +301,28 @@ class QuorumTaskLock(RedLock):
             raise quorum_error(self.name, owner, "release", round_, self.quorum)
         return code
 
+    def _start_group(self, hold: Any, outcome: Any, sent_at: float, signal: Any) -> Any:
+        self._granted_by = list(outcome.granted)
+        return super()._start_group(hold, outcome, sent_at, signal)
+
+    def _undo_plan(self, owner: str, outcome: Any, fresh: bool) -> tuple[list[int], list[Any]]:
+        if not getattr(self, "_keep_lease", False):
+            return super()._undo_plan(owner, outcome, fresh)
+        # Looking for another delivery of the task: the task id's holds on the nodes may
+        # be that delivery's. Give back only the count this attempt is known to have added.
+        return (sorted(outcome.granted) if outcome is not None else []), [owner, "one"]
+
     def drop_extra_hold(self) -> None:
-        """Give back the hold count this acquire added on the nodes; the local hold stays."""
-        self._each_node(self.keys.release_keys(), [self.owner])
+        """Give back the hold count this acquire added, on the nodes that granted it (on
+        the others the task id's count may be another delivery's); the local hold stays."""
+        keys, args = self.keys.release_keys(), [self.owner]
+        for node in getattr(self, "_granted_by", range(len(self.clients))):
+            try:
+                self._node_scripts[node].release(keys=keys, args=args)
+            except redis.RedisError as exc:  # that node's count stays until its lease ends
+                log.warning(
+                    "redislock: could not give back on node %d of %r: %r", node, self.name, exc
+                )
 
     def release_all(self) -> int:
         """Every hold of the task id, on every node (its process died)."""

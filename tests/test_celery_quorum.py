@@ -126,3 +126,39 @@ def test_a_copy_looking_for_its_own_delivery_keeps_the_quorum_leases_as_they_are
         for client in clients:
             client.delete("redislock:{" + name + "}")
             client.close()
+
+
+def test_a_copy_that_fails_its_quorum_gives_back_only_its_own_counts() -> None:
+    """One node down, another stalled: a second delivery's attempt fails, and its undo
+    must not delete the running delivery's holds (same task id) on the nodes it reached."""
+    import threading
+
+    from celery_redislock import LockQuorumError, RedLock
+    from celery_redislock.task import QuorumTaskLock
+
+    servers = [RedisServer().start() for _ in range(3)]
+    try:
+        clients = [server.client(socket_timeout=5) for server in servers]
+        key = "redislock:{job:quorum-undo}"
+        running = RedLock(clients, "job:quorum-undo", ttl=30, owner="t-u", node_timeout=0.5)
+        servers[2].stop()
+        assert running.acquire(blocking=False)  # holds on nodes 0 and 1
+        servers[1].signal(signal.SIGSTOP)
+        resume = threading.Timer(1.5, lambda: servers[1].signal(signal.SIGCONT))
+        resume.start()
+        copy = QuorumTaskLock(
+            clients, "job:quorum-undo", task_id="t-u", options=ca.hold_for.lock_options(),
+            node_timeout=0.5,
+        )  # fmt: skip
+        with pytest.raises(LockQuorumError):
+            copy.take(keep_lease=True)
+        resume.join()
+        time.sleep(1.5)  # the background give-backs have landed
+        assert [c.hget(key, "t-u") for c in clients[:2]] == [b"1", b"1"]
+        running.ensure_held()
+        running.release()
+    finally:
+        for server in servers:
+            if server.process is not None:
+                server.signal(signal.SIGCONT)
+            server.cleanup()
