@@ -115,8 +115,14 @@ def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
     assert sweeper.sweep_once() == 0  # the holder is alive: nothing to do
 
     _release_as(r, "swept", "holder")
-    assert r.delete(queue) == 1  # the handed-over message is lost on its way
     stale = sweeper.ttl / 2
+    time.sleep(stale + 0.2)
+    # Not fetched yet (busy workers), but still in its queue: not sent again, and the
+    # hand-over's lease is renewed so that it is still the task's when it is fetched.
+    assert sweeper.sweep_once() == 0
+    assert r.llen(queue) == 1
+    assert r.pttl("redislock:{job:swept}") > stale * 1000
+    assert r.delete(queue) == 1  # now the handed-over message is lost on its way
     time.sleep(stale + 0.2)
     assert sweeper.sweep_once() == 1  # ...so the sweeper sends it again
     again = _fetch(queue)

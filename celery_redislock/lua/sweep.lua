@@ -1,7 +1,8 @@
 -- The worker's safety net for parked tasks (run every few seconds per lock with parked tasks).
 -- Hands a lock whose holder vanished without releasing (lease expired) to the next parked
 -- task, and re-publishes a handed-over task whose message never started it (the releasing
--- worker died before publishing, or the message was lost).
+-- worker died before publishing, or the message was lost). A handed-over envelope still
+-- waiting in its queue list (busy workers) is not sent again: its lease is renewed.
 -- KEYS[1..7]  as handoff.lua: lock, channel, fence, parked queue, parked messages,
 --             (unused done marker slot), dispatched
 -- KEYS[8]     optional: the registry (sorted set of lock keys) to drop this lock from when
@@ -30,14 +31,33 @@ if redis.call('exists', KEYS[1]) == 0 then
     end
   end
 end
+-- Whether the envelope a hand-over pushed (handoff.lua: tag "<placeholder>h<token>") is
+-- still waiting in its queue list: then it is not lost, only not fetched yet.
+local function still_queued(message)
+  if not message or string.sub(message, 1, 1) ~= 'E' then
+    return false
+  end
+  local first = string.find(message, '\n', 1, true)
+  local second = string.find(message, '\n', first + 1, true)
+  local placeholder = string.sub(message, first + 1, second - 1)
+  local envelope = string.sub(message, second + 1)
+  local at = string.find(envelope, placeholder, 1, true)
+  local token = redis.call('hget', KEYS[1], '__fence__')
+  local pushed = string.sub(envelope, 1, at - 1) .. placeholder .. 'h' .. token
+    .. string.sub(envelope, at + #placeholder)
+  return redis.call('lpos', string.sub(message, 2, first - 1), pushed) ~= false
+end
 local dispatched = redis.call('hgetall', KEYS[7])
 for i = 1, #dispatched, 2 do
   local task_id = dispatched[i]
   if redis.call('hget', KEYS[1], task_id) == '0' then
     if now_ms - tonumber(dispatched[i + 1]) > tonumber(ARGV[2]) then
       redis.call('hset', KEYS[7], task_id, now_ms)
-      redis.call('pexpire', KEYS[1], ARGV[1])
-      return {1, redis.call('hget', KEYS[5], task_id), task_id}
+      redis.call('pexpire', KEYS[1], ARGV[1])  -- the hand-over's lease, renewed either way
+      local message = redis.call('hget', KEYS[5], task_id)
+      if not still_queued(message) then
+        return {1, message, task_id}
+      end
     end
   else
     redis.call('hdel', KEYS[7], task_id)
