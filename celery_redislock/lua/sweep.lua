@@ -45,7 +45,9 @@ local function still_queued(message)
   local token = redis.call('hget', KEYS[1], '__fence__')
   local pushed = string.sub(envelope, 1, at - 1) .. placeholder .. 'h' .. token
     .. string.sub(envelope, at + #placeholder)
-  return redis.call('lpos', string.sub(message, 2, first - 1), pushed) ~= false
+  -- pcall: a lock user without LPOS (or read access to the queue) just sends it again
+  local found = redis.pcall('lpos', string.sub(message, 2, first - 1), pushed)
+  return type(found) == 'number'
 end
 local dispatched = redis.call('hgetall', KEYS[7])
 for i = 1, #dispatched, 2 do
