@@ -306,11 +306,12 @@ class QuorumTaskLock(RedLock):
         return super()._start_group(hold, outcome, sent_at, signal)
 
     def _undo_plan(self, owner: str, outcome: Any, fresh: bool) -> tuple[list[int], list[Any]]:
-        if not getattr(self, "_keep_lease", False):
-            return super()._undo_plan(owner, outcome, fresh)
-        # Looking for another delivery of the task: the task id's holds on the nodes may
-        # be that delivery's. Give back only the count this attempt is known to have added.
-        return (sorted(outcome.granted) if outcome is not None else []), [owner, "one"]
+        if getattr(self, "_keep_lease", False) and outcome is not None and outcome.hold_count > 1:
+            # It re-entered the task id's hold: another delivery of the task holds it
+            # (there). Give back only the count this attempt is known to have added.
+            return sorted(outcome.granted), [owner, "one"]
+        # Otherwise as any fresh attempt: all of it, also where a grant may land late.
+        return super()._undo_plan(owner, outcome, fresh)
 
     def drop_extra_hold(self) -> None:
         """Give back the hold count this acquire added, on the nodes that granted it (on
