@@ -365,13 +365,12 @@ def scenario_majority_down(
     outage_faults = [f for f in swarm.faults if f.kind == "majority-stop"]
     assert len(outage_faults) == outages, f"{context}; the work ended before the outages"
 
-    # The probe: a LockQuorumError naming exactly the stopped nodes, within a bound of a
-    # few node timeouts (one round takes one; the rest is margin for a busy machine).
-    for chosen, took, error in probes:
+    # The probe: a LockQuorumError naming exactly the stopped nodes (how soon it comes is
+    # measured by bench/quorum.py, row 3, not asserted here).
+    for chosen, _took, error in probes:
         named = {nodes.label(i) for i in chosen}
         assert set(error.failures) == named, f"{context}; {error.failures} vs {named}"
         assert all(label in str(error) for label in named), f"{context}; {error}"
-        assert took < 4 * NODE_TIMEOUT, f"{context}; the quorum error took {took:.2f}s"
 
     # Every worker running during an outage met it as a quorum error (an attempt sent
     # during it fails a node_timeout later), survived it, and was told which nodes failed.
