@@ -134,6 +134,23 @@ def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
     assert _fetch(queue).headers["id"] == sent[1].id
 
 
+def _app_with_a_locked_task(name: str, broker_url: str, **conf: Any) -> tuple[Any, Any]:
+    """A Celery app of its own (settings are read once per app) with one LockedTask."""
+    from celery import Celery
+
+    from celery_redislock.task import LockedTask
+
+    app = Celery(name, broker=broker_url)
+    app.conf.update(conf)
+
+    @app.task(shared=False, base=LockedTask, lock_key="job:{name}", name=f"{name}.job")
+    def job(name: str) -> None:
+        pass
+
+    app.finalize()
+    return app, job
+
+
 def _fetch_unacked_and_park(parker: Parker, queue: str) -> Any:
     with ca.app.connection_for_read() as conn:
         simple = conn.SimpleQueue(queue)
@@ -227,22 +244,15 @@ def test_a_revoked_task_the_lock_was_handed_to_passes_it_on(
 def test_a_lock_user_that_may_not_write_the_queue_leaves_parking_to_pool_processes(
     broker: RedisServer, caplog: Any
 ) -> None:
-    from celery import Celery
-
-    from celery_redislock.task import LockedTask
-
     admin = broker.client()
     admin.execute_command("ACL", "SETUSER", "lockonly", "on", ">pw", "~redislock:*", "+@all")
     port = broker.url.rsplit(":", 1)[1].split("/")[0]
-    app = Celery("parking-acl", broker=broker.url)
-    app.conf.redislock_url = f"redis://lockonly:pw@127.0.0.1:{port}/0"
-    app.conf.redislock_park_fallback = False  # "auto" compares URL strings: these differ
-
-    @app.task(shared=False, base=LockedTask, lock_key="job:{name}", name="parking.acl")
-    def job(name: str) -> None:
-        pass
-
-    app.finalize()
+    app, job = _app_with_a_locked_task(
+        "parking-acl",
+        broker.url,
+        redislock_url=f"redis://lockonly:pw@127.0.0.1:{port}/0",
+        redislock_park_fallback=False,  # "auto" compares URL strings: these differ
+    )
     queue = "parking-acl"
     try:
         with app.connection_for_read() as conn:
@@ -275,20 +285,11 @@ def test_a_prioritised_message_under_a_key_prefix_comes_back_to_the_first_read_l
     broker: RedisServer,
 ) -> None:
     """kombu's Redis transport: ``global_keyprefix`` on every list, one list per priority
-    step; a handed-over task goes to the queue's priority-0 list, read first."""
-    from celery import Celery
-
-    from celery_redislock.task import LockedTask
-
+    step; a handed-over task goes to the list read first (the first priority step)."""
     r = broker.client()
-    app = Celery("parking-priority", broker=broker.url)
-    app.conf.broker_transport_options = {"global_keyprefix": "pfx:"}
-
-    @app.task(shared=False, base=LockedTask, lock_key="job:{name}", name="parking.priority")
-    def job(name: str) -> None:
-        pass
-
-    app.finalize()
+    app, job = _app_with_a_locked_task(
+        "parking-priority", broker.url, broker_transport_options={"global_keyprefix": "pfx:"}
+    )
     queue = "parking-pri"
     try:
         RedisLock(r, "job:pri", ttl=60, owner="holder", auto_renew=False).acquire()
