@@ -20,6 +20,8 @@ from typing import Any, Sequence
 from redis.exceptions import NoScriptError
 
 SCRIPT_NAMES = ("acquire", "release", "renew", "fence", "park", "handoff", "sweep")
+#: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``).
+PRELUDES: dict[str, tuple[str, ...]] = {"handoff": ("envelope",), "sweep": ("envelope",)}
 
 
 #: The publish call of the classic scripts, and its sharded (Redis Cluster) replacement.
@@ -27,9 +29,14 @@ PUBLISH_CALL = "redis.call('publish',"
 SPUBLISH_CALL = "redis.call('spublish',"
 
 
+def _file(name: str) -> str:
+    return (resources.files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+
+
 @functools.cache
 def source(name: str) -> str:
-    return (resources.files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+    """The script ``name``, after the shared functions it uses (``PRELUDES``)."""
+    return "".join(_file(prelude) for prelude in PRELUDES.get(name, ())) + _file(name)
 
 
 @functools.cache

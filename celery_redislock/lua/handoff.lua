@@ -62,17 +62,9 @@ if next_id then
   -- hold count 0: handed over, not yet started; the task's own acquire makes it 1
   redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
   redis.call('pexpire', KEYS[1], ARGV[3])
-  if string.sub(message, 1, 1) == 'E' then  -- "E<list>\n<tag placeholder>\n<envelope>"
-    local first = string.find(message, '\n', 1, true)
-    local second = string.find(message, '\n', first + 1, true)
-    local placeholder = string.sub(message, first + 1, second - 1)  -- "rltag" + random hex
-    local envelope = string.sub(message, second + 1)
-    local at = string.find(envelope, placeholder, 1, true)
-    -- The new delivery tag "<placeholder>h<token>" is unique, needs no JSON escaping, and
-    -- tells the worker's main process that the lock was handed to this message.
-    envelope = string.sub(envelope, 1, at - 1) .. placeholder .. 'h' .. token
-      .. string.sub(envelope, at + #placeholder)
-    redis.call('rpush', string.sub(message, 2, first - 1), envelope)  -- next for BRPOP
+  if string.sub(message, 1, 1) == 'E' then  -- a broker envelope (envelope.lua)
+    local queue_list, envelope = pushed_envelope(message, token)
+    redis.call('rpush', queue_list, envelope)  -- next for BRPOP
     return {code, false, next_id}
   end
   return {code, message, next_id}

@@ -37,17 +37,9 @@ local function still_queued(message)
   if not message or string.sub(message, 1, 1) ~= 'E' then
     return false
   end
-  local first = string.find(message, '\n', 1, true)
-  local second = string.find(message, '\n', first + 1, true)
-  local placeholder = string.sub(message, first + 1, second - 1)
-  local envelope = string.sub(message, second + 1)
-  local at = string.find(envelope, placeholder, 1, true)
-  local token = redis.call('hget', KEYS[1], '__fence__')
-  local pushed = string.sub(envelope, 1, at - 1) .. placeholder .. 'h' .. token
-    .. string.sub(envelope, at + #placeholder)
+  local queue_list, pushed = pushed_envelope(message, redis.call('hget', KEYS[1], '__fence__'))
   -- pcall: a lock user without LPOS (or read access to the queue) just sends it again
-  local found = redis.pcall('lpos', string.sub(message, 2, first - 1), pushed)
-  return type(found) == 'number'
+  return type(redis.pcall('lpos', queue_list, pushed)) == 'number'
 end
 local dispatched = redis.call('hgetall', KEYS[7])
 for i = 1, #dispatched, 2 do
