@@ -31,11 +31,15 @@ def _release_as(r: redis.Redis, name: str, owner: str) -> list[Any]:
     return list(scripts_for(r).handoff(keys=keys, args=args))
 
 
-def _fetch(queue: str, timeout: float = 5.0) -> Any:
-    with ca.app.connection_for_read() as conn:
+def _fetch(queue: str, *, app: Any = None, parker: Parker | None = None, parks: bool = True) -> Any:
+    """The next message of ``queue``, acked; first offered to ``parker`` (as the worker's
+    main process does), which must answer ``parks``."""
+    with (app or ca.app).connection_for_read() as conn:
         simple = conn.SimpleQueue(queue)
         try:
-            message = simple.get(timeout=timeout)
+            message = simple.get(timeout=5.0)
+            if parker is not None:
+                assert parker.park(message) is parks
             message.ack()
             return message
         finally:
@@ -53,20 +57,10 @@ def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
     sent = [ca.hold_for.apply_async(("env", 0.01), queue=queue, task_id=i) for i in ids]
     other = ca.hold_for.apply_async(("free", 0.01), queue=queue)  # its lock is free
     parker = Parker(ca.hold_for, ca.app, revoked=set())
-    with ca.app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(queue)
-        try:
-            for result in sent:
-                message = simple.get(timeout=5)
-                assert message.headers["id"] == result.id
-                assert parker.park(message) is True  # parked: the worker acks it
-                message.ack()
-            message = simple.get(timeout=5)
-            assert message.headers["id"] == other.id
-            assert parker.park(message) is False  # free: delivered as usual
-            message.ack()
-        finally:
-            simple.close()
+    for result in sent:  # parked: the worker acks it
+        assert _fetch(queue, parker=parker).headers["id"] == result.id
+    # free: delivered as usual
+    assert _fetch(queue, parker=parker, parks=False).headers["id"] == other.id
     parked = [p.decode() for p in r.lrange(PARKED % "env", 0, -1)]
     assert parked == [result.id for result in sent]  # first come, first served
     entries = r.hgetall(PARKED % "env" + ":messages")
@@ -109,7 +103,7 @@ def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
     sent = [ca.hold_for.apply_async(("swept", 0.01), queue=queue) for _ in range(2)]
     parker = Parker(ca.hold_for, ca.app, revoked=set())
     for result in sent:
-        message = _fetch_unacked_and_park(parker, queue)
+        message = _fetch(queue, parker=parker)
         assert message.headers["id"] == result.id
     sweeper = Sweeper(ca.app)
     assert sweeper.sweep_once() == 0  # the holder is alive: nothing to do
@@ -149,18 +143,6 @@ def _app_with_a_locked_task(name: str, broker_url: str, **conf: Any) -> tuple[An
 
     app.finalize()
     return app, job
-
-
-def _fetch_unacked_and_park(parker: Parker, queue: str) -> Any:
-    with ca.app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(queue)
-        try:
-            message = simple.get(timeout=5)
-            assert parker.park(message) is True
-            message.ack()
-            return message
-        finally:
-            simple.close()
 
 
 def test_a_worker_parks_contended_tasks_without_a_pool_process_and_runs_them_in_order(
@@ -209,7 +191,7 @@ def test_one_broken_lock_does_not_stop_the_sweepers_pass(broker: RedisServer) ->
     queue = "parking-broken"
     RedisLock(r, "job:good", ttl=60, owner="holder", auto_renew=False).acquire()
     sent = ca.hold_for.apply_async(("good", 0.01), queue=queue)
-    _fetch_unacked_and_park(Parker(ca.hold_for, ca.app, revoked=set()), queue)
+    _fetch(queue, parker=Parker(ca.hold_for, ca.app, revoked=set()))
     # A lock ahead of it in the registry whose parked entry cannot be published.
     r.rpush("redislock:{job:bad}:parked", "t-bad")
     r.hset("redislock:{job:bad}:parked:messages", "t-bad", "{not json")
@@ -264,16 +246,10 @@ def test_a_lock_user_that_may_not_write_the_queue_leaves_parking_to_pool_process
                     controller=SimpleNamespace(state=SimpleNamespace(revoked=set())),
                 ),
             )
-            assert parker is not None  # same server and db: found with the probe key
-            RedisLock(admin, "job:acl", ttl=60, owner="holder", auto_renew=False).acquire()
-            job.apply_async(("acl",), queue=queue)
-            simple = conn.SimpleQueue(queue)
-            try:
-                message = simple.get(timeout=5)
-                assert parker.park(message) is False  # delivered: a pool process parks it
-                message.ack()
-            finally:
-                simple.close()
+        assert parker is not None  # same server and db: found with the probe key
+        RedisLock(admin, "job:acl", ttl=60, owner="holder", auto_renew=False).acquire()
+        job.apply_async(("acl",), queue=queue)
+        _fetch(queue, app=app, parker=parker, parks=False)  # delivered: a pool process parks it
         assert not admin.exists(PARKED % "acl")
         assert "parking at delivery is off for queue 'parking-acl'" in caplog.text
     finally:
@@ -295,23 +271,14 @@ def test_a_prioritised_message_under_a_key_prefix_comes_back_to_the_first_read_l
         RedisLock(r, "job:pri", ttl=60, owner="holder", auto_renew=False).acquire()
         sent = job.apply_async(("pri",), queue=queue, priority=9)
         assert r.llen(f"pfx:{queue}\x06\x169") == 1  # where kombu put it
-        parker = Parker(job, app, revoked=set())
-        with app.connection_for_read() as conn:
-            simple = conn.SimpleQueue(queue)
-            try:
-                message = simple.get(timeout=5)
-                assert parker.park(message) is True
-                message.ack()
-                lock = TaskLock(r, "job:pri", task_id="holder", options=job.lock_options())
-                keys, args = lock.handoff_args("holder", "one", None)
-                assert scripts_for(r).handoff(keys=keys, args=args)[2].decode() == sent.id
-                assert r.llen(f"pfx:{queue}") == 1  # the first-read list
-                again = simple.get(timeout=5)
-                assert again.headers["id"] == sent.id
-                assert again.properties.get("priority") == 9  # its own priority is kept
-                again.ack()
-            finally:
-                simple.close()
+        _fetch(queue, app=app, parker=Parker(job, app, revoked=set()))
+        lock = TaskLock(r, "job:pri", task_id="holder", options=job.lock_options())
+        keys, args = lock.handoff_args("holder", "one", None)
+        assert scripts_for(r).handoff(keys=keys, args=args)[2].decode() == sent.id
+        assert r.llen(f"pfx:{queue}") == 1  # the first-read list
+        again = _fetch(queue, app=app)
+        assert again.headers["id"] == sent.id
+        assert again.properties.get("priority") == 9  # its own priority is kept
     finally:
         app.close()
 
