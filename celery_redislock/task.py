@@ -127,6 +127,8 @@ class _Call(NamedTuple):
 class TaskLock(RedisLock):
     """A :class:`RedisLock` owned by a task id, with the task's "done" marker beside it."""
 
+    _keep_lease = False  # set during take(keep_lease=True)
+
     def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
         super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
         self.done_key = self.keys.lock + b":done:" + task_id.encode()
@@ -153,7 +155,7 @@ class TaskLock(RedisLock):
 
     def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
         argv = super()._acquire_argv(owner, lease, line)
-        if getattr(self, "_keep_lease", False):
+        if self._keep_lease:
             argv = [owner, lease, argv[2] if line else "", "", "keep-lease"]
         return argv
 
@@ -256,6 +258,8 @@ class QuorumTaskLock(RedLock):
     is re-queued with a countdown (parked hand-over needs a single Redis).
     """
 
+    _keep_lease = False  # set during take(keep_lease=True)
+
     def __init__(
         self,
         clients: list[Any],
@@ -289,7 +293,7 @@ class QuorumTaskLock(RedLock):
 
     def _attempt_argv(self, owner: str, lease: int, fresh: bool) -> list[Any]:
         argv = super()._attempt_argv(owner, lease, fresh)
-        if getattr(self, "_keep_lease", False):
+        if self._keep_lease:
             argv = [owner, lease, "", "new-token" if fresh else "", "keep-lease"]
         return argv
 
@@ -306,7 +310,7 @@ class QuorumTaskLock(RedLock):
         return super()._start_group(hold, outcome, sent_at, signal)
 
     def _undo_plan(self, owner: str, outcome: Any, fresh: bool) -> tuple[list[int], list[Any]]:
-        if getattr(self, "_keep_lease", False) and outcome is not None and outcome.hold_count > 1:
+        if self._keep_lease and outcome is not None and outcome.hold_count > 1:
             # It re-entered the task id's hold: another delivery of the task holds it
             # (there). Give back only the count this attempt is known to have added.
             return sorted(outcome.granted), [owner, "one"]
