@@ -24,11 +24,15 @@ from ._errors import LockConfigurationError, LockLostError
 DEFAULT_PREFIX = "redislock:"
 FENCE_FIELD = "__fence__"
 
-#: How long a blocked acquire waits when the lock has no expiry set and no timeout
-#: was given, before it retries on its own (a release would have woken it sooner).
+#: The longest a blocked acquire sleeps before it retries on its own (a release would
+#: have woken it sooner): for a lock with no expiry, and as a cap on the holder's lease.
 NO_TTL_RECHECK = 5.0
 #: A waiter keeps its place in line this long past the holder's lease without retrying.
 LINE_MARGIN_MS = 2000
+#: The lease release.lua gives a lock it hands to a waiter (its ARGV[5] default): the
+#: waiter takes it up within this time (with a round trip, or, granted directly, by its
+#: watchdog's first renewal), or the grant lapses and the next waiter gets the lock.
+GRANT_MS = 2000
 
 
 # --------------------------------------------------------------------- validation
@@ -247,7 +251,9 @@ def wait_bound(pttl: int, remaining: float | None) -> float:
     elif pttl < 0:
         lease_left = NO_TTL_RECHECK
     else:
-        lease_left = pttl / 1000.0 + 0.001
+        # Capped too: a lock handed directly to a waiter that then died lapses after
+        # GRANT_MS without any message to the waiters of other processes.
+        lease_left = min(pttl / 1000.0 + 0.001, NO_TTL_RECHECK)
     return lease_left if remaining is None else max(0.0, min(lease_left, remaining))
 
 
@@ -369,6 +375,7 @@ class Hold:
         "count",
         "deadline",
         "failures",
+        "granted",
         "keys",
         "lease",
         "lost",
@@ -406,6 +413,9 @@ class Hold:
         self.lost = lost
         self.notify = notify
         self.acquired_at = sent_at
+        #: Handed over by a release and counted as taken without a round trip: Redis
+        #: still has hold count 0 for it (a re-entry first takes it up to 1).
+        self.granted = False
         #: Releases of this hold in flight (a renewal crossing one must not cry "lost").
         self.releasing = 0
 

@@ -9,6 +9,15 @@ with nobody in line publishes "1", which wakes the longest-waiting local waiter 
 lock (not all). An expiry publishes nothing, which is why the sleep is bounded by the
 lease.
 
+**Direct grants** (the sync lock, one Redis): a waiter also tells the line its wake
+id, ``<subscriber>:<nonce>``. A release that hands it the lock then publishes
+``<token>:<nonce>`` on ``<channel>:<subscriber>``, a channel only that waiter's
+process subscribes to (in the same SUBSCRIBE as the lock's channel): no other process
+wakes, and the waiter counts the grant as acquired without another round trip (its
+watchdog lengthens the grant's short lease; see :mod:`celery_redislock.lock`). The
+nonce is new for every blocked acquire, so a late message from an earlier wait can
+never be taken for a grant to this one.
+
 Subscriptions are reference-counted per channel and dropped a little after their
 last waiter leaves, so a lock contended in bursts is not re-subscribed each time.
 If the subscriber's connection breaks, every waiter is woken to retry (a release
@@ -28,8 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -58,6 +69,8 @@ LINGER = 2.0
 #: A subscription Redis refused (an ACL without the channel) is tried again this often.
 REFUSED_RETRY = 2.0
 _READ_SLICE = 0.5
+#: Nonces of blocked acquires in this process (see "Direct grants" above).
+_nonces = itertools.count(1)
 _BROKEN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
@@ -80,6 +93,19 @@ class _Channel:
     def wake_one(self) -> None:
         for waiter in self.waiters:
             if not waiter.kicked:
+                waiter.kick()
+                return
+
+    def grant(self, data: bytes) -> None:
+        """A direct grant, ``<token>:<nonce>``: hand the token to the wait with that nonce.
+
+        No wait has it (it timed out and left, passing the grant on): nothing to do.
+        """
+        token, _, nonce = data.partition(b":")
+        for waiter in self.waiters:
+            if waiter.nonce == nonce:
+                if token.isdigit():
+                    waiter.granted = int(token)
                 waiter.kick()
                 return
 
@@ -113,7 +139,9 @@ class _WaiterState:
         "_relocate",
         "_subscriber",
         "event",
+        "granted",
         "kicked",
+        "nonce",
         "owner",
         "recheck_at",
     )
@@ -128,6 +156,20 @@ class _WaiterState:
         self.owner = owner.encode()
         self.kicked = False
         self.recheck_at: float | None = None
+        self.nonce = str(next(_nonces)).encode()
+        #: The fencing token of a direct grant to this wait (set by the subscriber).
+        self.granted: int | None = None
+
+    @property
+    def wake_id(self) -> bytes | None:
+        """``<subscriber>:<nonce>`` for acquire.lua, or None: no direct grants here."""
+        sub = self._subscriber.grant_id
+        return None if sub is None else sub + b":" + self.nonce
+
+    def take_grant(self) -> int | None:
+        """The token of a direct grant received since the last call, or None."""
+        token, self.granted = self.granted, None
+        return token
 
     def kick(self) -> None:
         self.kicked = True
@@ -217,6 +259,9 @@ class Subscriber:
         self._conn: Any = None
         self._thread: threading.Thread | None = None
         self.pid = os.getpid()
+        #: This subscriber's part of direct-grant channel names (None: sharded, no grants).
+        self.grant_id: bytes | None = None if sharded else b"g" + secrets.token_hex(8).encode()
+        self._grant_tail = b"" if self.grant_id is None else b":" + self.grant_id
 
     # -- used by waiters -------------------------------------------------------
 
@@ -264,7 +309,11 @@ class Subscriber:
 
     def _subscribe_locked(self, names: list[bytes], unsubscribe: bool = False) -> None:
         if not self.sharded:
-            self._send_locked("UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *names)
+            # Each lock's channel, then its direct-grant channel: the second confirmation
+            # means both are in place.
+            tail = self._grant_tail
+            both = [part for name in names for part in (name, name + tail)]
+            self._send_locked("UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *both)
             return
         for name in names:  # a sharded (un)subscription cannot span slots: one per channel
             self._send_locked("SUNSUBSCRIBE" if unsubscribe else "SSUBSCRIBE", name)
@@ -378,14 +427,20 @@ class Subscriber:
     def _dispatch(self, reply: Any) -> None:
         if not isinstance(reply, list) or len(reply) < 2:
             return
-        kind = reply[0]
+        kind, name = reply[0], reply[1]
+        direct = not self.sharded and name.endswith(self._grant_tail)
+        if direct:
+            name = name[: -len(self._grant_tail)]
         with self._mutex:
-            channel = self._channels.get(reply[1])
+            channel = self._channels.get(name)
             if channel is None:
                 return
             if kind in (b"message", b"smessage") and len(reply) > 2:
-                channel.wake(reply[2])
-            elif kind in (b"subscribe", b"ssubscribe"):
+                if direct:
+                    channel.grant(reply[2])
+                else:
+                    channel.wake(reply[2])
+            elif kind == b"ssubscribe" or (kind == b"subscribe" and direct):
                 channel.confirmed.set()
             elif kind == b"sunsubscribe":
                 # Not ours (we only unsubscribe channels already dropped): the slot moved.
@@ -513,6 +568,8 @@ class AsyncSubscriber:
         self._conn: Any = None
         self._task: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()  # one connection, however many tasks subscribe at once
+        #: No direct grants for asyncio waiters (yet): they take a grant with a round trip.
+        self.grant_id: bytes | None = None
 
     def waiter(
         self,

@@ -27,6 +27,8 @@ from redis.exceptions import NoScriptError, RedisError
 from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase, SyncContext
 from ._core import (
     DEFAULT_PREFIX,
+    GRANT_MS,
+    AcquireReply,
     Hold,
     LeaseLost,
     LockKeys,
@@ -36,6 +38,7 @@ from ._core import (
     optional_seconds,
     thread_owner,
     validate_prefix,
+    validity_deadline,
     wait_bound,
 )
 from ._renewal import RenewalScheduler, require_replicas, scheduler_for
@@ -46,6 +49,10 @@ log = logging.getLogger(__name__)
 
 
 class RedisLock(LockBase[LeaseLost], SyncContext):
+    #: Whether blocked acquires ask for direct grants (see :meth:`acquire`); a task lock
+    #: does not (its hold counts carry meaning of their own).
+    _direct_grants = True
+
     """A reentrant, owner-checked, fenced lock on one Redis server.
 
     Args:
@@ -128,7 +135,18 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
 
         Returns False when not acquired in time. Waiting is woken by the holder's
         release (pub/sub), never by polling; an expired holder is noticed when its
-        remaining lease, fetched with each attempt, runs out.
+        remaining lease, fetched with each attempt, runs out (a waiter re-checks at
+        least every 5 s).
+
+        A release hands the lock to the first waiter in line. A watchdog-renewed
+        waiter on one Redis (no cluster, no ``min_replicas``) is granted it *directly*:
+        only its process is woken, with the fencing token, and the acquire returns
+        without another round trip. The grant's lease is short (2 s from the release,
+        or ``ttl`` if shorter),
+        so a waiter that died in line cannot keep the lock; the watchdog's first
+        renewal, due well inside it, gives the hold its full lease. A grant received
+        too long after this waiter's last attempt to be trusted (the wait lasted
+        nearly 2 s since) is taken up with a round trip instead.
         """
         wait_limit = optional_seconds(timeout, "timeout")
         lease_millis, renew = self._acquire_args(lease)
@@ -142,9 +160,12 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
         with waiter_for(self.client, self.keys.channel, owner) as waiter:
+            direct = renew and self._direct_grants and not self.min_replicas
+            wake = waiter.wake_id if direct else None
             try:
                 while True:
-                    outcome = self._try(owner, lease_millis, renew, started, line=True)
+                    sent_at = time.monotonic()
+                    outcome = self._try(owner, lease_millis, renew, started, line=True, wake=wake)
                     if outcome is True:
                         acquired = True
                         return True
@@ -152,9 +173,40 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                     if remaining is not None and remaining <= 0:
                         return False
                     waiter.wait(wait_bound(outcome, remaining))
+                    token = waiter.take_grant()
+                    if token is not None and self._take_grant(
+                        owner, token, sent_at, lease_millis, started
+                    ):
+                        acquired = True
+                        return True
             finally:
                 if not acquired:
                     self._leave_line(owner)
+
+    def _take_grant(
+        self, owner: str, token: int, sent_at: float, lease: int, started: float
+    ) -> bool:
+        """Count a direct grant as acquired, if its short lease can still be trusted.
+
+        The release granted it after this waiter's last attempt (sent at ``sent_at``)
+        reached Redis, so the grant's lease ends after ``sent_at + GRANT_MS`` at the
+        earliest (``GRANT_MS``, or the hold's lease if shorter). With less than half of
+        that left, False: take it up with a round trip.
+        """
+        grant_ms = min(GRANT_MS, lease)  # what release.lua gives a direct grant
+        deadline = validity_deadline(sent_at, grant_ms)
+        if deadline - time.monotonic() < grant_ms / 2000.0:
+            return False
+        hold, is_new = self._record_acquired(
+            owner, AcquireReply(True, token, 1), sent_at, lease, True, started
+        )
+        # Redis has hold count 0 for it (granted): a re-entry first takes it up (_try).
+        hold.granted = True
+        hold.deadline = deadline
+        hold.next_due = sent_at + grant_ms / 3000.0  # the full lease well before the grant's ends
+        if is_new:
+            self._scheduler().add(hold, renew_by=sent_at + grant_ms / 2000.0)
+        return True
 
     def _leave_line(self, owner: str) -> None:
         """Give up a place in line (and pass on a lock granted to us meanwhile)."""
@@ -171,13 +223,20 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         started: float | None = None,
         *,
         line: bool = False,
+        wake: bytes | None = None,
     ) -> bool | int:
         """One attempt: True if acquired, else ms to wait at most (the holder's lease).
 
-        ``line=True`` (a blocked acquire) joins the line of waiters when contended.
+        ``line=True`` (a blocked acquire) joins the line of waiters when contended;
+        ``wake`` (its waiter's wake id) asks for a direct grant.
         """
+        held = self._holds.get(owner)
+        if held is not None and held.granted:
+            self._take_up(owner, held, lease)
         sent_at = time.monotonic()
         argv = self._acquire_argv(owner, lease, line)
+        if wake is not None:
+            argv.extend(("", "", wake))
         acks: Any = None
         if self.min_replicas:
             raw, acks = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
@@ -196,6 +255,25 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
             self._scheduler().add(hold)
         return True
+
+    def _take_up(self, owner: str, hold: Hold, lease: int) -> None:
+        """Before re-entering a hold granted directly: make Redis's count 0 a 1 (one trip).
+
+        Anything else than our own grant taken up means the grant's lease ran out; the
+        hold is then reported lost (and the re-entry that follows starts afresh).
+        """
+        hold.granted = False
+        sent_at = time.monotonic()
+        reply = decode_acquire(
+            run(self.client, self._scripts.acquire, self._acquire_keys(), [owner, lease])
+        )
+        if reply.acquired and reply.hold_count == 1 and reply.token == hold.token:
+            hold.renewed(sent_at)
+            return
+        if reply.acquired:  # a fresh hold, not the grant: give it back before deciding
+            run(self.client, self._scripts.release, self._release_keys, (owner,))
+        self._forget(hold)
+        hold.mark_lost("expired")
 
     def _replicated(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, Any]:
         """(script reply, WAIT reply) in one round trip (the script reloaded on NOSCRIPT)."""

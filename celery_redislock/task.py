@@ -128,6 +128,7 @@ class TaskLock(RedisLock):
     """A :class:`RedisLock` owned by a task id, with the task's "done" marker beside it."""
 
     _keep_lease = False  # set during take(keep_lease=True)
+    _direct_grants = False  # a hold count of 0 means "handed over, not started" here
 
     def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
         super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)

@@ -274,7 +274,8 @@ def test_many_waited_locks_share_one_subscriber_connection(redis_client: redis.R
         c for c in redis_client.client_list() if int(c.get("sub", 0)) > 0 and c["id"] not in before
     ]
     assert len(subscribers) == 1
-    assert int(subscribers[0]["sub"]) == 20
+    # Two channels per lock: its release channel, and this process's direct-grant channel.
+    assert int(subscribers[0]["sub"]) == 2 * 20
     for h in holders:
         h.release()
     for t in threads:
@@ -486,8 +487,88 @@ def test_a_dead_waiter_does_not_stall_the_line(
     time.sleep(0.3)
     holder.release()  # granted to the dead waiter first: it never takes it
     live.join(20)
-    # The grant lapsed (2 s) and the live waiter got the lock within its 10 s timeout:
-    # told of the hand-over, it re-checked when the grant lapsed. Without that it would
-    # sleep until the holder's 60 s lease could have ended, and time out.
+    # The grant lapsed (2 s) and the live waiter got the lock within its 10 s timeout.
+    # The dead waiter was granted it directly, which the live waiter's process is not
+    # told of: it re-checked on its own within 5 s (the cap on every wait). Without that
+    # it would sleep until the holder's 60 s lease could have ended, and time out.
     assert result == [True]
     assert redis_client.hget(holder.keys.lock, "live") == b"1"
+
+
+def test_a_release_grants_the_first_waiter_directly(redis_client: redis.Redis) -> None:
+    """A renewed waiter is handed the lock by the release itself: only its process is
+    told (nothing on the lock's broadcast channel), with the fencing token, and it holds
+    the lock without another round trip. The grant's short lease is then lengthened by
+    the watchdog, and a re-entry first takes the grant up (Redis counted it 0)."""
+    holder = RedisLock(redis_client, "direct", ttl=60, auto_renew=False, owner="holder")
+    holder.acquire()
+    waiter = RedisLock(redis_client, "direct", ttl=30, owner="w")
+    watch = redis_client.pubsub()
+    watch.subscribe(holder.keys.channel)
+    assert watch.get_message(timeout=5)["type"] == "subscribe"
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    wake_key = holder.keys.waiters + b":wake"
+    while not redis_client.hexists(wake_key, "w") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert redis_client.hget(wake_key, "w").endswith(b":30000")  # wake id and lease
+    redis_client.config_resetstat()
+    holder.release()
+    thread.join(20)
+    evalsha_calls = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert got == [True]
+    assert evalsha_calls == 1  # the release alone: the waiter took nothing afterwards
+    assert waiter.token == int(redis_client.get(holder.keys.fence))
+    assert redis_client.hget(holder.keys.lock, "w") == b"0"  # granted, counted as held
+    assert 0 < redis_client.pttl(holder.keys.lock) <= 2000
+    assert not redis_client.hexists(wake_key, "w")
+    assert watch.get_message(timeout=0.3) is None  # no other process was woken
+    watch.close()
+    # The watchdog gives the hold its full lease well before the grant's 2 s end.
+    deadline = time.monotonic() + 10
+    while redis_client.pttl(holder.keys.lock) <= 2000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert redis_client.pttl(holder.keys.lock) > 20000
+    waiter.ensure_held()
+    # Re-entry takes the grant up first: then Redis counts two holds, like the caller.
+    assert waiter.acquire(blocking=False) is True
+    assert redis_client.hget(holder.keys.lock, "w") == b"2"
+    waiter.release()
+    assert redis_client.hget(holder.keys.lock, "w") == b"1"
+    waiter.release()
+    assert redis_client.exists(holder.keys.lock) == 0
+    assert not waiter.lost
+
+
+def test_a_grant_for_another_wait_is_ignored() -> None:
+    """Grants name the wait (a nonce per blocked acquire): a late message from an
+    earlier wait of the same owner cannot pass for a grant to this one."""
+    from celery_redislock._waiting import Subscriber, Waiter, _Channel
+
+    subscriber = Subscriber(redis.ConnectionPool())
+    earlier = Waiter(subscriber, b"ch", "owner")
+    current = Waiter(subscriber, b"ch", "owner")
+    channel = _Channel()
+    channel.waiters.append(current)
+    channel.grant(b"41:" + earlier.nonce)
+    assert current.granted is None and not current.kicked
+    channel.grant(b"42:" + current.nonce)
+    assert current.take_grant() == 42 and current.kicked
+    assert current.take_grant() is None
+    assert current.wake_id == subscriber.grant_id + b":" + current.nonce
+
+
+def test_a_grant_too_old_to_trust_is_taken_up_with_a_round_trip(
+    redis_client: redis.Redis,
+) -> None:
+    """The waiter can only date a grant from its own last attempt: when that was long
+    enough ago that the grant's lease may be nearly over, it takes the lock with a
+    round trip (which also sets the full lease) instead."""
+    lock = RedisLock(redis_client, "stale-grant", ttl=30, owner="w")
+    assert lock._take_grant("w", 1, time.monotonic() - 1.5, 30000, time.monotonic()) is False
+    assert lock.token is None
+    assert lock._take_grant("w", 7, time.monotonic(), 30000, time.monotonic()) is True
+    assert lock.token == 7
+    lock.close()  # no such lock in Redis: stop the watchdog's renewals of it

@@ -64,7 +64,9 @@ LOCK_COMMANDS = (
     "publish",
     "subscribe",
     "unsubscribe",
-    # the line of blocked waiters: a list in arrival order and a sorted set of claims
+    # the line of blocked waiters: a list in arrival order, a sorted set of claims, and
+    # a hash of the waiters' wake ids for direct grants
+    "hdel",
     "rpush",
     "lpop",
     "lindex",

@@ -14,6 +14,10 @@
 -- ARGV[5]  optional: "keep-lease" does not lengthen the lease when re-entering a hold that
 --          was already taken (a task's check for another delivery of itself: it must not
 --          keep a dead delivery's lease alive); taking up a hand-over still sets it
+-- ARGV[6]  optional: with ARGV[3], the waiter's wake id "<subscriber>:<nonce>": a release
+--          grants it the lock directly (see release.lua); kept with the lease as
+--          "<subscriber>:<nonce>:<lease>" in KEYS[3]..":wake" (a hash with the same hash
+--          tag, expiring with the line places)
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
@@ -33,9 +37,16 @@ local function now_ms()
 end
 local function join_line(wait_ms)
   if ARGV[3] and ARGV[3] ~= '' then
-    local until_ms = now_ms() + math.max(wait_ms, 0) + tonumber(ARGV[3])
-    if redis.call('zadd', KEYS[4], until_ms, ARGV[1]) == 1 then
+    local keep_ms = math.max(wait_ms, 0) + tonumber(ARGV[3])
+    if redis.call('zadd', KEYS[4], now_ms() + keep_ms, ARGV[1]) == 1 then
       redis.call('rpush', KEYS[3], ARGV[1])
+    end
+    if ARGV[6] and ARGV[6] ~= '' then
+      local wake = KEYS[3] .. ':wake'
+      redis.call('hset', wake, ARGV[1], ARGV[6] .. ':' .. lease)
+      if redis.call('pttl', wake) < keep_ms then
+        redis.call('pexpire', wake, keep_ms)
+      end
     end
   end
 end
@@ -50,6 +61,7 @@ if redis.call('exists', KEYS[1]) == 0 then
       end
       redis.call('lpop', KEYS[3])
       redis.call('zrem', KEYS[4], head)
+      redis.call('hdel', KEYS[3] .. ':wake', head)
       head = redis.call('lindex', KEYS[3], 0)
     end
     if head and head ~= ARGV[1] then
@@ -60,6 +72,7 @@ if redis.call('exists', KEYS[1]) == 0 then
     if head then
       redis.call('lpop', KEYS[3])
       redis.call('zrem', KEYS[4], head)
+      redis.call('hdel', KEYS[3] .. ':wake', head)
     end
   end
   local token = redis.call('incr', KEYS[2])

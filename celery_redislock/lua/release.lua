@@ -2,7 +2,11 @@
 -- delete it and wake waiters.
 -- KEYS[1]  lock hash
 -- KEYS[2]  release channel: the new holder's owner id after a hand-over (wakes exactly that
---          waiter), or "1" (wakes one waiter per subscribed process)
+--          waiter), or "1" (wakes one waiter per subscribed process). A waiter that asked
+--          for a direct grant ("<subscriber>:<nonce>:<lease>" in the hash KEYS[4]..":wake",
+--          same hash tag) is told on KEYS[2]..":"..<subscriber> alone, with "<token>:<nonce>":
+--          only its process wakes, and it counts the grant as acquired (the grant's lease is
+--          then the shorter of ARGV[5] and the waiter's own)
 -- KEYS[3]  fence counter
 -- KEYS[4]  waiters (list, first come first served)
 -- KEYS[5]  claims (sorted set owner -> ms its place is kept until)
@@ -21,9 +25,11 @@
 --          -2      another owner holds the lock (ours expired and was taken); nothing touched
 --          -3      "leave": the waiter held nothing
 local mode = ARGV[2] or 'one'
+local wake_key = KEYS[4] .. ':wake'
 if mode == 'leave' then
   redis.call('lrem', KEYS[4], 0, ARGV[1])
   redis.call('zrem', KEYS[5], ARGV[1])
+  redis.call('hdel', wake_key, ARGV[1])
   if redis.call('hget', KEYS[1], ARGV[1]) ~= '0' then
     return -3
   end
@@ -63,11 +69,27 @@ if head then
   while head do
     local keep = tonumber(redis.call('zscore', KEYS[5], head) or '0')
     redis.call('zrem', KEYS[5], head)
+    local wake = redis.call('hget', wake_key, head)
+    if wake then
+      redis.call('hdel', wake_key, head)
+    end
     if keep >= now then
       local token = redis.call('incr', KEYS[3])
+      local grant_ms = tonumber(ARGV[5] or '2000')
+      local sub, nonce, lease
+      if wake then
+        sub, nonce, lease = string.match(wake, '^([^:]+):([^:]+):(%d+)$')
+      end
+      if sub then
+        grant_ms = math.min(grant_ms, tonumber(lease))
+      end
       redis.call('hset', KEYS[1], head, 0, '__fence__', token)  -- count 0: granted, not yet taken
-      redis.call('pexpire', KEYS[1], tonumber(ARGV[5] or '2000'))
-      redis.call('publish', KEYS[2], head)
+      redis.call('pexpire', KEYS[1], grant_ms)
+      if sub then
+        redis.call('publish', KEYS[2] .. ':' .. sub, token .. ':' .. nonce)
+      else
+        redis.call('publish', KEYS[2], head)
+      end
       return 0
     end
     head = redis.call('lpop', KEYS[4])
