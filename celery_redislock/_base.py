@@ -14,6 +14,7 @@ from typing import Any, Callable, Generic, TypeVar
 from . import signals
 from ._core import (
     DEFAULT_PREFIX,
+    GRANT_MS,
     LINE_MARGIN_MS,
     AcquireReply,
     Hold,
@@ -25,6 +26,7 @@ from ._core import (
     optional_seconds,
     validate_owner,
     validate_prefix,
+    validity_deadline,
 )
 from ._errors import (
     LockConfigurationError,
@@ -52,6 +54,9 @@ class LockBase(Generic[Signal]):
     """State and decisions common to the sync and asyncio locks."""
 
     _signal_type: type[Signal]
+    #: Whether blocked acquires ask for direct grants (see :meth:`RedisLock.acquire`); a
+    #: task lock does not (its hold counts carry meaning of their own).
+    _direct_grants = True
 
     def __init__(
         self,
@@ -201,6 +206,55 @@ class LockBase(Generic[Signal]):
     def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
         """ARGV of acquire.lua: a blocked acquire (``line``) joins the line when contended."""
         return [owner, lease, LINE_MARGIN_MS] if line else [owner, lease]
+
+    def _direct(self, renew: bool) -> bool:
+        """Whether a blocked acquire may be granted the lock directly (no round trip):
+        only a watchdog-renewed hold (the watchdog lengthens the grant's short lease),
+        never one that must reach replicas first."""
+        return renew and self._direct_grants and not self.min_replicas
+
+    def _take_grant(
+        self, owner: str, token: int, sent_at: float, lease: int, started: float
+    ) -> bool:
+        """Count a direct grant as acquired, if its short lease can still be trusted.
+
+        The release granted it after this waiter's last attempt (sent at ``sent_at``)
+        reached Redis, so the grant's lease (``GRANT_MS``, or the hold's lease if
+        shorter) ends after ``sent_at`` plus that lease at the earliest. With less than
+        half of it left, False: the caller takes the lock up with a round trip instead.
+        """
+        grant_ms = min(GRANT_MS, lease)  # what release.lua gives a direct grant
+        deadline = validity_deadline(sent_at, grant_ms)
+        if deadline - time.monotonic() < grant_ms / 2000.0:
+            return False
+        hold, is_new = self._record_acquired(
+            owner, AcquireReply(True, token, 1), sent_at, lease, True, started
+        )
+        # Redis has hold count 0 for it (granted): a re-entry first takes it up.
+        hold.granted = True
+        hold.deadline = deadline
+        hold.next_due = sent_at + grant_ms / 3000.0  # full lease well before the grant's ends
+        if is_new:
+            self._renewals().add(hold, renew_by=sent_at + grant_ms / 2000.0)
+        return True
+
+    def _took_up(self, hold: Hold, reply: AcquireReply, sent_at: float) -> bool:
+        """After the take-up of a direct grant (acquire.lua, no line): was it ours?
+
+        Anything but our own grant going from count 0 to 1 means its lease ran out: the
+        hold is reported lost, and False tells the caller to give back a fresh hold it
+        may have been handed instead (the re-entry that follows starts afresh).
+        """
+        if reply.acquired and reply.hold_count == 1 and reply.token == hold.token:
+            hold.renewed(sent_at)
+            return True
+        self._forget(hold)
+        hold.mark_lost("expired")
+        return False
+
+    def _renewals(self) -> Any:
+        """This lock's watchdog (sync: a thread's scheduler; asyncio: the loop's)."""
+        raise NotImplementedError
 
     def _acquire_args(self, lease: float | None) -> tuple[int, bool]:
         if lease is None:

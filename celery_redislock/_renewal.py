@@ -338,11 +338,12 @@ class AsyncRenewalScheduler(_SchedulerBase):
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, hold: Hold) -> None:
+    def add(self, hold: Hold, renew_by: float | None = None) -> None:
+        """See :meth:`RenewalScheduler.add`."""
         self._holds[id(hold)] = hold
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
-        elif hold.next_due < self._wake_at:
+        elif hold.next_due < self._wake_at and (renew_by is None or self._wake_at > renew_by):
             self._wake.set()
 
     def remove(self, hold: Hold) -> None:

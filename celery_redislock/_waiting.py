@@ -247,7 +247,35 @@ class Waiter(_WaiterState):
                 return woken
 
 
-class Subscriber:
+class _GrantChannels:
+    """Naming shared by both subscribers: each lock channel ``<c>`` comes with this
+    subscriber's direct-grant channel ``<c>:<grant_id>`` (not for sharded pub/sub)."""
+
+    sharded: bool
+
+    def _init_grants(self) -> None:
+        #: This subscriber's part of direct-grant channel names (None: sharded, no grants).
+        self.grant_id: bytes | None = None if self.sharded else b"g" + secrets.token_hex(8).encode()
+        self._grant_tail = b"" if self.grant_id is None else b":" + self.grant_id
+
+    def _with_grants(self, names: list[bytes]) -> list[bytes]:
+        """Each lock's channel, then its direct-grant channel: the second confirmation
+        means both are in place."""
+        tail = self._grant_tail
+        return [part for name in names for part in (name, name + tail)] if tail else names
+
+    def _route(self, channel: bytes) -> tuple[bytes, bool]:
+        """(the lock channel a reply is about, whether it came on the grant channel)."""
+        tail = self._grant_tail
+        if tail and channel.endswith(tail):
+            return channel[: -len(tail)], True
+        return channel, False
+
+    def _confirms(self, kind: bytes, direct: bool) -> bool:
+        return kind == b"ssubscribe" or (kind == b"subscribe" and (direct or not self._grant_tail))
+
+
+class Subscriber(_GrantChannels):
     """The process-wide subscriber of one connection pool (see the module docstring)."""
 
     def __init__(self, pool: Any, *, sharded: bool = False) -> None:
@@ -259,9 +287,7 @@ class Subscriber:
         self._conn: Any = None
         self._thread: threading.Thread | None = None
         self.pid = os.getpid()
-        #: This subscriber's part of direct-grant channel names (None: sharded, no grants).
-        self.grant_id: bytes | None = None if sharded else b"g" + secrets.token_hex(8).encode()
-        self._grant_tail = b"" if self.grant_id is None else b":" + self.grant_id
+        self._init_grants()
 
     # -- used by waiters -------------------------------------------------------
 
@@ -309,11 +335,9 @@ class Subscriber:
 
     def _subscribe_locked(self, names: list[bytes], unsubscribe: bool = False) -> None:
         if not self.sharded:
-            # Each lock's channel, then its direct-grant channel: the second confirmation
-            # means both are in place.
-            tail = self._grant_tail
-            both = [part for name in names for part in (name, name + tail)]
-            self._send_locked("UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *both)
+            self._send_locked(
+                "UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *self._with_grants(names)
+            )
             return
         for name in names:  # a sharded (un)subscription cannot span slots: one per channel
             self._send_locked("SUNSUBSCRIBE" if unsubscribe else "SSUBSCRIBE", name)
@@ -427,10 +451,8 @@ class Subscriber:
     def _dispatch(self, reply: Any) -> None:
         if not isinstance(reply, list) or len(reply) < 2:
             return
-        kind, name = reply[0], reply[1]
-        direct = not self.sharded and name.endswith(self._grant_tail)
-        if direct:
-            name = name[: -len(self._grant_tail)]
+        kind = reply[0]
+        name, direct = self._route(reply[1])
         with self._mutex:
             channel = self._channels.get(name)
             if channel is None:
@@ -440,7 +462,7 @@ class Subscriber:
                     channel.grant(reply[2])
                 else:
                     channel.wake(reply[2])
-            elif kind == b"ssubscribe" or (kind == b"subscribe" and direct):
+            elif self._confirms(kind, direct):
                 channel.confirmed.set()
             elif kind == b"sunsubscribe":
                 # Not ours (we only unsubscribe channels already dropped): the slot moved.
@@ -556,7 +578,7 @@ class AsyncWaiter(_WaiterState):
                 return woken
 
 
-class AsyncSubscriber:
+class AsyncSubscriber(_GrantChannels):
     """The subscriber of one ``redis.asyncio`` pool in one event loop; a reader task, no thread."""
 
     def __init__(self, pool: Any, *, sharded: bool = False) -> None:
@@ -568,8 +590,7 @@ class AsyncSubscriber:
         self._conn: Any = None
         self._task: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()  # one connection, however many tasks subscribe at once
-        #: No direct grants for asyncio waiters (yet): they take a grant with a round trip.
-        self.grant_id: bytes | None = None
+        self._init_grants()
 
     def waiter(
         self,
@@ -581,7 +602,9 @@ class AsyncSubscriber:
 
     async def _subscribe(self, names: list[bytes], unsubscribe: bool = False) -> None:
         if not self.sharded:
-            await self._send("UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *names)
+            await self._send(
+                "UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *self._with_grants(names)
+            )
             return
         for name in names:
             await self._send("SUNSUBSCRIBE" if unsubscribe else "SSUBSCRIBE", name)
@@ -692,14 +715,19 @@ class AsyncSubscriber:
     def _dispatch(self, reply: Any) -> None:
         if not isinstance(reply, list) or len(reply) < 2:
             return
-        channel = self._channels.get(reply[1])
+        kind = reply[0]
+        name, direct = self._route(reply[1])
+        channel = self._channels.get(name)
         if channel is None:
             return
-        if reply[0] in (b"message", b"smessage") and len(reply) > 2:
-            channel.wake(reply[2])
-        elif reply[0] in (b"subscribe", b"ssubscribe"):
+        if kind in (b"message", b"smessage") and len(reply) > 2:
+            if direct:
+                channel.grant(reply[2])
+            else:
+                channel.wake(reply[2])
+        elif self._confirms(kind, direct):
             channel.confirmed.set()
-        elif reply[0] == b"sunsubscribe":
+        elif kind == b"sunsubscribe":
             self._moved([reply[1]])
 
     async def _sweep(self) -> None:

@@ -153,6 +153,9 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
     def _default_owner(self) -> str:
         return task_owner()
 
+    def _renewals(self) -> AsyncRenewalScheduler:
+        return _scheduler(self.client)
+
     def _unschedule(self, hold: Hold) -> None:
         if hold.renew:
             _scheduler(self.client).remove(hold)
@@ -173,9 +176,13 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
         async with async_waiter_for(self.client, self.keys.channel, owner) as waiter:
+            wake = waiter.wake_id if self._direct(renew) else None
             try:
                 while True:
-                    outcome = await self._try(owner, lease_millis, renew, started, line=True)
+                    sent_at = time.monotonic()
+                    outcome = await self._try(
+                        owner, lease_millis, renew, started, line=True, wake=wake
+                    )
                     if outcome is True:
                         acquired = True
                         return True
@@ -183,6 +190,12 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                     if remaining is not None and remaining <= 0:
                         return False
                     await waiter.wait(wait_bound(outcome, remaining))
+                    token = waiter.take_grant()
+                    if token is not None and self._take_grant(
+                        owner, token, sent_at, lease_millis, started
+                    ):
+                        acquired = True
+                        return True
             finally:
                 if not acquired:  # also when cancelled: leaving must reach Redis
                     await _to_completion(self._leave_line(owner))
@@ -199,9 +212,15 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         started: float | None = None,
         *,
         line: bool = False,
+        wake: bytes | None = None,
     ) -> bool | int:
+        held = self._holds.get(owner)
+        if held is not None and held.granted:
+            await to_completion(self._take_up(owner, held, lease))
         sent_at = time.monotonic()
         argv = self._acquire_argv(owner, lease, line)
+        if wake is not None:
+            argv.extend(("", "", wake))
         if self.min_replicas:
             call = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
         else:
@@ -230,6 +249,17 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             await _to_completion(self._release(owner))
             raise cancelled
         return True
+
+    async def _take_up(self, owner: str, hold: Hold, lease: int) -> None:
+        """Before re-entering a hold granted directly: Redis's count 0 made 1 (one trip)."""
+        hold.granted = False
+        sent_at = time.monotonic()
+        keys = self._acquire_keys()
+        reply = decode_acquire(
+            await run_async(self.client, self._scripts.acquire, keys, [owner, lease])
+        )
+        if not self._took_up(hold, reply, sent_at) and reply.acquired:
+            await run_async(self.client, self._scripts.release, self._release_keys, [owner])
 
     @staticmethod
     async def _plain(call: Awaitable[Any]) -> tuple[Any, Any]:

@@ -27,8 +27,6 @@ from redis.exceptions import NoScriptError, RedisError
 from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase, SyncContext
 from ._core import (
     DEFAULT_PREFIX,
-    GRANT_MS,
-    AcquireReply,
     Hold,
     LeaseLost,
     LockKeys,
@@ -38,7 +36,6 @@ from ._core import (
     optional_seconds,
     thread_owner,
     validate_prefix,
-    validity_deadline,
     wait_bound,
 )
 from ._renewal import RenewalScheduler, require_replicas, scheduler_for
@@ -49,10 +46,6 @@ log = logging.getLogger(__name__)
 
 
 class RedisLock(LockBase[LeaseLost], SyncContext):
-    #: Whether blocked acquires ask for direct grants (see :meth:`acquire`); a task lock
-    #: does not (its hold counts carry meaning of their own).
-    _direct_grants = True
-
     """A reentrant, owner-checked, fenced lock on one Redis server.
 
     Args:
@@ -116,6 +109,9 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             cached = self._cached_scheduler = scheduler_for(self.client)
         return cached
 
+    def _renewals(self) -> RenewalScheduler:
+        return self._scheduler()
+
     def _unschedule(self, hold: Hold) -> None:
         if hold.renew:
             self._scheduler().remove(hold)
@@ -160,8 +156,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
         with waiter_for(self.client, self.keys.channel, owner) as waiter:
-            direct = renew and self._direct_grants and not self.min_replicas
-            wake = waiter.wake_id if direct else None
+            wake = waiter.wake_id if self._direct(renew) else None
             try:
                 while True:
                     sent_at = time.monotonic()
@@ -182,31 +177,6 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             finally:
                 if not acquired:
                     self._leave_line(owner)
-
-    def _take_grant(
-        self, owner: str, token: int, sent_at: float, lease: int, started: float
-    ) -> bool:
-        """Count a direct grant as acquired, if its short lease can still be trusted.
-
-        The release granted it after this waiter's last attempt (sent at ``sent_at``)
-        reached Redis, so the grant's lease ends after ``sent_at + GRANT_MS`` at the
-        earliest (``GRANT_MS``, or the hold's lease if shorter). With less than half of
-        that left, False: take it up with a round trip.
-        """
-        grant_ms = min(GRANT_MS, lease)  # what release.lua gives a direct grant
-        deadline = validity_deadline(sent_at, grant_ms)
-        if deadline - time.monotonic() < grant_ms / 2000.0:
-            return False
-        hold, is_new = self._record_acquired(
-            owner, AcquireReply(True, token, 1), sent_at, lease, True, started
-        )
-        # Redis has hold count 0 for it (granted): a re-entry first takes it up (_try).
-        hold.granted = True
-        hold.deadline = deadline
-        hold.next_due = sent_at + grant_ms / 3000.0  # the full lease well before the grant's ends
-        if is_new:
-            self._scheduler().add(hold, renew_by=sent_at + grant_ms / 2000.0)
-        return True
 
     def _leave_line(self, owner: str) -> None:
         """Give up a place in line (and pass on a lock granted to us meanwhile)."""
@@ -257,23 +227,13 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         return True
 
     def _take_up(self, owner: str, hold: Hold, lease: int) -> None:
-        """Before re-entering a hold granted directly: make Redis's count 0 a 1 (one trip).
-
-        Anything else than our own grant taken up means the grant's lease ran out; the
-        hold is then reported lost (and the re-entry that follows starts afresh).
-        """
+        """Before re-entering a hold granted directly: Redis's count 0 made 1 (one trip)."""
         hold.granted = False
         sent_at = time.monotonic()
-        reply = decode_acquire(
-            run(self.client, self._scripts.acquire, self._acquire_keys(), [owner, lease])
-        )
-        if reply.acquired and reply.hold_count == 1 and reply.token == hold.token:
-            hold.renewed(sent_at)
-            return
-        if reply.acquired:  # a fresh hold, not the grant: give it back before deciding
+        argv = [owner, lease]
+        reply = decode_acquire(run(self.client, self._scripts.acquire, self._acquire_keys(), argv))
+        if not self._took_up(hold, reply, sent_at) and reply.acquired:
             run(self.client, self._scripts.release, self._release_keys, (owner,))
-        self._forget(hold)
-        hold.mark_lost("expired")
 
     def _replicated(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, Any]:
         """(script reply, WAIT reply) in one round trip (the script reloaded on NOSCRIPT)."""

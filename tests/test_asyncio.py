@@ -103,6 +103,39 @@ async def test_waiter_wakes_on_release(aclient: aioredis.Redis) -> None:
     assert await asyncio.wait_for(waiter, 20) is True  # long before the 60 s lease ends
 
 
+async def test_a_release_grants_the_first_waiter_directly(aclient: aioredis.Redis) -> None:
+    """As for RedisLock: the waiter's reader alone is told, with the token, and the
+    waiter holds the lock without another round trip; the watchdog lengthens the
+    grant's lease; a re-entry takes the grant up first."""
+    holder = AsyncRedisLock(aclient, "direct", ttl=60, auto_renew=False, owner="holder")
+    await holder.acquire()
+    lock = AsyncRedisLock(aclient, "direct", ttl=30, owner="w")
+    waiter = asyncio.create_task(lock.acquire(timeout=20))
+    wake_key = holder.keys.waiters + b":wake"
+    for _ in range(500):
+        if await aclient.hexists(wake_key, "w"):
+            break
+        await asyncio.sleep(0.01)
+    await aclient.config_resetstat()
+    await holder.release()
+    assert await asyncio.wait_for(waiter, 20) is True
+    stats = await aclient.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 1  # the release alone
+    assert lock.token == int(await aclient.get(holder.keys.fence))
+    assert await aclient.hget(holder.keys.lock, "w") == b"0"
+    for _ in range(200):
+        if await aclient.pttl(holder.keys.lock) > 2000:
+            break
+        await asyncio.sleep(0.05)
+    assert await aclient.pttl(holder.keys.lock) > 20000  # the watchdog's first renewal
+    assert await lock.acquire(blocking=False) is True
+    assert await aclient.hget(holder.keys.lock, "w") == b"2"
+    await lock.release()
+    await lock.release()
+    assert not await aclient.exists(holder.keys.lock)
+    assert not lock.lost
+
+
 async def test_context_manager_times_out(aclient: aioredis.Redis) -> None:
     await AsyncRedisLock(aclient, "job", owner="holder").acquire()
     with pytest.raises(LockTimeoutError):
@@ -207,7 +240,8 @@ async def test_many_waited_locks_share_one_reader(aclient: aioredis.Redis) -> No
     subs = [
         c for c in await aclient.client_list() if int(c.get("sub", 0)) > 0 and c["id"] not in before
     ]
-    assert len(subs) == 1 and int(subs[0]["sub"]) == 10
+    # Two channels per lock: its release channel and this reader's direct-grant channel.
+    assert len(subs) == 1 and int(subs[0]["sub"]) == 2 * 10
     for h in holders:
         await h.release()
     assert await asyncio.gather(*waiters) == [True] * 10

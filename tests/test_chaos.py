@@ -175,7 +175,7 @@ def scenario_kills(
 
 
 def test_sigkilled_holders_never_let_two_in(server: RedisServer, tmp_path: Path, seed: int) -> None:
-    scenario_kills(server, tmp_path, seed, slots=6, items=12, kills=5, bound=45, label="1 sigkill")
+    scenario_kills(server, tmp_path, seed, slots=6, items=20, kills=5, bound=45, label="1 sigkill")
 
 
 @pytest.mark.slow
@@ -523,7 +523,7 @@ def test_a_seeded_random_fault_schedule_keeps_the_lock_safe_and_live(
     server: RedisServer, tmp_path: Path, seed: int
 ) -> None:
     scenario_fault_schedule(
-        server, tmp_path, seed, slots=5, items=50, faults=30, budget=18, bound=60,
+        server, tmp_path, seed, slots=5, items=100, faults=30, budget=18, bound=60,
         label="4 random faults",
     )  # fmt: skip
 
