@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import heapq
 import json
 import os
 import random
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,53 @@ def workload(name: str, seed: int) -> list[str]:
 def ideal_of(accounts: list[str], work: float, concurrency: int) -> float:
     hottest = Counter(accounts).most_common(1)[0][1]
     return max(hottest * work, len(accounts) * work / concurrency)
+
+
+def package_origin(module: Any) -> str:
+    """Where the package under test comes from, without naming this machine's paths."""
+    here = Path(module.__file__).resolve().parent
+    return "this checkout" if here.parent == ROOT else "an installed copy"
+
+
+def perfect_lock_bound(accounts: list[str], work: float, cost: float, concurrency: int) -> float:
+    """Makespan of a *perfect* per-account lock on this queue order (computed, not run).
+
+    The model: ``concurrency`` slots take messages in publish order (FIFO, as the
+    worker fetches them); every task costs ``work`` plus ``cost`` (Celery's own per-task
+    cost, measured by the no-lock run); a message whose account is locked is parked at
+    no cost, and the slot that frees its lock runs it next, at once (zero hand-over
+    time). No lock can do better on a FIFO queue: a task cannot start before a slot
+    has fetched it, however early its account's lock is free.
+    """
+    queue = deque(accounts)
+    parked: dict[str, int] = Counter()
+    lock_until: dict[str, float] = {}
+    slots = [(0.0, i) for i in range(concurrency)]
+    end = 0.0
+    while queue or any(parked.values()):
+        now, slot = heapq.heappop(slots)
+        ready = [(lock_until[a], a) for a, n in parked.items() if n and lock_until[a] <= now]
+        if ready:
+            account = min(ready)[1]
+            parked[account] -= 1
+        else:
+            account = ""
+            while queue:
+                candidate = queue.popleft()
+                if lock_until.get(candidate, 0.0) > now:
+                    parked[candidate] += 1  # parked: the slot takes the next message
+                    continue
+                account = candidate
+                break
+            if not account:  # only parked tasks left: this slot idles until a release
+                waits = [lock_until[a] for a, n in parked.items() if n]
+                heapq.heappush(slots, (max(now, min(waits)), slot))
+                continue
+        finish = now + cost + work
+        lock_until[account] = finish
+        end = max(end, finish)
+        heapq.heappush(slots, (finish, slot))
+    return end
 
 
 # --------------------------------------------------------------------------- the worker
@@ -342,7 +390,7 @@ def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) 
     return lines
 
 
-def target_lines(med: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace) -> list[str]:
     def ratio(v: str, wl: str) -> str:
         m = med.get(v, {}).get(wl)
         if m is None:
@@ -367,6 +415,22 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         f"floor (no lock; Celery's own per-task overhead here): W1 {ratio('nolock', 'W1')}, "
         f"W2 {ratio('nolock', 'W2')}"
     )
+    bounds = []
+    for wl in WORKLOADS:
+        m = med.get("nolock", {}).get(wl)
+        if m is None or m["makespan"] is None:
+            continue
+        accounts = workload(wl, args.seed)
+        # Celery's per-task cost here, from the no-lock run (FIFO, every slot always busy).
+        cost = max(0.0, m["makespan"] * args.concurrency / len(accounts) - args.work)
+        bound = perfect_lock_bound(accounts, args.work, cost, args.concurrency)
+        ideal = ideal_of(accounts, args.work, args.concurrency)
+        bounds.append(f"{wl} {bound / ideal:.2f}x ({cost * 1e3:.1f} ms per task)")
+    if bounds:
+        lines.append(
+            "perfect lock on this queue order (computed: FIFO fetch, the no-lock run's "
+            "per-task cost, zero hand-over time): " + ", ".join(bounds)
+        )
     return lines
 
 
@@ -463,12 +527,13 @@ def main(argv: list[str] | None = None) -> int:
         *build_table(med, args.variant_list),
         "",
         "Targets:",
-        *("  " + x for x in target_lines(med)),
+        *("  " + x for x in target_lines(med, args)),
         "",
         "Notes:",
         "  makespan = first publish -> last section's end; ideal = max(hottest account's tasks"
         f" x {args.work:g} s, tasks x {args.work:g} s / {args.concurrency})",
-        f"  package: {Path(celery_redislock.__file__).parent}; load average (1 min) "
+        f"  package: celery_redislock from {package_origin(celery_redislock)}; "
+        "load average (1 min) "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (other jobs on the box add noise)",
         "  same-account gap = next section's start - previous section's end on one account "
         "(hand-over time as the work sees it; not shown without a lock, where sections overlap)",
