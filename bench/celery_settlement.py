@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             "elapsed_s": elapsed,
             "args": {k: v for k, v in vars(args).items() if k != "variant_list"},
             "variants": args.variant_list,
-            "package": str(Path(celery_redislock.__file__).parent),
+            "package": package_origin(celery_redislock),
             "loadavg": {"before": load_before, "after": load_after},
             "median": med,
             "runs": runs,
