@@ -230,27 +230,11 @@ class LockBase(Generic[Signal]):
         hold, is_new = self._record_acquired(
             owner, AcquireReply(True, token, 1), sent_at, lease, True, started
         )
-        # Redis has hold count 0 for it (granted): a re-entry first takes it up.
-        hold.granted = True
         hold.deadline = deadline
         hold.next_due = sent_at + grant_ms / 3000.0  # full lease well before the grant's ends
         if is_new:
             self._renewals().add(hold, renew_by=sent_at + grant_ms / 2000.0)
         return True
-
-    def _took_up(self, hold: Hold, reply: AcquireReply, sent_at: float) -> bool:
-        """After the take-up of a direct grant (acquire.lua, no line): was it ours?
-
-        Anything but our own grant going from count 0 to 1 means its lease ran out: the
-        hold is reported lost, and False tells the caller to give back a fresh hold it
-        may have been handed instead (the re-entry that follows starts afresh).
-        """
-        if reply.acquired and reply.hold_count == 1 and reply.token == hold.token:
-            hold.renewed(sent_at)
-            return True
-        self._forget(hold)
-        hold.mark_lost("expired")
-        return False
 
     def _renewals(self) -> Any:
         """This lock's watchdog (sync: a thread's scheduler; asyncio: the loop's)."""

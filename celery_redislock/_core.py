@@ -375,7 +375,6 @@ class Hold:
         "count",
         "deadline",
         "failures",
-        "granted",
         "keys",
         "lease",
         "lost",
@@ -413,9 +412,6 @@ class Hold:
         self.lost = lost
         self.notify = notify
         self.acquired_at = sent_at
-        #: Handed over by a release and counted as taken without a round trip: Redis
-        #: still has hold count 0 for it (a re-entry first takes it up to 1).
-        self.granted = False
         #: Releases of this hold in flight (a renewal crossing one must not cry "lost").
         self.releasing = 0
 

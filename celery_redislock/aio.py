@@ -198,11 +198,12 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                         return True
             finally:
                 if not acquired:  # also when cancelled: leaving must reach Redis
-                    await _to_completion(self._leave_line(owner))
+                    await _to_completion(self._leave_line(owner, waiter.nonce if wake else None))
 
-    async def _leave_line(self, owner: str) -> None:
+    async def _leave_line(self, owner: str, nonce: bytes | None = None) -> None:
+        args: list[Any] = [owner, "leave"] if nonce is None else [owner, "leave", nonce]
         with contextlib.suppress(RedisError):  # the place lapses LINE_MARGIN_MS past the lease
-            await self._scripts.release(keys=self.keys.release_keys(), args=[owner, "leave"])
+            await self._scripts.release(keys=self.keys.release_keys(), args=args)
 
     async def _try(
         self,
@@ -214,9 +215,6 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         line: bool = False,
         wake: bytes | None = None,
     ) -> bool | int:
-        held = self._holds.get(owner)
-        if held is not None and held.granted:
-            await to_completion(self._take_up(owner, held, lease))
         sent_at = time.monotonic()
         argv = self._acquire_argv(owner, lease, line)
         if wake is not None:
@@ -249,17 +247,6 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             await _to_completion(self._release(owner))
             raise cancelled
         return True
-
-    async def _take_up(self, owner: str, hold: Hold, lease: int) -> None:
-        """Before re-entering a hold granted directly: Redis's count 0 made 1 (one trip)."""
-        hold.granted = False
-        sent_at = time.monotonic()
-        keys = self._acquire_keys()
-        reply = decode_acquire(
-            await run_async(self.client, self._scripts.acquire, keys, [owner, lease])
-        )
-        if not self._took_up(hold, reply, sent_at) and reply.acquired:
-            await run_async(self.client, self._scripts.release, self._release_keys, [owner])
 
     @staticmethod
     async def _plain(call: Awaitable[Any]) -> tuple[Any, Any]:

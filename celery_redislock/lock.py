@@ -176,12 +176,14 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                         return True
             finally:
                 if not acquired:
-                    self._leave_line(owner)
+                    self._leave_line(owner, waiter.nonce if wake else None)
 
-    def _leave_line(self, owner: str) -> None:
-        """Give up a place in line (and pass on a lock granted to us meanwhile)."""
+    def _leave_line(self, owner: str, nonce: bytes | None = None) -> None:
+        """Give up a place in line (and pass on a lock granted to us meanwhile; granted
+        directly, to the wait with ``nonce``)."""
+        args: list[Any] = [owner, "leave"] if nonce is None else [owner, "leave", nonce]
         try:
-            self._scripts.release(keys=self.keys.release_keys(), args=[owner, "leave"])
+            self._scripts.release(keys=self.keys.release_keys(), args=args)
         except RedisError as exc:  # the place lapses by itself: LINE_MARGIN_MS past the lease
             log.debug("redislock: could not leave the line of %r: %r", self.name, exc)
 
@@ -200,9 +202,6 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         ``line=True`` (a blocked acquire) joins the line of waiters when contended;
         ``wake`` (its waiter's wake id) asks for a direct grant.
         """
-        held = self._holds.get(owner)
-        if held is not None and held.granted:
-            self._take_up(owner, held, lease)
         sent_at = time.monotonic()
         argv = self._acquire_argv(owner, lease, line)
         if wake is not None:
@@ -225,15 +224,6 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
             self._scheduler().add(hold)
         return True
-
-    def _take_up(self, owner: str, hold: Hold, lease: int) -> None:
-        """Before re-entering a hold granted directly: Redis's count 0 made 1 (one trip)."""
-        hold.granted = False
-        sent_at = time.monotonic()
-        argv = [owner, lease]
-        reply = decode_acquire(run(self.client, self._scripts.acquire, self._acquire_keys(), argv))
-        if not self._took_up(hold, reply, sent_at) and reply.acquired:
-            run(self.client, self._scripts.release, self._release_keys, (owner,))
 
     def _replicated(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, Any]:
         """(script reply, WAIT reply) in one round trip (the script reloaded on NOSCRIPT)."""

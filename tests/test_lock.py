@@ -499,7 +499,7 @@ def test_a_release_grants_the_first_waiter_directly(redis_client: redis.Redis) -
     """A renewed waiter is handed the lock by the release itself: only its process is
     told (nothing on the lock's broadcast channel), with the fencing token, and it holds
     the lock without another round trip. The grant's short lease is then lengthened by
-    the watchdog, and a re-entry first takes the grant up (Redis counted it 0)."""
+    the watchdog; re-entries count as usual, also through another lock object."""
     holder = RedisLock(redis_client, "direct", ttl=60, auto_renew=False, owner="holder")
     holder.acquire()
     waiter = RedisLock(redis_client, "direct", ttl=30, owner="w")
@@ -521,9 +521,8 @@ def test_a_release_grants_the_first_waiter_directly(redis_client: redis.Redis) -
     assert got == [True]
     assert evalsha_calls == 1  # the release alone: the waiter took nothing afterwards
     assert waiter.token == int(redis_client.get(holder.keys.fence))
-    assert redis_client.hget(holder.keys.lock, "w") == b"0"  # granted, counted as held
+    assert redis_client.hget(holder.keys.lock, "w") == b"1"  # taken for it by the release
     assert 0 < redis_client.pttl(holder.keys.lock) <= 2000
-    assert not redis_client.hexists(wake_key, "w")
     assert watch.get_message(timeout=0.3) is None  # no other process was woken
     watch.close()
     # The watchdog gives the hold its full lease well before the grant's 2 s end.
@@ -532,11 +531,12 @@ def test_a_release_grants_the_first_waiter_directly(redis_client: redis.Redis) -
         time.sleep(0.05)
     assert redis_client.pttl(holder.keys.lock) > 20000
     waiter.ensure_held()
-    # Re-entry takes the grant up first: then Redis counts two holds, like the caller.
-    assert waiter.acquire(blocking=False) is True
+    # Re-entry, here through a second lock object of the same owner: Redis counts two.
+    inner = RedisLock(redis_client, "direct", ttl=30, owner="w")
+    assert inner.acquire(blocking=False) is True
     assert redis_client.hget(holder.keys.lock, "w") == b"2"
-    waiter.release()
-    assert redis_client.hget(holder.keys.lock, "w") == b"1"
+    inner.release()
+    assert redis_client.hget(holder.keys.lock, "w") == b"1"  # the outer hold is still there
     waiter.release()
     assert redis_client.exists(holder.keys.lock) == 0
     assert not waiter.lost
@@ -572,3 +572,42 @@ def test_a_grant_too_old_to_trust_is_taken_up_with_a_round_trip(
     assert lock._take_grant("w", 7, time.monotonic(), 30000, time.monotonic()) is True
     assert lock.token == 7
     lock.close()  # no such lock in Redis: stop the watchdog's renewals of it
+
+
+def test_a_direct_grant_is_counted_once_by_its_own_attempt_and_passed_on_by_its_leave(
+    redis_client: redis.Redis,
+) -> None:
+    """The two races of a direct grant, at the script level: the waiter's own attempt
+    crossing the grant's message takes the grant without counting it again (another
+    attempt of the same owner re-enters), and the waiter leaving (timed out, cancelled)
+    passes a grant it never saw to the next in line."""
+    lock = RedisLock(redis_client, "crossed", ttl=30, owner="holder")
+    scripts, keys = scripts_for(redis_client), lock.keys
+    acquire_keys = [keys.lock, keys.fence, keys.waiters, keys.claims]
+
+    def attempt(owner: str, wake: str = "") -> list[int]:
+        argv = [owner, 30000, 2000, "", "", wake] if wake else [owner, 30000, 2000]
+        return [int(x) for x in scripts.acquire(keys=acquire_keys, args=argv)]
+
+    assert lock.acquire()
+    assert attempt("w", "gsub:7")[0] == 0  # in line, with its wake id
+    assert attempt("next")[0] == 0
+    lock.release()  # granted directly to "w" (count 1), "next" still in line
+    assert redis_client.hget(keys.lock, "w") == b"1"
+    assert attempt("w", "gsub:7")[:3:2] == [1, 1]  # its own attempt: still one hold
+    assert attempt("w")[:3:2] == [1, 2]  # any other: a re-entry
+    assert scripts.release(keys=keys.release_keys(), args=["w", "all"]) == 0
+    # Granted to "next" with a round trip to come (no wake id): count 0.
+    assert redis_client.hget(keys.lock, "next") == b"0"
+    assert scripts.release(keys=keys.release_keys(), args=["next", "leave"]) == 0
+    # Now a direct grant that its waiter leaves without having seen it.
+    assert lock.acquire()
+    assert attempt("w2", "gsub:8")[0] == 0
+    assert attempt("last")[0] == 0
+    lock.release()
+    assert redis_client.hget(keys.lock, "w2") == b"1"
+    assert scripts.release(keys=keys.release_keys(), args=["w2", "leave", "9"]) == -3  # not its wait
+    assert redis_client.hget(keys.lock, "w2") == b"1"
+    assert scripts.release(keys=keys.release_keys(), args=["w2", "leave", "8"]) == 0
+    assert not redis_client.hexists(keys.lock, "w2")
+    assert redis_client.hget(keys.lock, "last") == b"0"  # passed on down the line

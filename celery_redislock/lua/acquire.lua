@@ -17,7 +17,8 @@
 -- ARGV[6]  optional: with ARGV[3], the waiter's wake id "<subscriber>:<nonce>": a release
 --          grants it the lock directly (see release.lua); kept with the lease as
 --          "<subscriber>:<nonce>:<lease>" in KEYS[3]..":wake" (a hash with the same hash
---          tag, expiring with the line places)
+--          tag, expiring with the line places). An attempt finding its own wait's direct
+--          grant there ("=<nonce>") takes it without counting it again
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
@@ -81,6 +82,20 @@ if redis.call('exists', KEYS[1]) == 0 then
   return {1, token, 1}
 end
 if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
+  if ARGV[6] and ARGV[6] ~= '' then
+    -- This wait's own direct grant (release.lua), reached before its message: take it as
+    -- it is (count 1 already), not as a re-entry.
+    local wake = KEYS[3] .. ':wake'
+    local nonce = string.match(ARGV[6], ':([^:]+)$')
+    if nonce and redis.call('hget', wake, ARGV[1]) == '=' .. nonce then
+      redis.call('hdel', wake, ARGV[1])
+      if redis.call('pttl', KEYS[1]) < lease then
+        redis.call('pexpire', KEYS[1], lease)
+      end
+      return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')),
+        tonumber(redis.call('hget', KEYS[1], ARGV[1]))}
+    end
+  end
   local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
   if (count == 1 or ARGV[5] ~= 'keep-lease') and redis.call('pttl', KEYS[1]) < lease then
     -- re-entering never shortens the lease

@@ -5,8 +5,10 @@
 --          waiter), or "1" (wakes one waiter per subscribed process). A waiter that asked
 --          for a direct grant ("<subscriber>:<nonce>:<lease>" in the hash KEYS[4]..":wake",
 --          same hash tag) is told on KEYS[2]..":"..<subscriber> alone, with "<token>:<nonce>":
---          only its process wakes, and it counts the grant as acquired (the grant's lease is
---          then the shorter of ARGV[5] and the waiter's own)
+--          only its process wakes, and it counts the grant as acquired. Such a grant is
+--          written as taken (hold count 1) with the shorter of ARGV[5] and the waiter's own
+--          lease, and its wake entry becomes "=<nonce>": an attempt of that wait crossing
+--          the message takes it without counting it twice, and its "leave" passes it on
 -- KEYS[3]  fence counter
 -- KEYS[4]  waiters (list, first come first served)
 -- KEYS[5]  claims (sorted set owner -> ms its place is kept until)
@@ -16,7 +18,8 @@
 --          releasing for a dead task); "hold" keep the lock, but only for ARGV[3] ms more;
 --          "leave" a waiter giving up: leave the line, and pass on a lock granted to it;
 --          "force" an operator's release: whoever holds the lock (ARGV[1] unused)
--- ARGV[3]  with "hold": milliseconds to keep the lock (a positive integer)
+-- ARGV[3]  with "hold": milliseconds to keep the lock (a positive integer); with "leave":
+--          the nonce of the wait that leaves (a direct grant to it is passed on)
 -- ARGV[4]  with KEYS[6]: lifetime of the done marker in milliseconds
 -- ARGV[5]  optional: ms a waiter granted the lock has to take it (default 2000)
 -- returns  n >= 0  holds the owner still has (0: given back; lock handed over, deleted or
@@ -29,8 +32,17 @@ local wake_key = KEYS[4] .. ':wake'
 if mode == 'leave' then
   redis.call('lrem', KEYS[4], 0, ARGV[1])
   redis.call('zrem', KEYS[5], ARGV[1])
-  redis.call('hdel', wake_key, ARGV[1])
-  if redis.call('hget', KEYS[1], ARGV[1]) ~= '0' then
+  local entry = redis.call('hget', wake_key, ARGV[1])
+  local direct = ARGV[3] and entry == '=' .. ARGV[3]
+  if entry and (direct or string.sub(entry, 1, 1) ~= '=') then
+    redis.call('hdel', wake_key, ARGV[1])  -- (not a direct grant to another wait of the owner)
+  end
+  local count = redis.call('hget', KEYS[1], ARGV[1])
+  if direct and count and tonumber(count) > 1 then
+    -- granted directly, and re-entered since by another holder sharing the owner id
+    return redis.call('hincrby', KEYS[1], ARGV[1], -1)
+  end
+  if count ~= '0' and not (direct and count) then
     return -3
   end
 elseif mode == 'force' then
@@ -70,27 +82,35 @@ if head then
     local keep = tonumber(redis.call('zscore', KEYS[5], head) or '0')
     redis.call('zrem', KEYS[5], head)
     local wake = redis.call('hget', wake_key, head)
+    local sub, nonce, lease
     if wake then
-      redis.call('hdel', wake_key, head)
+      sub, nonce, lease = string.match(wake, '^([^:]+):([^:]+):(%d+)$')
     end
     if keep >= now then
       local token = redis.call('incr', KEYS[3])
       local grant_ms = tonumber(ARGV[5] or '2000')
-      local sub, nonce, lease
-      if wake then
-        sub, nonce, lease = string.match(wake, '^([^:]+):([^:]+):(%d+)$')
-      end
       if sub then
+        -- a direct grant: taken for the waiter (count 1), which is told alone
         grant_ms = math.min(grant_ms, tonumber(lease))
+        redis.call('hset', KEYS[1], head, 1, '__fence__', token)
+        redis.call('pexpire', KEYS[1], grant_ms)
+        redis.call('hset', wake_key, head, '=' .. nonce)
+        if redis.call('pttl', wake_key) < grant_ms then
+          redis.call('pexpire', wake_key, grant_ms)
+        end
+        redis.call('publish', KEYS[2] .. ':' .. sub, token .. ':' .. nonce)
+        return 0
+      end
+      if wake then
+        redis.call('hdel', wake_key, head)
       end
       redis.call('hset', KEYS[1], head, 0, '__fence__', token)  -- count 0: granted, not yet taken
       redis.call('pexpire', KEYS[1], grant_ms)
-      if sub then
-        redis.call('publish', KEYS[2] .. ':' .. sub, token .. ':' .. nonce)
-      else
-        redis.call('publish', KEYS[2], head)
-      end
+      redis.call('publish', KEYS[2], head)
       return 0
+    end
+    if wake then
+      redis.call('hdel', wake_key, head)
     end
     head = redis.call('lpop', KEYS[4])
   end
