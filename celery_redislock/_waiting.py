@@ -9,14 +9,15 @@ with nobody in line publishes "1", which wakes the longest-waiting local waiter 
 lock (not all). An expiry publishes nothing, which is why the sleep is bounded by the
 lease.
 
-**Direct grants** (the sync lock, one Redis): a waiter also tells the line its wake
-id, ``<subscriber>:<nonce>``. A release that hands it the lock then publishes
+**Direct grants** (one Redis, not sharded): a waiter also tells the line its wake id,
+``<subscriber>:<nonce>``. A release that hands it the lock then publishes
 ``<token>:<nonce>`` on ``<channel>:<subscriber>``, a channel only that waiter's
 process subscribes to (in the same SUBSCRIBE as the lock's channel): no other process
 wakes, and the waiter counts the grant as acquired without another round trip (its
-watchdog lengthens the grant's short lease; see :mod:`celery_redislock.lock`). The
-nonce is new for every blocked acquire, so a late message from an earlier wait can
-never be taken for a grant to this one.
+watchdog lengthens the grant's short lease; see ``LockBase._take_grant``). The nonce,
+``<wait>.<attempt>``, is new for every attempt: only a grant that answers the waiter's
+latest attempt counts (it was made after that attempt reached Redis, which dates its
+lease), and a late message from an earlier attempt or wait is ignored.
 
 Subscriptions are reference-counted per channel and dropped a little after their
 last waiter leaves, so a lock contended in bursts is not re-subscribed each time.
@@ -57,8 +58,9 @@ from ._scripts import is_cluster
 
 log = logging.getLogger(__name__)
 
-#: After a release hands the lock to a waiter of another process, how long until that
-#: grant lapses if never taken (release.lua keeps it LINE_MARGIN_MS), plus a margin.
+#: After a release hands the lock to a waiter of another process (and says so on the
+#: lock's channel: not for a direct grant), how long until that grant lapses if never
+#: taken (release.lua keeps it LINE_MARGIN_MS), plus a margin.
 GRANT_WINDOW = LINE_MARGIN_MS / 1000.0 + 0.05
 #: Longest a new waiter waits for its SUBSCRIBE to be confirmed before it retries anyway.
 CONFIRM_WAIT = 1.0
@@ -97,15 +99,17 @@ class _Channel:
                 return
 
     def grant(self, data: bytes) -> None:
-        """A direct grant, ``<token>:<nonce>``: hand the token to the wait with that nonce.
+        """A direct grant, ``<token>:<nonce>``: hand the token to the wait whose latest
+        attempt has that nonce.
 
-        No wait has it (it timed out and left, passing the grant on): nothing to do.
+        None has (it left, passing the grant on, or has made another attempt since,
+        which found the grant in Redis): nothing to do.
         """
         token, _, nonce = data.partition(b":")
         for waiter in self.waiters:
             if waiter.nonce == nonce:
                 if token.isdigit():
-                    waiter.granted = int(token)
+                    waiter.granted = (nonce, int(token))
                 waiter.kick()
                 return
 
@@ -115,7 +119,8 @@ class _Channel:
         Handed to a waiter of another process, the lock is that waiter's to take within
         the grant's window; if it never does (it died), the grant lapses without a
         message. So the oldest waiter here re-checks when the window ends, not when its
-        own (lease-bounded) wait would have ended.
+        own (lease-bounded) wait would have ended. (A direct grant says nothing here:
+        then only the 5 s cap on every wait bounds the delay.)
         """
         if data == b"1":
             self.wake_one()
@@ -138,12 +143,14 @@ class _WaiterState:
         "_name",
         "_relocate",
         "_subscriber",
+        "attempt",
         "event",
         "granted",
         "kicked",
         "nonce",
         "owner",
         "recheck_at",
+        "wait_id",
     )
     _channel: Any
 
@@ -156,20 +163,31 @@ class _WaiterState:
         self.owner = owner.encode()
         self.kicked = False
         self.recheck_at: float | None = None
-        self.nonce = str(next(_nonces)).encode()
-        #: The fencing token of a direct grant to this wait (set by the subscriber).
-        self.granted: int | None = None
+        #: This blocked acquire in this process, and its attempts (see "Direct grants").
+        self.wait_id = str(next(_nonces)).encode()
+        self.attempt = 0
+        self.nonce = self.wait_id + b".0"
+        #: (nonce, fencing token) of a direct grant (set by the subscriber).
+        self.granted: tuple[bytes, int] | None = None
 
     @property
-    def wake_id(self) -> bytes | None:
-        """``<subscriber>:<nonce>`` for acquire.lua, or None: no direct grants here."""
-        sub = self._subscriber.grant_id
-        return None if sub is None else sub + b":" + self.nonce
+    def direct(self) -> bool:
+        """Whether this waiter's subscriber takes direct grants (not sharded)."""
+        return self._subscriber.grant_id is not None
+
+    def next_wake_id(self) -> bytes:
+        """A new nonce for the next attempt; ``<subscriber>:<nonce>`` for acquire.lua."""
+        self.attempt += 1
+        self.nonce = self.wait_id + b"." + str(self.attempt).encode()
+        sub: bytes = self._subscriber.grant_id
+        return sub + b":" + self.nonce
 
     def take_grant(self) -> int | None:
-        """The token of a direct grant received since the last call, or None."""
-        token, self.granted = self.granted, None
-        return token
+        """The token of a direct grant answering the latest attempt, or None."""
+        granted, self.granted = self.granted, None
+        if granted is None or granted[0] != self.nonce:
+            return None
+        return granted[1]
 
     def kick(self) -> None:
         self.kicked = True

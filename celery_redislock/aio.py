@@ -176,10 +176,11 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
         async with async_waiter_for(self.client, self.keys.channel, owner) as waiter:
-            wake = waiter.wake_id if self._direct(renew) else None
+            direct = self._direct(renew) and waiter.direct
             try:
                 while True:
                     sent_at = time.monotonic()
+                    wake = waiter.next_wake_id() if direct else None
                     outcome = await self._try(
                         owner, lease_millis, renew, started, line=True, wake=wake
                     )
@@ -198,10 +199,12 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                         return True
             finally:
                 if not acquired:  # also when cancelled: leaving must reach Redis
-                    await _to_completion(self._leave_line(owner, waiter.nonce if wake else None))
+                    await _to_completion(
+                        self._leave_line(owner, waiter.wait_id if direct else None)
+                    )
 
-    async def _leave_line(self, owner: str, nonce: bytes | None = None) -> None:
-        args: list[Any] = [owner, "leave"] if nonce is None else [owner, "leave", nonce]
+    async def _leave_line(self, owner: str, wait_id: bytes | None = None) -> None:
+        args: list[Any] = [owner, "leave"] if wait_id is None else [owner, "leave", wait_id]
         with contextlib.suppress(RedisError):  # the place lapses LINE_MARGIN_MS past the lease
             await self._scripts.release(keys=self.keys.release_keys(), args=args)
 

@@ -138,11 +138,11 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         waiter on one Redis (no cluster, no ``min_replicas``) is granted it *directly*:
         only its process is woken, with the fencing token, and the acquire returns
         without another round trip. The grant's lease is short (2 s from the release,
-        or ``ttl`` if shorter),
-        so a waiter that died in line cannot keep the lock; the watchdog's first
-        renewal, due well inside it, gives the hold its full lease. A grant received
-        too long after this waiter's last attempt to be trusted (the wait lasted
-        nearly 2 s since) is taken up with a round trip instead.
+        or ``ttl`` if shorter), so a waiter that died in line cannot keep the lock; the
+        watchdog's first renewal, due well inside it, gives the hold its full lease.
+        The grant is dated from the waiter's latest attempt: one that comes more than
+        about 1 s after it (half the grant's lease, less the drift allowance) is taken
+        with a round trip instead, as is any grant without direct grants.
         """
         wait_limit = optional_seconds(timeout, "timeout")
         lease_millis, renew = self._acquire_args(lease)
@@ -156,10 +156,11 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
         with waiter_for(self.client, self.keys.channel, owner) as waiter:
-            wake = waiter.wake_id if self._direct(renew) else None
+            direct = self._direct(renew) and waiter.direct
             try:
                 while True:
                     sent_at = time.monotonic()
+                    wake = waiter.next_wake_id() if direct else None
                     outcome = self._try(owner, lease_millis, renew, started, line=True, wake=wake)
                     if outcome is True:
                         acquired = True
@@ -176,12 +177,12 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                         return True
             finally:
                 if not acquired:
-                    self._leave_line(owner, waiter.nonce if wake else None)
+                    self._leave_line(owner, waiter.wait_id if direct else None)
 
-    def _leave_line(self, owner: str, nonce: bytes | None = None) -> None:
+    def _leave_line(self, owner: str, wait_id: bytes | None = None) -> None:
         """Give up a place in line (and pass on a lock granted to us meanwhile; granted
-        directly, to the wait with ``nonce``)."""
-        args: list[Any] = [owner, "leave"] if nonce is None else [owner, "leave", nonce]
+        directly, to the wait ``wait_id``)."""
+        args: list[Any] = [owner, "leave"] if wait_id is None else [owner, "leave", wait_id]
         try:
             self._scripts.release(keys=self.keys.release_keys(), args=args)
         except RedisError as exc:  # the place lapses by itself: LINE_MARGIN_MS past the lease

@@ -542,9 +542,10 @@ def test_a_release_grants_the_first_waiter_directly(redis_client: redis.Redis) -
     assert not waiter.lost
 
 
-def test_a_grant_for_another_wait_is_ignored() -> None:
-    """Grants name the wait (a nonce per blocked acquire): a late message from an
-    earlier wait of the same owner cannot pass for a grant to this one."""
+def test_only_a_grant_answering_the_latest_attempt_counts() -> None:
+    """Grants name the attempt (``<wait>.<attempt>``, new for every attempt): a late
+    message for an earlier attempt, or an earlier wait of the same owner, cannot pass
+    for a grant, since only a grant to the latest attempt can be dated from it."""
     from celery_redislock._waiting import Subscriber, Waiter, _Channel
 
     subscriber = Subscriber(redis.ConnectionPool())
@@ -552,12 +553,18 @@ def test_a_grant_for_another_wait_is_ignored() -> None:
     current = Waiter(subscriber, b"ch", "owner")
     channel = _Channel()
     channel.waiters.append(current)
-    channel.grant(b"41:" + earlier.nonce)
+    assert earlier.next_wake_id() == subscriber.grant_id + b":" + earlier.wait_id + b".1"
+    first = current.next_wake_id().split(b":")[1]
+    channel.grant(b"41:" + earlier.nonce)  # another wait
     assert current.granted is None and not current.kicked
-    channel.grant(b"42:" + current.nonce)
-    assert current.take_grant() == 42 and current.kicked
+    channel.grant(b"42:" + first)  # this wait's first attempt...
+    current.next_wake_id()  # ...read only after the second attempt went out
     assert current.take_grant() is None
-    assert current.wake_id == subscriber.grant_id + b":" + current.nonce
+    channel.grant(b"43:" + first)  # and arriving even later
+    assert current.granted is None
+    channel.grant(b"44:" + current.nonce)
+    assert current.take_grant() == 44 and current.kicked
+    assert current.take_grant() is None
 
 
 def test_a_grant_too_old_to_trust_is_taken_up_with_a_round_trip(
@@ -590,11 +597,11 @@ def test_a_direct_grant_is_counted_once_by_its_own_attempt_and_passed_on_by_its_
         return [int(x) for x in scripts.acquire(keys=acquire_keys, args=argv)]
 
     assert lock.acquire()
-    assert attempt("w", "gsub:7")[0] == 0  # in line, with its wake id
+    assert attempt("w", "gsub:7.1")[0] == 0  # in line, with its wake id
     assert attempt("next")[0] == 0
     lock.release()  # granted directly to "w" (count 1), "next" still in line
     assert redis_client.hget(keys.lock, "w") == b"1"
-    assert attempt("w", "gsub:7")[:3:2] == [1, 1]  # its own attempt: still one hold
+    assert attempt("w", "gsub:7.2")[:3:2] == [1, 1]  # its wait's next attempt: one hold
     assert attempt("w")[:3:2] == [1, 2]  # any other: a re-entry
     assert scripts.release(keys=keys.release_keys(), args=["w", "all"]) == 0
     # Granted to "next" with a round trip to come (no wake id): count 0.
@@ -602,12 +609,24 @@ def test_a_direct_grant_is_counted_once_by_its_own_attempt_and_passed_on_by_its_
     assert scripts.release(keys=keys.release_keys(), args=["next", "leave"]) == 0
     # Now a direct grant that its waiter leaves without having seen it.
     assert lock.acquire()
-    assert attempt("w2", "gsub:8")[0] == 0
+    assert attempt("w2", "gsub:8.1")[0] == 0
     assert attempt("last")[0] == 0
     lock.release()
     assert redis_client.hget(keys.lock, "w2") == b"1"
-    assert scripts.release(keys=keys.release_keys(), args=["w2", "leave", "9"]) == -3  # not its wait
+    assert (
+        scripts.release(keys=keys.release_keys(), args=["w2", "leave", "9"]) == -3
+    )  # not its wait
     assert redis_client.hget(keys.lock, "w2") == b"1"
     assert scripts.release(keys=keys.release_keys(), args=["w2", "leave", "8"]) == 0
     assert not redis_client.hexists(keys.lock, "w2")
     assert redis_client.hget(keys.lock, "last") == b"0"  # passed on down the line
+    # A wake id left in line is dropped when the owner joins again without one (a wait
+    # with a fixed lease): a release must not send that wait's grant to a dead nonce.
+    assert scripts.release(keys=keys.release_keys(), args=["last", "leave"]) == 0
+    assert lock.acquire()
+    assert attempt("w3", "gsub:9.1")[0] == 0
+    assert redis_client.hexists(keys.waiters + b":wake", "w3")
+    assert attempt("w3")[0] == 0
+    assert not redis_client.hexists(keys.waiters + b":wake", "w3")
+    lock.release()
+    assert redis_client.hget(keys.lock, "w3") == b"0"  # granted the usual way

@@ -14,11 +14,13 @@
 -- ARGV[5]  optional: "keep-lease" does not lengthen the lease when re-entering a hold that
 --          was already taken (a task's check for another delivery of itself: it must not
 --          keep a dead delivery's lease alive); taking up a hand-over still sets it
--- ARGV[6]  optional: with ARGV[3], the waiter's wake id "<subscriber>:<nonce>": a release
---          grants it the lock directly (see release.lua); kept with the lease as
---          "<subscriber>:<nonce>:<lease>" in KEYS[3]..":wake" (a hash with the same hash
---          tag, expiring with the line places). An attempt finding its own wait's direct
---          grant there ("=<nonce>") takes it without counting it again
+-- ARGV[6]  optional: with ARGV[3], the waiter's wake id "<subscriber>:<wait>.<attempt>": a
+--          release grants it the lock directly (see release.lua); kept with the lease as
+--          "<subscriber>:<wait>.<attempt>:<lease>" in KEYS[3]..":wake" (a hash with the
+--          same hash tag; its entries go with their places in line, and the hash expires
+--          when no waiter has joined for longer than the places are kept). An attempt
+--          finding a direct grant to its own wait there ("=<wait>.<attempt>") takes it
+--          without counting it again. Joining without a wake id drops an old one.
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
@@ -42,12 +44,14 @@ local function join_line(wait_ms)
     if redis.call('zadd', KEYS[4], now_ms() + keep_ms, ARGV[1]) == 1 then
       redis.call('rpush', KEYS[3], ARGV[1])
     end
+    local wake = KEYS[3] .. ':wake'
     if ARGV[6] and ARGV[6] ~= '' then
-      local wake = KEYS[3] .. ':wake'
       redis.call('hset', wake, ARGV[1], ARGV[6] .. ':' .. lease)
       if redis.call('pttl', wake) < keep_ms then
         redis.call('pexpire', wake, keep_ms)
       end
+    else
+      redis.call('hdel', wake, ARGV[1])
     end
   end
 end
@@ -86,8 +90,9 @@ if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
     -- This wait's own direct grant (release.lua), reached before its message: take it as
     -- it is (count 1 already), not as a re-entry.
     local wake = KEYS[3] .. ':wake'
-    local nonce = string.match(ARGV[6], ':([^:]+)$')
-    if nonce and redis.call('hget', wake, ARGV[1]) == '=' .. nonce then
+    local wait = string.match(ARGV[6], ':(%d+)%.%d+$')
+    local granted = redis.call('hget', wake, ARGV[1])
+    if wait and granted and string.match(granted, '^=(%d+)%.') == wait then
       redis.call('hdel', wake, ARGV[1])
       if redis.call('pttl', KEYS[1]) < lease then
         redis.call('pexpire', KEYS[1], lease)

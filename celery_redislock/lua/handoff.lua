@@ -79,6 +79,7 @@ while true do
   end
   local keep = tonumber(redis.call('zscore', KEYS[9], head) or '0')
   redis.call('zrem', KEYS[9], head)
+  redis.call('hdel', KEYS[8] .. ':wake', head)  -- a lock's waiter's wake id (release.lua)
   if keep >= now then
     local token = redis.call('incr', KEYS[3])
     redis.call('hset', KEYS[1], head, 0, '__fence__', token)

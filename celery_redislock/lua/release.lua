@@ -4,11 +4,12 @@
 -- KEYS[2]  release channel: the new holder's owner id after a hand-over (wakes exactly that
 --          waiter), or "1" (wakes one waiter per subscribed process). A waiter that asked
 --          for a direct grant ("<subscriber>:<nonce>:<lease>" in the hash KEYS[4]..":wake",
---          same hash tag) is told on KEYS[2]..":"..<subscriber> alone, with "<token>:<nonce>":
---          only its process wakes, and it counts the grant as acquired. Such a grant is
---          written as taken (hold count 1) with the shorter of ARGV[5] and the waiter's own
---          lease, and its wake entry becomes "=<nonce>": an attempt of that wait crossing
---          the message takes it without counting it twice, and its "leave" passes it on
+--          same hash tag; nonce "<wait>.<attempt>", new for every attempt) is told on
+--          KEYS[2]..":"..<subscriber> alone, with "<token>:<nonce>": only its process wakes,
+--          and it counts the grant as acquired if it answers its latest attempt. Such a
+--          grant is written as taken (hold count 1) with the shorter of ARGV[5] and the
+--          waiter's own lease, and its wake entry becomes "=<nonce>": a later attempt of
+--          that wait takes it without counting it twice, and its "leave" passes it on
 -- KEYS[3]  fence counter
 -- KEYS[4]  waiters (list, first come first served)
 -- KEYS[5]  claims (sorted set owner -> ms its place is kept until)
@@ -19,7 +20,7 @@
 --          "leave" a waiter giving up: leave the line, and pass on a lock granted to it;
 --          "force" an operator's release: whoever holds the lock (ARGV[1] unused)
 -- ARGV[3]  with "hold": milliseconds to keep the lock (a positive integer); with "leave":
---          the nonce of the wait that leaves (a direct grant to it is passed on)
+--          the <wait> part of the leaving waiter's nonces (a direct grant to it is passed on)
 -- ARGV[4]  with KEYS[6]: lifetime of the done marker in milliseconds
 -- ARGV[5]  optional: ms a waiter granted the lock has to take it (default 2000)
 -- returns  n >= 0  holds the owner still has (0: given back; lock handed over, deleted or
@@ -33,7 +34,7 @@ if mode == 'leave' then
   redis.call('lrem', KEYS[4], 0, ARGV[1])
   redis.call('zrem', KEYS[5], ARGV[1])
   local entry = redis.call('hget', wake_key, ARGV[1])
-  local direct = ARGV[3] and entry == '=' .. ARGV[3]
+  local direct = ARGV[3] and entry and string.match(entry, '^=(%d+)%.') == ARGV[3]
   if entry and (direct or string.sub(entry, 1, 1) ~= '=') then
     redis.call('hdel', wake_key, ARGV[1])  -- (not a direct grant to another wait of the owner)
   end
