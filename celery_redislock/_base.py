@@ -87,6 +87,8 @@ class LockBase(Generic[Signal]):
         self.ttl = ttl
         self._lease = lease_ms(ttl, "ttl")
         self.owner = validate_owner(owner)
+        #: owner -> wake id of a wait whose leave failed (see ``_with_wake``).
+        self._unsettled: dict[str, bytes] = {}
         self.auto_renew = auto_renew
         self.blocking = blocking
         self.timeout = optional_seconds(timeout, "timeout")
@@ -210,8 +212,25 @@ class LockBase(Generic[Signal]):
     def _direct(self, renew: bool) -> bool:
         """Whether a blocked acquire may be granted the lock directly (no round trip):
         only a watchdog-renewed hold (the watchdog lengthens the grant's short lease),
-        never one that must reach replicas first."""
-        return renew and self._direct_grants and not self.min_replicas
+        never one that must reach replicas first, and only for the default owner (the
+        calling thread or task: an explicit owner may be shared by waits elsewhere,
+        which would each take the one grant as theirs)."""
+        return renew and self._direct_grants and not self.min_replicas and self.owner is None
+
+    def _with_wake(self, owner: str, argv: list[Any], wake: bytes | None) -> list[Any]:
+        """acquire.lua's ARGV with the wake id (ARGV[6]) of a blocked attempt, or of a
+        wait whose leave failed (a direct grant to it may be outstanding: adopted, not
+        counted again)."""
+        if wake is None and self._unsettled:
+            wake = self._unsettled.pop(owner, None)
+        if wake is None:
+            return argv
+        return [*argv, *("",) * (5 - len(argv)), wake]
+
+    def _unsettled_leave(self, owner: str, grant_name: bytes | None) -> None:
+        """A leave failed: a direct grant to that wait may be out there (for 2 s at most)."""
+        if grant_name is not None:
+            self._unsettled[owner] = grant_name + b".0"
 
     def _take_grant(
         self, owner: str, token: int, sent_at: float, lease: int, started: float
@@ -225,7 +244,7 @@ class LockBase(Generic[Signal]):
         """
         grant_ms = min(GRANT_MS, lease)  # what release.lua gives a direct grant
         deadline = validity_deadline(sent_at, grant_ms)
-        if deadline - time.monotonic() < grant_ms / 2000.0:
+        if deadline - time.monotonic() < grant_ms / 2000.0 or self._live_hold(owner):
             return False
         hold, is_new = self._record_acquired(
             owner, AcquireReply(True, token, 1), sent_at, lease, True, started

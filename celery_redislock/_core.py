@@ -23,6 +23,8 @@ from ._errors import LockConfigurationError, LockLostError
 
 DEFAULT_PREFIX = "redislock:"
 FENCE_FIELD = "__fence__"
+#: The lock hash's field naming the wait a release granted the lock to directly.
+GRANT_FIELD = "__grant__"
 
 #: The longest a blocked acquire sleeps before it retries on its own (a release would
 #: have woken it sooner): for a lock with no expiry, and as a cap on the holder's lease.
@@ -77,8 +79,8 @@ def validate_owner(owner: object) -> str | None:
         return None
     if not isinstance(owner, str) or not owner:
         raise LockConfigurationError(f"owner must be None or a non-empty str, got {owner!r}")
-    if owner == FENCE_FIELD:
-        raise LockConfigurationError(f"owner must not be {FENCE_FIELD!r} (reserved field)")
+    if owner in (FENCE_FIELD, GRANT_FIELD):
+        raise LockConfigurationError(f"owner must not be {owner!r} (a reserved field)")
     return owner
 
 

@@ -175,6 +175,12 @@ class _WaiterState:
         """Whether this waiter's subscriber takes direct grants (not sharded)."""
         return self._subscriber.grant_id is not None
 
+    @property
+    def grant_name(self) -> bytes:
+        """``<subscriber>:<wait>``: how a direct grant to this wait is named in Redis."""
+        sub: bytes = self._subscriber.grant_id
+        return sub + b":" + self.wait_id
+
     def next_wake_id(self) -> bytes:
         """A new nonce for the next attempt; ``<subscriber>:<nonce>`` for acquire.lua."""
         self.attempt += 1

@@ -17,7 +17,6 @@ Same methods, arguments, scripts, errors and guarantees as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import time
@@ -200,13 +199,15 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             finally:
                 if not acquired:  # also when cancelled: leaving must reach Redis
                     await _to_completion(
-                        self._leave_line(owner, waiter.wait_id if direct else None)
+                        self._leave_line(owner, waiter.grant_name if direct else None)
                     )
 
-    async def _leave_line(self, owner: str, wait_id: bytes | None = None) -> None:
-        args: list[Any] = [owner, "leave"] if wait_id is None else [owner, "leave", wait_id]
-        with contextlib.suppress(RedisError):  # the place lapses LINE_MARGIN_MS past the lease
+    async def _leave_line(self, owner: str, grant_name: bytes | None = None) -> None:
+        args = [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
+        try:
             await self._scripts.release(keys=self.keys.release_keys(), args=args)
+        except RedisError:  # the place lapses LINE_MARGIN_MS past the lease
+            self._unsettled_leave(owner, grant_name)
 
     async def _try(
         self,
@@ -219,9 +220,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         wake: bytes | None = None,
     ) -> bool | int:
         sent_at = time.monotonic()
-        argv = self._acquire_argv(owner, lease, line)
-        if wake is not None:
-            argv.extend(("", "", wake))
+        argv = self._with_wake(owner, self._acquire_argv(owner, lease, line), wake)
         if self.min_replicas:
             call = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
         else:

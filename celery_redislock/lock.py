@@ -177,16 +177,17 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                         return True
             finally:
                 if not acquired:
-                    self._leave_line(owner, waiter.wait_id if direct else None)
+                    self._leave_line(owner, waiter.grant_name if direct else None)
 
-    def _leave_line(self, owner: str, wait_id: bytes | None = None) -> None:
+    def _leave_line(self, owner: str, grant_name: bytes | None = None) -> None:
         """Give up a place in line (and pass on a lock granted to us meanwhile; granted
-        directly, to the wait ``wait_id``)."""
-        args: list[Any] = [owner, "leave"] if wait_id is None else [owner, "leave", wait_id]
+        directly, to the wait ``grant_name``)."""
+        args = [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
         try:
             self._scripts.release(keys=self.keys.release_keys(), args=args)
         except RedisError as exc:  # the place lapses by itself: LINE_MARGIN_MS past the lease
             log.debug("redislock: could not leave the line of %r: %r", self.name, exc)
+            self._unsettled_leave(owner, grant_name)
 
     def _try(
         self,
@@ -204,9 +205,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         ``wake`` (its waiter's wake id) asks for a direct grant.
         """
         sent_at = time.monotonic()
-        argv = self._acquire_argv(owner, lease, line)
-        if wake is not None:
-            argv.extend(("", "", wake))
+        argv = self._with_wake(owner, self._acquire_argv(owner, lease, line), wake)
         acks: Any = None
         if self.min_replicas:
             raw, acks = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)

@@ -14,13 +14,14 @@
 -- ARGV[5]  optional: "keep-lease" does not lengthen the lease when re-entering a hold that
 --          was already taken (a task's check for another delivery of itself: it must not
 --          keep a dead delivery's lease alive); taking up a hand-over still sets it
--- ARGV[6]  optional: with ARGV[3], the waiter's wake id "<subscriber>:<wait>.<attempt>": a
---          release grants it the lock directly (see release.lua); kept with the lease as
---          "<subscriber>:<wait>.<attempt>:<lease>" in KEYS[3]..":wake" (a hash with the
+-- ARGV[6]  optional: the waiter's wake id "<subscriber>:<wait>.<attempt>". With ARGV[3], a
+--          release may grant it the lock directly (see release.lua); kept with the lease
+--          as "<subscriber>:<wait>.<attempt>:<lease>" in KEYS[3]..":wake" (a hash with the
 --          same hash tag; its entries go with their places in line, and the hash expires
---          when no waiter has joined for longer than the places are kept). An attempt
---          finding a direct grant to its own wait there ("=<wait>.<attempt>") takes it
---          without counting it again. Joining without a wake id drops an old one.
+--          when no waiter has joined for longer than the places are kept). Joining
+--          without a wake id drops an old one. An attempt of a wait finding the lock
+--          granted directly to that wait (the lock's "__grant__" field is
+--          "<subscriber>:<wait>") takes it as it is: one hold, not a re-entry.
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
@@ -87,13 +88,11 @@ if redis.call('exists', KEYS[1]) == 0 then
 end
 if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
   if ARGV[6] and ARGV[6] ~= '' then
-    -- This wait's own direct grant (release.lua), reached before its message: take it as
-    -- it is (count 1 already), not as a re-entry.
-    local wake = KEYS[3] .. ':wake'
-    local wait = string.match(ARGV[6], ':(%d+)%.%d+$')
-    local granted = redis.call('hget', wake, ARGV[1])
-    if wait and granted and string.match(granted, '^=(%d+)%.') == wait then
-      redis.call('hdel', wake, ARGV[1])
+    -- A direct grant to this very wait (release.lua), reached before its message: take it
+    -- as it is (one hold already), not as a re-entry.
+    local wait = string.match(ARGV[6], '^(.*)%.%d+$')
+    if wait and redis.call('hget', KEYS[1], '__grant__') == wait then
+      redis.call('hdel', KEYS[1], '__grant__')
       if redis.call('pttl', KEYS[1]) < lease then
         redis.call('pexpire', KEYS[1], lease)
       end

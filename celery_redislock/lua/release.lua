@@ -8,8 +8,9 @@
 --          KEYS[2]..":"..<subscriber> alone, with "<token>:<nonce>": only its process wakes,
 --          and it counts the grant as acquired if it answers its latest attempt. Such a
 --          grant is written as taken (hold count 1) with the shorter of ARGV[5] and the
---          waiter's own lease, and its wake entry becomes "=<nonce>": a later attempt of
---          that wait takes it without counting it twice, and its "leave" passes it on
+--          waiter's own lease, and the field "__grant__" = "<subscriber>:<wait>" names the
+--          wait (it goes with the lock): a later attempt of that wait takes the grant
+--          without counting it twice, and its "leave" passes it on
 -- KEYS[3]  fence counter
 -- KEYS[4]  waiters (list, first come first served)
 -- KEYS[5]  claims (sorted set owner -> ms its place is kept until)
@@ -20,7 +21,7 @@
 --          "leave" a waiter giving up: leave the line, and pass on a lock granted to it;
 --          "force" an operator's release: whoever holds the lock (ARGV[1] unused)
 -- ARGV[3]  with "hold": milliseconds to keep the lock (a positive integer); with "leave":
---          the <wait> part of the leaving waiter's nonces (a direct grant to it is passed on)
+--          "<subscriber>:<wait>" of the leaving waiter (a direct grant to it is passed on)
 -- ARGV[4]  with KEYS[6]: lifetime of the done marker in milliseconds
 -- ARGV[5]  optional: ms a waiter granted the lock has to take it (default 2000)
 -- returns  n >= 0  holds the owner still has (0: given back; lock handed over, deleted or
@@ -33,17 +34,16 @@ local wake_key = KEYS[4] .. ':wake'
 if mode == 'leave' then
   redis.call('lrem', KEYS[4], 0, ARGV[1])
   redis.call('zrem', KEYS[5], ARGV[1])
-  local entry = redis.call('hget', wake_key, ARGV[1])
-  local direct = ARGV[3] and entry and string.match(entry, '^=(%d+)%.') == ARGV[3]
-  if entry and (direct or string.sub(entry, 1, 1) ~= '=') then
-    redis.call('hdel', wake_key, ARGV[1])  -- (not a direct grant to another wait of the owner)
-  end
+  redis.call('hdel', wake_key, ARGV[1])
   local count = redis.call('hget', KEYS[1], ARGV[1])
-  if direct and count and tonumber(count) > 1 then
-    -- granted directly, and re-entered since by another holder sharing the owner id
+  local direct = count and ARGV[3] and redis.call('hget', KEYS[1], '__grant__') == ARGV[3]
+  if direct and tonumber(count) > 1 then
+    -- granted directly to this wait, and re-entered since (only possible for an owner id
+    -- shared by several lock objects): give back the grant's hold alone
+    redis.call('hdel', KEYS[1], '__grant__')
     return redis.call('hincrby', KEYS[1], ARGV[1], -1)
   end
-  if count ~= '0' and not (direct and count) then
+  if count ~= '0' and not direct then
     return -3
   end
 elseif mode == 'force' then
@@ -93,12 +93,10 @@ if head then
       if sub then
         -- a direct grant: taken for the waiter (count 1), which is told alone
         grant_ms = math.min(grant_ms, tonumber(lease))
-        redis.call('hset', KEYS[1], head, 1, '__fence__', token)
+        local wait = string.match(nonce, '^(.*)%.%d+$')
+        redis.call('hset', KEYS[1], head, 1, '__fence__', token, '__grant__', sub .. ':' .. wait)
         redis.call('pexpire', KEYS[1], grant_ms)
-        redis.call('hset', wake_key, head, '=' .. nonce)
-        if redis.call('pttl', wake_key) < grant_ms then
-          redis.call('pexpire', wake_key, grant_ms)
-        end
+        redis.call('hdel', wake_key, head)
         redis.call('publish', KEYS[2] .. ':' .. sub, token .. ':' .. nonce)
         return 0
       end
