@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": runs,
         }
         (RESULTS / "settlement.json").write_text(json.dumps(out, indent=1))
-        print(f"  results: {RESULTS / 'settlement.json'}")
+        print("  results: bench/results/settlement.json")
     return 0
 
 

@@ -765,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         and not args.no_plot
         and plot(results["contended"], RESULTS / "handoff.png")
     ):
-        print(f"  plot: {RESULTS / 'handoff.png'}")
+        print("  plot: bench/results/handoff.png")
     slim = json.loads(json.dumps(results, default=str))
     for res in slim.get("contended", {}).values():
         res["gaps_ms"] = [round(g * 1e3, 4) for g in res.pop("gaps")]
