@@ -272,10 +272,12 @@ class Waiter(_WaiterState):
 
 
 class _GrantChannels:
-    """Naming shared by both subscribers: each lock channel ``<c>`` comes with this
-    subscriber's direct-grant channel ``<c>:<grant_id>`` (not for sharded pub/sub)."""
+    """What both subscribers share: the channel names (each lock channel ``<c>`` comes
+    with this subscriber's direct-grant channel ``<c>:<grant_id>``, not for sharded
+    pub/sub) and how a reply reaches its lock's waiters."""
 
     sharded: bool
+    _channels: dict[bytes, Any]
 
     def _init_grants(self) -> None:
         #: This subscriber's part of direct-grant channel names (None: sharded, no grants).
@@ -297,6 +299,28 @@ class _GrantChannels:
 
     def _confirms(self, kind: bytes, direct: bool) -> bool:
         return kind == b"ssubscribe" or (kind == b"subscribe" and (direct or not self._grant_tail))
+
+    def _apply(self, reply: Any) -> bytes | None:
+        """Apply one reply of the subscriber's connection to its lock's channel; returns
+        the channel's name if the reply says its slot moved (a ``sunsubscribe`` that was
+        not ours: we only unsubscribe channels already dropped)."""
+        if not isinstance(reply, list) or len(reply) < 2:
+            return None
+        kind = reply[0]
+        name, direct = self._route(reply[1])
+        channel = self._channels.get(name)
+        if channel is None:
+            return None
+        if kind in (b"message", b"smessage") and len(reply) > 2:
+            if direct:
+                channel.grant(reply[2])
+            else:
+                channel.wake(reply[2])
+        elif self._confirms(kind, direct):
+            channel.confirmed.set()
+        elif kind == b"sunsubscribe":
+            return bytes(reply[1])
+        return None
 
 
 class Subscriber(_GrantChannels):
@@ -473,24 +497,10 @@ class Subscriber(_GrantChannels):
             self._dispatch(reply)
 
     def _dispatch(self, reply: Any) -> None:
-        if not isinstance(reply, list) or len(reply) < 2:
-            return
-        kind = reply[0]
-        name, direct = self._route(reply[1])
         with self._mutex:
-            channel = self._channels.get(name)
-            if channel is None:
-                return
-            if kind in (b"message", b"smessage") and len(reply) > 2:
-                if direct:
-                    channel.grant(reply[2])
-                else:
-                    channel.wake(reply[2])
-            elif self._confirms(kind, direct):
-                channel.confirmed.set()
-            elif kind == b"sunsubscribe":
-                # Not ours (we only unsubscribe channels already dropped): the slot moved.
-                self._moved_locked([reply[1]])
+            moved = self._apply(reply)
+            if moved is not None:
+                self._moved_locked([moved])
 
     def _sweep_locked(self) -> None:
         now = time.monotonic()
@@ -737,22 +747,9 @@ class AsyncSubscriber(_GrantChannels):
                 await conn.disconnect()
 
     def _dispatch(self, reply: Any) -> None:
-        if not isinstance(reply, list) or len(reply) < 2:
-            return
-        kind = reply[0]
-        name, direct = self._route(reply[1])
-        channel = self._channels.get(name)
-        if channel is None:
-            return
-        if kind in (b"message", b"smessage") and len(reply) > 2:
-            if direct:
-                channel.grant(reply[2])
-            else:
-                channel.wake(reply[2])
-        elif self._confirms(kind, direct):
-            channel.confirmed.set()
-        elif kind == b"sunsubscribe":
-            self._moved([reply[1]])
+        moved = self._apply(reply)
+        if moved is not None:
+            self._moved([moved])
 
     async def _sweep(self) -> None:
         now = time.monotonic()
