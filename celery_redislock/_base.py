@@ -20,6 +20,7 @@ from ._core import (
     Hold,
     LockKeys,
     LossSignal,
+    abandoned_waits,
     lease_ms,
     loss_reason_from_release,
     lost_error,
@@ -87,8 +88,6 @@ class LockBase(Generic[Signal]):
         self.ttl = ttl
         self._lease = lease_ms(ttl, "ttl")
         self.owner = validate_owner(owner)
-        #: owner -> wake id of a wait whose leave failed (see ``_with_wake``).
-        self._unsettled: dict[str, bytes] = {}
         self.auto_renew = auto_renew
         self.blocking = blocking
         self.timeout = optional_seconds(timeout, "timeout")
@@ -218,19 +217,23 @@ class LockBase(Generic[Signal]):
         return renew and self._direct_grants and not self.min_replicas and self.owner is None
 
     def _with_wake(self, owner: str, argv: list[Any], wake: bytes | None) -> list[Any]:
-        """acquire.lua's ARGV with the wake id (ARGV[6]) of a blocked attempt, or of a
-        wait whose leave failed (a direct grant to it may be outstanding: adopted, not
-        counted again)."""
-        if wake is None and self._unsettled:
-            wake = self._unsettled.pop(owner, None)
+        """acquire.lua's ARGV with a wake id (ARGV[6]): a blocked attempt's own, or else
+        the name of a wait of this owner on this lock whose leave failed (a direct grant
+        to it may still come: taken then as this acquire's hold, not counted again)."""
+        if wake is None and abandoned_waits:
+            name = abandoned_waits.get(self.keys.lock, owner)
+            wake = None if name is None else name + b".0"
         if wake is None:
             return argv
         return [*argv, *("",) * (5 - len(argv)), wake]
 
-    def _unsettled_leave(self, owner: str, grant_name: bytes | None) -> None:
-        """A leave failed: a direct grant to that wait may be out there (for 2 s at most)."""
+    def _abandoned(self, owner: str, grant_name: bytes | None, pttl: int) -> None:
+        """A leave failed: the wait's place (kept ``pttl`` + LINE_MARGIN_MS past its last
+        attempt) may still be granted, and the grant lasts GRANT_MS more."""
         if grant_name is not None:
-            self._unsettled[owner] = grant_name + b".0"
+            keep_ms = max(pttl, 0) + LINE_MARGIN_MS + GRANT_MS
+            until = time.monotonic() + keep_ms / 1000.0
+            abandoned_waits.add(self.keys.lock, owner, grant_name, until)
 
     def _take_grant(
         self, owner: str, token: int, sent_at: float, lease: int, started: float

@@ -33,7 +33,8 @@ NO_TTL_RECHECK = 5.0
 LINE_MARGIN_MS = 2000
 #: The lease release.lua gives a lock it hands to a waiter (its ARGV[5] default): the
 #: waiter takes it up within this time (with a round trip, or, granted directly, by its
-#: watchdog's first renewal), or the grant lapses and the next waiter gets the lock.
+#: watchdog's first renewal), or the grant lapses; the next waiter then finds the lock
+#: free at its own re-check (nothing is published when a lease ends).
 GRANT_MS = 2000
 
 
@@ -111,6 +112,8 @@ class LockKeys:
     ``<prefix>{<name>}:released`` the pub/sub channel a release is announced on
     ``<prefix>{<name>}:waiters``  blocked acquires in arrival order (a list)
     ``<prefix>{<name>}:claims``   how long each waiter's place in line is kept (a sorted set)
+    ``<prefix>{<name>}:waiters:wake``  waiters' wake ids for direct grants (a hash; written
+    and read by the scripts only)
     """
 
     lock: bytes
@@ -185,7 +188,56 @@ def _reset_process_id() -> None:
     _process_id = secrets.token_hex(16)
 
 
-os.register_at_fork(after_in_child=_reset_process_id)
+def _after_fork_in_child() -> None:
+    _reset_process_id()
+    abandoned_waits.reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# --------------------------------------------------------------------- abandoned waits
+
+
+class AbandonedWaits:
+    """Blocked acquires whose ``leave`` failed (a Redis error), process-wide.
+
+    Their place in line may still be granted directly (until the place lapses, and for
+    the grant's lease after): any later acquire of the same owner on that lock, from
+    any lock object, sends the wait's name, so that Redis counts such a grant as that
+    acquire's one hold instead of a re-entry on top of it. Entries expire by then.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every entry (and the mutex: a forked child starts afresh)."""
+        self._mutex = threading.Lock()
+        self._waits: dict[tuple[bytes, str], tuple[bytes, float]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._waits)
+
+    def add(self, lock_key: bytes, owner: str, grant_name: bytes, until: float) -> None:
+        now = time.monotonic()
+        with self._mutex:
+            for key in [k for k, (_n, end) in self._waits.items() if end <= now]:
+                del self._waits[key]
+            self._waits[(lock_key, owner)] = (grant_name, until)
+
+    def get(self, lock_key: bytes, owner: str) -> bytes | None:
+        with self._mutex:
+            found = self._waits.get((lock_key, owner))
+            if found is None:
+                return None
+            if found[1] <= time.monotonic():
+                del self._waits[(lock_key, owner)]
+                return None
+            return found[0]
+
+
+abandoned_waits = AbandonedWaits()
 
 
 # --------------------------------------------------------------------- replies

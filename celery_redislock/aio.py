@@ -176,6 +176,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         acquired = False
         async with async_waiter_for(self.client, self.keys.channel, owner) as waiter:
             direct = self._direct(renew) and waiter.direct
+            pttl = 0  # the holder's lease at the last attempt (how long our place is kept)
             try:
                 while True:
                     sent_at = time.monotonic()
@@ -186,6 +187,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                     if outcome is True:
                         acquired = True
                         return True
+                    pttl = outcome
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return False
@@ -199,15 +201,15 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             finally:
                 if not acquired:  # also when cancelled: leaving must reach Redis
                     await _to_completion(
-                        self._leave_line(owner, waiter.grant_name if direct else None)
+                        self._leave_line(owner, waiter.grant_name if direct else None, pttl)
                     )
 
-    async def _leave_line(self, owner: str, grant_name: bytes | None = None) -> None:
+    async def _leave_line(self, owner: str, grant_name: bytes | None = None, pttl: int = 0) -> None:
         args = [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
         try:
             await self._scripts.release(keys=self.keys.release_keys(), args=args)
         except RedisError:  # the place lapses LINE_MARGIN_MS past the lease
-            self._unsettled_leave(owner, grant_name)
+            self._abandoned(owner, grant_name, pttl)
 
     async def _try(
         self,

@@ -44,7 +44,8 @@ def _describe(client: Any, prefix: str, key: bytes) -> dict[str, Any] | None:
     if not fields:
         return None
     reserved = (FENCE_FIELD.encode(), GRANT_FIELD.encode())
-    owners = {_text(k): int(v) for k, v in fields.items() if k not in reserved}
+    # Hold counts only: reserved fields, and any a later version may add, are skipped.
+    owners = {_text(k): int(v) for k, v in fields.items() if k not in reserved and v.isdigit()}
     return {
         "name": _text(name),
         "owners": owners,

@@ -157,6 +157,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         acquired = False
         with waiter_for(self.client, self.keys.channel, owner) as waiter:
             direct = self._direct(renew) and waiter.direct
+            pttl = 0  # the holder's lease at the last attempt (how long our place is kept)
             try:
                 while True:
                     sent_at = time.monotonic()
@@ -165,6 +166,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                     if outcome is True:
                         acquired = True
                         return True
+                    pttl = outcome
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return False
@@ -177,9 +179,9 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                         return True
             finally:
                 if not acquired:
-                    self._leave_line(owner, waiter.grant_name if direct else None)
+                    self._leave_line(owner, waiter.grant_name if direct else None, pttl)
 
-    def _leave_line(self, owner: str, grant_name: bytes | None = None) -> None:
+    def _leave_line(self, owner: str, grant_name: bytes | None = None, pttl: int = 0) -> None:
         """Give up a place in line (and pass on a lock granted to us meanwhile; granted
         directly, to the wait ``grant_name``)."""
         args = [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
@@ -187,7 +189,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             self._scripts.release(keys=self.keys.release_keys(), args=args)
         except RedisError as exc:  # the place lapses by itself: LINE_MARGIN_MS past the lease
             log.debug("redislock: could not leave the line of %r: %r", self.name, exc)
-            self._unsettled_leave(owner, grant_name)
+            self._abandoned(owner, grant_name, pttl)
 
     def _try(
         self,

@@ -668,3 +668,65 @@ def test_a_direct_grant_is_counted_once_by_its_own_attempt_and_passed_on_by_its_
     assert not redis_client.hexists(keys.waiters + b":wake", "w3")
     lock.release()
     assert redis_client.hget(keys.lock, "w3") == b"0"  # granted the usual way
+
+
+def test_a_direct_grant_to_a_wait_whose_leave_failed_is_not_counted_twice(
+    redis_client: redis.Redis,
+) -> None:
+    """A blocked acquire times out and its leave fails (a Redis error): its place may
+    still be granted to it directly. The same thread's next acquire of that lock, from
+    any lock object, takes such a grant as its one hold, not as a re-entry on top of it
+    (which would leave a hold behind its release)."""
+    holder = RedisLock(redis_client, "abandoned", ttl=60, auto_renew=False, owner="holder")
+    holder.acquire()
+    keys = holder.keys
+    real = scripts_for(redis_client)
+
+    class FailingLeave:  # the scripts, but "leave" fails as on a broken connection
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def release(self, keys: Any, args: Any) -> Any:
+            if len(args) > 1 and args[1] == "leave":
+                raise redis.ConnectionError("connection lost (test)")
+            return real.release(keys=keys, args=args)
+
+    outcome: list[Any] = []
+
+    def thread_body() -> None:
+        waiter = RedisLock(redis_client, "abandoned", ttl=30)
+        waiter._scripts = FailingLeave()
+        outcome.append(waiter.acquire(timeout=0.5))  # times out; the leave fails
+        outcome.append(waiter._current_owner())
+        go.wait(20)
+        again = RedisLock(redis_client, "abandoned", ttl=30)  # another object
+        outcome.append(again.acquire(blocking=False))
+        outcome.append(redis_client.hget(keys.lock, outcome[1]))
+        again.release()
+        outcome.append(redis_client.exists(keys.lock))
+
+    go = threading.Event()
+    thread = threading.Thread(target=thread_body)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while len(outcome) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert outcome[0] is False
+    assert redis_client.llen(keys.waiters) == 1  # still in line: the leave never landed
+    holder.release()  # granted directly to the abandoned wait
+    assert redis_client.hget(keys.lock, outcome[1]) == b"1"
+    go.set()
+    thread.join(20)
+    assert outcome[2:] == [True, b"1", 0]  # one hold, and nothing left after its release
+
+
+def test_abandoned_waits_expire() -> None:
+    from celery_redislock._core import AbandonedWaits
+
+    waits = AbandonedWaits()
+    assert not waits
+    waits.add(b"k", "o", b"g1:5", time.monotonic() + 60)
+    waits.add(b"k", "gone", b"g1:6", time.monotonic() - 1)
+    assert waits.get(b"k", "o") == b"g1:5"
+    assert waits.get(b"k", "gone") is None
+    assert waits.get(b"other", "o") is None

@@ -14,14 +14,15 @@
 -- ARGV[5]  optional: "keep-lease" does not lengthen the lease when re-entering a hold that
 --          was already taken (a task's check for another delivery of itself: it must not
 --          keep a dead delivery's lease alive); taking up a hand-over still sets it
--- ARGV[6]  optional: the waiter's wake id "<subscriber>:<wait>.<attempt>". With ARGV[3], a
---          release may grant it the lock directly (see release.lua); kept with the lease
---          as "<subscriber>:<wait>.<attempt>:<lease>" in KEYS[3]..":wake" (a hash with the
+-- ARGV[6]  optional: the waiter's wake id "<subscriber>:<wait>.<attempt>" (sent only for
+--          the default owner: a thread or task). With ARGV[3], a release may grant it the
+--          lock directly (see release.lua); kept with the lease as
+--          "<subscriber>:<wait>.<attempt>:<lease>" in KEYS[3]..":wake" (a hash with the
 --          same hash tag; its entries go with their places in line, and the hash expires
 --          when no waiter has joined for longer than the places are kept). Joining
---          without a wake id drops an old one. An attempt of a wait finding the lock
---          granted directly to that wait (the lock's "__grant__" field is
---          "<subscriber>:<wait>") takes it as it is: one hold, not a re-entry.
+--          without a wake id drops an old one. A hold of the owner that the client has
+--          not counted (a grant) is taken as one hold, not as a re-entry: by a blocked
+--          attempt, any; without ARGV[3], the direct grant to the wait ARGV[6] names.
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
@@ -88,16 +89,23 @@ if redis.call('exists', KEYS[1]) == 0 then
 end
 if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
   if ARGV[6] and ARGV[6] ~= '' then
-    -- A direct grant to this very wait (release.lua), reached before its message: take it
-    -- as it is (one hold already), not as a re-entry.
+    -- A grant to a wait of this owner that the client has not counted: take it as one
+    -- hold, not as a re-entry. A blocked attempt (ARGV[3]) takes any hold of its owner so
+    -- (its owner is the calling thread or task, which cannot hold a lock it waits for);
+    -- any other attempt only a direct grant to the wait ARGV[6] names (a wait whose
+    -- leave failed: "__grant__" is "<subscriber>:<wait>").
     local wait = string.match(ARGV[6], '^(.*)%.%d+$')
-    if wait and redis.call('hget', KEYS[1], '__grant__') == wait then
+    if (ARGV[3] and ARGV[3] ~= '') or (wait and redis.call('hget', KEYS[1], '__grant__') == wait) then
       redis.call('hdel', KEYS[1], '__grant__')
+      local count = tonumber(redis.call('hget', KEYS[1], ARGV[1]))
+      if count == 0 then  -- granted the usual way (count 0): taken up
+        count = 1
+        redis.call('hset', KEYS[1], ARGV[1], 1)
+      end
       if redis.call('pttl', KEYS[1]) < lease then
         redis.call('pexpire', KEYS[1], lease)
       end
-      return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')),
-        tonumber(redis.call('hget', KEYS[1], ARGV[1]))}
+      return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')), count}
     end
   end
   local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)

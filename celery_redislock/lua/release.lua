@@ -38,8 +38,8 @@ if mode == 'leave' then
   local count = redis.call('hget', KEYS[1], ARGV[1])
   local direct = count and ARGV[3] and redis.call('hget', KEYS[1], '__grant__') == ARGV[3]
   if direct and tonumber(count) > 1 then
-    -- granted directly to this wait, and re-entered since (only possible for an owner id
-    -- shared by several lock objects): give back the grant's hold alone
+    -- granted directly to this wait, and counted more than once since (not expected: a
+    -- waiting thread or task holds nothing): give back the grant's hold alone
     redis.call('hdel', KEYS[1], '__grant__')
     return redis.call('hincrby', KEYS[1], ARGV[1], -1)
   end
