@@ -135,7 +135,8 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         least every 5 s).
 
         A release hands the lock to the first waiter in line. A watchdog-renewed
-        waiter on one Redis (no cluster, no ``min_replicas``) is granted it *directly*:
+        waiter with the default owner (the calling thread), on one Redis (no cluster,
+        no ``min_replicas``), is granted it *directly*:
         only its process is woken, with the fencing token, and the acquire returns
         without another round trip. The grant's lease is short (2 s from the release,
         or ``ttl`` if shorter), so a waiter that died in line cannot keep the lock; the
