@@ -683,7 +683,10 @@ def _valid_intervals(
     Released normally: Redis still had the owner's hold at the release, so the hold was
     continuous (an expired hold cannot come back under the same fresh owner id).
     Killed in flight: valid up to the kill if nothing but the kill disturbed it (no
-    SIGSTOP of that worker, no server sleep, no killed connection meanwhile).
+    SIGSTOP of that worker, no server sleep, no killed connection meanwhile). A section
+    that logged its exit before the kill ends there: the kill may have come while its
+    release was landing, or just after (the lock handed on, the "release" record not yet
+    written), and the next holder's section may start at once.
     """
     out = []
     for s in entered:
@@ -703,7 +706,8 @@ def _valid_intervals(
                 for f in faults
             )
             if not disturbed:
-                out.append((s.t_enter, t_kill, s))
+                end = t_kill if s.t_exit is None else min(s.t_exit, t_kill)
+                out.append((s.t_enter, end, s))
     return out
 
 
