@@ -21,7 +21,7 @@ import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
 from . import metrics
-from ._core import FENCE_FIELD, GRANT_FIELD, LockKeys, name_from_lock_key
+from ._core import CHAIN_FIELD, FENCE_FIELD, GRANT_FIELD, LockKeys, name_from_lock_key
 from .lock import RedisLock
 from .task import client_for, settings_for
 
@@ -43,7 +43,7 @@ def _describe(client: Any, prefix: str, key: bytes) -> dict[str, Any] | None:
     fields, pttl, parked = pipe.execute()
     if not fields:
         return None
-    reserved = (FENCE_FIELD.encode(), GRANT_FIELD.encode())
+    reserved = (FENCE_FIELD.encode(), GRANT_FIELD.encode(), CHAIN_FIELD.encode())
     # Hold counts only: reserved fields, and any a later version may add, are skipped.
     owners = {_text(k): int(v) for k, v in fields.items() if k not in reserved and v.isdigit()}
     return {

@@ -21,7 +21,7 @@ from . import signals
 
 #: Upper bounds (seconds) of the wait-time histogram buckets; the last bucket is +inf.
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-COUNTERS = ("acquired", "contended", "released", "lost", "renewed", "parked", "requeued")
+COUNTERS = ("acquired", "contended", "released", "lost", "renewed", "parked", "requeued", "pulled")
 
 
 class LockStats:
@@ -80,6 +80,7 @@ _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.lock_renewed, _counter("renewed", "count")),
     (signals.task_parked, _counter("parked")),
     (signals.task_requeued, _counter("requeued")),
+    (signals.task_pulled, _counter("pulled")),
 ]
 _enabled = False
 
@@ -164,6 +165,7 @@ def enable_prometheus(registry: Any = None) -> None:
         (signals.lock_lost, "lost"),
         (signals.task_parked, "parked"),
         (signals.task_requeued, "requeued"),
+        (signals.task_pulled, "pulled"),
     ):
         signal.connect(lambda sender=None, _c=counters[name], **_: _c.inc())
     signals.lock_renewed.connect(lambda sender=None, count=1, **_: counters["renewed"].inc(count))

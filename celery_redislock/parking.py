@@ -31,6 +31,7 @@ from celery.worker.strategy import default as default_strategy
 from . import signals
 from ._core import OwnerFinished
 from .task import (
+    LOOKAHEAD_HEADER,
     REQUEUE_HEADER,
     TAG_PREFIX,
     LockedTask,
@@ -66,10 +67,13 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
 class Parker:
     """Parks one task type's contended messages in the worker's main process."""
 
-    def __init__(self, task: Any, app: Any, revoked: Any) -> None:
+    def __init__(self, task: Any, app: Any, revoked: Any, *, slots: int | None = None) -> None:
         self.task = task
         self.app = app
         self.revoked = revoked
+        #: Look-ahead needs two worker slots here at least: a lock's tasks moved ahead
+        #: would otherwise take this worker's only one in turn.
+        self.lookahead = slots is None or slots >= 2
         self.queues: dict[tuple[str, str], list[str]] = {}
         self.writable: dict[str, bool] = {}
 
@@ -89,7 +93,16 @@ class Parker:
         except Exception:
             log.debug("redislock: parking at delivery is off for %s", task.name, exc_info=True)
             return None
-        return cls(task, app, consumer.controller.state.revoked)
+        # The pool's size: its largest with --autoscale (the pool's limit is its least).
+        slots = getattr(consumer.controller, "max_concurrency", None)
+        if not isinstance(slots, int) or not slots:
+            slots = getattr(getattr(consumer, "pool", None), "limit", None)
+        return cls(
+            task,
+            app,
+            consumer.controller.state.revoked,
+            slots=slots if isinstance(slots, int) else None,
+        )
 
     def park(self, message: Any) -> bool:
         """True if the message was parked (the caller acks it); False: deliver it."""
@@ -101,6 +114,8 @@ class Parker:
 
     def _park(self, message: Any) -> bool:
         headers = message.headers or {}
+        # Only ever set here, never taken from a message (these are also the envelope's).
+        headers.pop(LOOKAHEAD_HEADER, None)
         raw = getattr(message, "_raw", None)
         task_id = headers.get("id")
         if (
@@ -112,33 +127,30 @@ class Parker:
             or task_id in self.revoked
         ):
             return False
-        if str(message.delivery_tag).startswith(TAG_PREFIX):
-            return False  # pushed back by a hand-over or the sweeper: the lock is its own
         task = self.task
         options = task.lock_options()
+        if options.on_contention != "requeue":
+            return False
+        handed = str(message.delivery_tag).startswith(TAG_PREFIX)
         count = int(headers.get(REQUEUE_HEADER) or 0)
-        if options.on_contention != "requeue" or count >= options.max_requeues:
+        if count >= options.max_requeues and not handed:
+            return False
+        queue_list = self._queue_list(message, raw)
+        if queue_list is None:
+            return False
+        if handed:  # pushed back by a hand-over or the sweeper: the lock is its own
+            if options.lookahead and self.lookahead:
+                # Its release looks in the list for the next task of its lock.
+                message.headers[LOOKAHEAD_HEADER] = queue_list
             return False
         args, kwargs, _embed = message.decode()
         name = task.lock_name(args, kwargs)  # a bad value: the pool process fails the task
-        channel = message.channel
-        info = raw["properties"]["delivery_info"]
-        queues = self._queues_for(channel, info.get("exchange") or "", info["routing_key"])
-        if len(queues) != 1 or queues[0] not in getattr(channel, "_active_queues", ()):
-            return False  # several queues, or one this worker does not consume (dead letter)
         # Copies of the two parts changed (the header here, the delivery tag when parked).
         envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
         envelope["headers"][REQUEUE_HEADER] = count + 1
-        # Back to the queue's first-read list (kombu's BRPOP reads the lists in the order
-        # of priority_steps) whatever the message's priority: once handed the lock, it
-        # must not wait behind a backlog while it holds it.
-        first = channel.priority_steps[0]
-        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], first)
         client = client_for(self.app)
-        if "\n" in queue_list or not self._may_push(client, queue_list):
-            return False
         lock = TaskLock(client, name, task_id=task_id, options=options)
-        keep_for = max(options.done_ttl, task._fallback_delay(options) * 4 + options.ttl)
+        keep_for = task._parking_lifetime(options)
         try:
             outcome = lock.park(envelope_entry(queue_list, envelope), keep_for, behind=True)
         except OwnerFinished:
@@ -155,6 +167,26 @@ class Parker:
             count + 1,
         )
         return True
+
+    def _queue_list(self, message: Any, raw: dict[str, Any]) -> str | None:
+        """The list a hand-over pushes this message to, if parking it is exact here.
+
+        That is its queue's first-read list (kombu's BRPOP reads the lists in the order of
+        priority_steps), whatever the message's priority: once handed the lock, it must
+        not wait behind a backlog while it holds it. None: the message is bound to several
+        queues, or to one this worker does not consume (dead letter), or the locks' Redis
+        user may not write the list.
+        """
+        channel = message.channel
+        info = raw["properties"]["delivery_info"]
+        queues = self._queues_for(channel, info.get("exchange") or "", info["routing_key"])
+        if len(queues) != 1 or queues[0] not in getattr(channel, "_active_queues", ()):
+            return None
+        first = channel.priority_steps[0]
+        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], first)
+        if "\n" in queue_list or not self._may_push(client_for(self.app), queue_list):
+            return None
+        return str(queue_list)
 
     def _may_push(self, client: Any, queue_list: str) -> bool:
         """Whether the lock's Redis user may write ``queue_list`` (the hand-over pushes

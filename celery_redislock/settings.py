@@ -24,6 +24,10 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_requeue_backoff`` (``(0.05, 5.0)``) — (base, cap) of the jittered backoff.
 * ``redislock_requeue_exhausted`` (``"fail"``) — ``fail`` (``LockContendedError``) or ``drop``.
 * ``redislock_release_on_retry`` (``True``) — release when the task calls ``self.retry()``.
+* ``redislock_lookahead`` (``64``, task: ``lock_lookahead``) — at a release that hands the
+  lock to nobody, how many of the oldest messages of the task's queue to search for the next
+  task of the same lock, which is then moved to the head of the queue holding the lock
+  (requeue mode, where tasks are parked at delivery; ``0``: off). See docs/concepts.md.
 * ``redislock_done_ttl`` (``86400.0``) — how long a finished task id is remembered (dedup).
 * ``redislock_park_fallback`` (``"auto"``) — also keep a delayed copy of each parked task in
   the broker: ``"auto"`` does when the lock Redis is not the broker's Redis.
@@ -78,6 +82,19 @@ def _count(value: object, name: str) -> int:
     return value
 
 
+#: Upper bound of ``redislock_lookahead``: each message searched is decoded at a release.
+MAX_LOOKAHEAD = 1000
+
+
+def _lookahead(value: object, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOOKAHEAD:
+        raise LockConfigurationError(
+            f"{name} must be an int from 0 (off) to {MAX_LOOKAHEAD} (messages searched), "
+            f"got {value!r}"
+        )
+    return value
+
+
 def _backoff(value: object, name: str) -> tuple[float, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise LockConfigurationError(f"{name} must be a (base, cap) pair of seconds, got {value!r}")
@@ -102,6 +119,7 @@ class LockOptions:
     release_on_retry: bool = True
     done_ttl: float = 86400.0
     hold: float = 0.0
+    lookahead: int = 64
 
     def merged(self, overrides: Mapping[str, Any]) -> LockOptions:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -131,6 +149,7 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
     ),
     "release_on_retry": ("lock_release_on_retry", "redislock_release_on_retry", _bool),
     "done_ttl": ("lock_done_ttl", "redislock_done_ttl", _seconds),
+    "lookahead": ("lock_lookahead", "redislock_lookahead", _lookahead),
     "hold": ("lock_hold", None, lambda v, n: _seconds(v, n, allow_zero=True)),  # type: ignore[dict-item]
 }
 

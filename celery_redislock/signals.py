@@ -18,6 +18,8 @@ signal                 sent when                                keyword argument
 ``lock_renewed``       the watchdog renewed a batch             count
 ``task_parked``        a LockedTask was parked behind a holder  name, task_id
 ``task_requeued``      a LockedTask was re-queued (countdown)   name, task_id, countdown
+``task_pulled``        a release moved the next queued task     name, task_id (the one moved)
+                       of its lock ahead, handing it the lock
 =====================  =======================================  ================================
 
 ``sender`` is the lock object (the task for ``task_*``, the watchdog for
@@ -88,6 +90,7 @@ lock_lost = Signal("lock_lost")
 lock_renewed = Signal("lock_renewed")
 task_parked = Signal("task_parked")
 task_requeued = Signal("task_requeued")
+task_pulled = Signal("task_pulled")
 
 __all__ = [
     "Signal",
@@ -97,5 +100,6 @@ __all__ = [
     "lock_released",
     "lock_renewed",
     "task_parked",
+    "task_pulled",
     "task_requeued",
 ]

@@ -39,6 +39,13 @@ On contention (``on_contention``)
     separately from ``max_retries``; after ``lock_max_requeues`` the task fails with
     ``LockContendedError`` (``lock_requeue_exhausted="fail"``) or is dropped with a
     warning (``"drop"``).
+
+    Where the broker is the locks' own Redis, a contended message is parked instead, in
+    the worker's main process, and the holder's release hands the lock to it and puts
+    it back at the head of its queue. A task handed its lock that way also searches its
+    queue while it runs (``lock_lookahead`` messages, default 64) for the next task of
+    its lock, which its release then hands the lock to and moves ahead, when nobody is
+    parked (docs/concepts.md, "Parking and hand-over").
 ``"wait"``
     Block the worker slot up to ``lock_wait`` seconds, woken by the holder's release;
     then act as ``lock_wait_fallback`` (``"requeue"`` or ``"raise"``).
@@ -71,7 +78,10 @@ with ``on_contention="skip"``, skips it.
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
+import json
 import logging
 import os
 import random
@@ -80,6 +90,8 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, NamedTuple
 
 import redis
@@ -88,6 +100,7 @@ from celery import Task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Retry
 from celery.worker.request import Request
+from kombu import compression, serialization
 from kombu.utils import json as kombu_json
 
 from . import metrics, signals
@@ -111,7 +124,22 @@ log = logging.getLogger(__name__)
 
 #: Message header counting re-queues (kept apart from Celery's ``retries``).
 REQUEUE_HEADER = "redislock_requeues"
+#: Header the worker's main process sets (in memory, never published) on a message that was
+#: handed its lock through a queue list: the list its release searches (look-ahead).
+LOOKAHEAD_HEADER = "redislock_lookahead"
 SKIPPED = "SKIPPED"
+
+
+class _Pull(NamedTuple):
+    """The next queued task of a lock (look-ahead): its message, as found in its list;
+    ``task_id`` "" when none was found (the release ends the lock's look-ahead chain)."""
+
+    queue_list: str
+    chain: str  # the queue list's look-ahead chain key (handoff.lua)
+    task_id: str = ""  # "" (none found, or the search had not finished)
+    raw: bytes = b""
+    entry: str = ""  # the message as a parked envelope (envelope_entry)
+    keep_ms: int = 0  # lifetime of its parked records (the parking lifetime)
 
 
 class _Call(NamedTuple):
@@ -129,6 +157,7 @@ class TaskLock(RedisLock):
 
     _keep_lease = False  # set during take(keep_lease=True)
     _direct_grants = False  # a hold count of 0 means "handed over, not started" here
+    pulled: str | None = None  # the queued task the last finish() handed the lock to
 
     def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
         super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
@@ -200,9 +229,9 @@ class TaskLock(RedisLock):
         return True
 
     def handoff_args(
-        self, owner: str, mode: str, done_ttl: float | None
-    ) -> tuple[list[bytes], list[Any]]:
-        keys = [
+        self, owner: str, mode: str, done_ttl: float | None, pull: _Pull | None = None
+    ) -> tuple[list[Any], list[Any]]:
+        keys: list[Any] = [
             self.keys.lock,
             self.keys.channel,
             self.keys.fence,
@@ -214,26 +243,49 @@ class TaskLock(RedisLock):
             self.keys.claims,
         ]
         done_ms = 0 if done_ttl is None else lease_ms(done_ttl, "lock_done_ttl")
-        return keys, [owner, mode, self._lease, done_ms]
+        args: list[Any] = [owner, mode, self._lease, done_ms]
+        if pull is not None:
+            keys += [pull.queue_list, self.registry, pull.chain]
+            args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms]
+        return keys, args
 
-    def finish(self, *, hold: float, done_ttl: float | None) -> str | None:
+    def finish(
+        self,
+        *,
+        hold: float,
+        done_ttl: float | None,
+        lookahead: Callable[[], _Pull | None] | None = None,
+    ) -> str | None:
         """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
 
         With ``done_ttl``, also mark the task id done so a later delivery of the same
         message does not run again. Returns the message of the parked task the lock was
         handed to (publish it), if any. Raises like :meth:`release` when the hold was
         lost — after recording any hand-over on the exception's ``handed_to``.
+
+        ``lookahead`` (a release without ``hold``): finds the next queued task of this
+        lock, which the release hands the lock to when no task is parked or waiting;
+        ``self.pulled`` is then its task id.
         """
+        self.pulled = None
         owner = self._current_owner()
         held = self._holds.get(owner)
         if held is not None:
             held.releasing += 1  # a renewal crossing this release must not report a loss
         try:
             if hold <= 0:
-                handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl)
+                pull = None
+                if lookahead is not None:
+                    try:
+                        pull = lookahead()
+                    except Exception:  # only a shortcut: the task comes in its turn anyway
+                        log.debug("redislock: look-ahead failed for %r", self.name, exc_info=True)
+                handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull)
                 reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
                 code = int(reply[0])
                 message = _text(reply[1]) if len(reply) > 1 and reply[1] is not None else None
+                if len(reply) > 3:  # handed to the look-ahead's queued task
+                    self.pulled = _text(reply[2])
             else:
                 keys = self.keys.release_keys()
                 args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold")]
@@ -444,7 +496,7 @@ class LockedTask(Task):  # type: ignore[misc]
     ``lock_ttl``, ``lock_prefix``, ``on_contention``, ``lock_wait``,
     ``lock_wait_fallback``, ``lock_max_requeues``, ``lock_requeue_backoff``,
     ``lock_requeue_exhausted``, ``lock_release_on_retry``, ``lock_done_ttl``,
-    ``lock_hold``. See the module docstring for what each does.
+    ``lock_hold``, ``lock_lookahead``. See the module docstring for what each does.
     """
 
     abstract = True
@@ -464,6 +516,7 @@ class LockedTask(Task):  # type: ignore[misc]
     lock_release_on_retry: ClassVar[bool | None] = None
     lock_done_ttl: ClassVar[float | None] = None
     lock_hold: ClassVar[float | None] = None
+    lock_lookahead: ClassVar[int | None] = None
 
     _lock_template: ClassVar[KeyTemplate]
     _lock_overrides: ClassVar[dict[str, Any]] = {}
@@ -567,19 +620,20 @@ class LockedTask(Task):  # type: ignore[misc]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        lookahead = self._lookahead(lock, options)
         try:
             result = super().__call__(*args, **kwargs)
         except Retry as retry:
             if options.release_on_retry:
-                _finish_quietly(lock, self, options, hold=0.0, done=False)
+                _finish_quietly(lock, self, options, hold=0.0, done=False, lookahead=lookahead)
             else:
                 self._keep_for_retry(lock, retry, options)
             raise
-        except BaseException:
-            _finish_quietly(lock, self, options, hold=0.0)  # lock_hold is for successes
+        except BaseException:  # lock_hold is for successes
+            _finish_quietly(lock, self, options, hold=0.0, lookahead=lookahead)
             raise
         lost = lock.lost
-        _finish_quietly(lock, self, options)
+        _finish_quietly(lock, self, options, lookahead=lookahead)
         if lost.is_set():
             raise LockLostError(
                 f"task {self.name}[{self.request.id}] finished, but its lock {lock.name!r} was "
@@ -590,6 +644,64 @@ class LockedTask(Task):  # type: ignore[misc]
                 reason=lost.reason or "expired",
             )
         return result
+
+    def _lookahead(
+        self, lock: AnyTaskLock, options: LockOptions
+    ) -> Callable[[], _Pull | None] | None:
+        """How this run's release finds the next queued task of its lock, if it looks.
+
+        Only a task handed its lock through a queue list looks: its lock has a queue of
+        tasks behind it, so the next one is likely in the list, not yet fetched. The
+        worker's main process says which list (``LOOKAHEAD_HEADER``, set in memory on a
+        delivery with a hand-over's tag, where parking at delivery applies; a header
+        that came in a message is not trusted). The search runs in this process's
+        look-ahead thread while the task runs, off the lock's critical path: the release
+        does not wait for it (a search not finished by then is not used). Never raises.
+        """
+        request = self.request
+        queue_list = getattr(request, LOOKAHEAD_HEADER, None)
+        properties = getattr(request, "properties", None) or {}
+        if (
+            not isinstance(lock, TaskLock)
+            or not isinstance(queue_list, str)
+            or not str(properties.get("delivery_tag", "")).startswith(TAG_PREFIX)
+            or not options.lookahead
+            or options.on_contention != "requeue"
+            or queue_list in _lookahead_denied
+        ):
+            return None
+        keep_for = self._parking_lifetime(options)
+        try:
+            search = _lookahead_thread().submit(
+                _next_queued, self.app, lock, queue_list, options.lookahead, keep_for
+            )
+        except Exception:  # no thread to search with: release without look-ahead
+            log.debug("redislock: look-ahead could not start", exc_info=True)
+            return None
+        nothing = _Pull(queue_list, lookahead_chain(options.prefix, queue_list))
+
+        def found() -> _Pull | None:
+            return search.result() if search.done() else nothing
+
+        return found
+
+    def signature_from_request(
+        self,
+        request: Any = None,
+        args: Any = None,
+        kwargs: Any = None,
+        queue: Any = None,
+        **extra_options: Any,
+    ) -> Any:
+        """Celery's, without the worker's in-memory look-ahead header (a retry or a
+        re-queue must not carry it to another delivery)."""
+        signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
+        headers = signature.options.get("headers")
+        if isinstance(headers, dict) and LOOKAHEAD_HEADER in headers:
+            signature.options["headers"] = {
+                k: v for k, v in headers.items() if k != LOOKAHEAD_HEADER
+            }
+        return signature
 
     def _keep_for_retry(self, lock: AnyTaskLock, retry: Retry, options: LockOptions) -> None:
         """Keep the hold for the retried run: an unrenewed lease covering the retry delay."""
@@ -705,7 +817,7 @@ class LockedTask(Task):  # type: ignore[misc]
             return False
         fallback = self._fallback_delay(options)
         try:
-            outcome = lock.park(message, keep_for=max(options.done_ttl, fallback * 4 + options.ttl))
+            outcome = lock.park(message, keep_for=self._parking_lifetime(options))
         except OwnerFinished:
             raise Ignore() from None
         if outcome is True:
@@ -726,6 +838,10 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _fallback_delay(self, options: LockOptions) -> float:
         return min(max(options.ttl, options.requeue_backoff[1]), _visibility_timeout(self.app) / 4)
+
+    def _parking_lifetime(self, options: LockOptions) -> float:
+        """How long a parked task's records are kept (extended by every parking)."""
+        return max(options.done_ttl, self._fallback_delay(options) * 4 + options.ttl)
 
     def _requeue(
         self,
@@ -813,6 +929,142 @@ class LockedTask(Task):  # type: ignore[misc]
 _rng = random.Random()
 
 
+#: Messages one look-ahead read fetches (the next read, if any, fetches as many more).
+LOOKAHEAD_CHUNK = 16
+#: Bytes of messages one look-ahead search reads at most (it stops after the read that
+#: reaches this).
+LOOKAHEAD_BYTES = 1 << 20
+_lookahead_executor: tuple[int, ThreadPoolExecutor] | None = None
+_lookahead_mutex = threading.Lock()
+
+
+def _lookahead_thread() -> ThreadPoolExecutor:
+    """This process's one look-ahead thread (a new one after a fork)."""
+    global _lookahead_executor
+    with _lookahead_mutex:
+        if _lookahead_executor is None or _lookahead_executor[0] != os.getpid():
+            _lookahead_executor = (
+                os.getpid(),
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="redislock-lookahead"),
+            )
+        return _lookahead_executor[1]
+
+
+def lookahead_chain(prefix: str, queue_list: str) -> str:
+    """The key naming the one lock whose tasks look-ahead moves ahead in ``queue_list``."""
+    return f"{prefix}lookahead:{queue_list}"
+
+
+def _next_queued(
+    app: Any, lock: TaskLock, queue_list: str, limit: int, keep_for: float
+) -> _Pull | None:
+    """The oldest message among the ``limit`` next to be read from ``queue_list`` whose task
+    takes ``lock`` (requeue mode), if no task is parked behind the lock already (None);
+    else a :class:`_Pull` without a task (the release ends this lock's look-ahead chain,
+    if it has one). Whether another lock's chain holds the list is the release's to say.
+
+    kombu's Redis transport pushes messages on the left of a queue's list and reads them
+    from the right: the right end is the oldest. One round trip reads the parked count and
+    the first chunk; most hot locks have their next task in it.
+    """
+    try:
+        return _search_queue(app, lock, queue_list, limit, lease_ms(keep_for, "parking lifetime"))
+    except redis.exceptions.NoPermissionError as exc:
+        _lookahead_denied.add(queue_list)
+        log.warning(
+            "redislock: look-ahead is off for queue list %r in this process: the locks' Redis "
+            "user lacks a permission it needs (%s); grant it +lrange on the queue lists",
+            queue_list,
+            exc,
+        )
+        return None
+
+
+#: Queue lists the locks' Redis user may not read (this process stops searching them).
+_lookahead_denied: set[str] = set()
+
+
+def _search_queue(
+    app: Any, lock: TaskLock, queue_list: str, limit: int, keep_ms: int
+) -> _Pull | None:
+    accept = serialization.prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+    chain = lookahead_chain(lock.prefix, queue_list)
+    nothing = _Pull(queue_list, chain)
+    start = read = 0
+    while start < limit and read < LOOKAHEAD_BYTES:
+        end = min(start + LOOKAHEAD_CHUNK, limit)
+        if start == 0:
+            pipe = lock.client.pipeline(transaction=False)
+            pipe.llen(lock.parked)
+            pipe.lrange(queue_list, -end, -1)
+            parked, raws = pipe.execute()
+            if parked:
+                return None  # the release hands the lock to a parked task
+        else:
+            raws = lock.client.lrange(queue_list, -end, -start - 1)
+        for raw in map(_bytes, reversed(raws)):  # oldest first
+            read += len(raw)
+            digest = hashlib.blake2b(raw, digest_size=16).digest()
+            lock_key = _lock_of.get(digest, b"")
+            if lock_key == b"":  # not seen by this process yet: decode it
+                lock_key = _lock_of[digest] = _lock_key_of(app, raw, accept)
+                if len(_lock_of) > LOOKAHEAD_CACHE:
+                    del _lock_of[next(iter(_lock_of))]  # the oldest entry
+            if lock_key == lock.keys.lock:
+                envelope = json.loads(raw)
+                headers = envelope["headers"]
+                headers.pop(LOOKAHEAD_HEADER, None)
+                if headers["id"] != lock.owner:
+                    entry = envelope_entry(queue_list, envelope)
+                    return _Pull(queue_list, chain, headers["id"], raw, entry, keep_ms)
+        if len(raws) < end - start:
+            return nothing  # the whole list was read
+        start = end
+    return nothing
+
+
+#: Queued messages whose lock this process knows (digest of the message -> lock key or
+#: None), so that each message is decoded once however many look-ahead searches read it.
+_lock_of: dict[bytes, bytes | None] = {}
+LOOKAHEAD_CACHE = 4096
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _lock_key_of(app: Any, raw: bytes, accept: Any) -> bytes | None:
+    """The lock key the task of the broker envelope ``raw`` takes, if it takes one in
+    requeue mode and could be parked at delivery (task protocol 2, a task id, no ``eta``
+    or ``expires``); else None."""
+    try:
+        envelope = json.loads(raw)
+        headers, properties = envelope["headers"], envelope["properties"]
+        task = app.tasks.get(headers.get("task"))
+        if (
+            not isinstance(task, LockedTask)
+            or not isinstance(headers.get("id"), str)
+            or headers.get("eta")
+            or headers.get("expires")
+        ):
+            return None
+        options = task.lock_options()
+        if options.on_contention != "requeue":
+            return None
+        body = envelope["body"]
+        if properties.get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        if headers.get("compression"):
+            body = compression.decompress(body, headers["compression"])  # type: ignore[no-untyped-call]
+        args, kwargs, _embed = serialization.loads(  # type: ignore[no-untyped-call]
+            body, envelope["content-type"], envelope["content-encoding"], accept=accept
+        )
+        name = task.lock_name(args, kwargs)
+    except Exception:  # not a message this look-ahead understands: leave it in its turn
+        return None
+    return LockKeys.for_name(name, options.prefix).lock
+
+
 def LockKeysFor(name: str, prefix: str) -> bytes:
     return LockKeys.for_name(name, prefix).lock
 
@@ -881,15 +1133,27 @@ def _finish_quietly(
     *,
     hold: float | None = None,
     done: bool = True,
+    lookahead: Callable[[], _Pull | None] | None = None,
 ) -> None:
     """Release (handing over to a parked task) and publish the hand-over; never raises
     LockNotOwnedError (the caller reports a lost lease itself). Stats are flushed after
     the release, off the next task's critical path."""
     keep = options.hold if hold is None else hold
+    done_ttl = options.done_ttl if done else None
     try:
-        task.publish_handed_over(
-            lock.finish(hold=keep, done_ttl=options.done_ttl if done else None)
-        )
+        if isinstance(lock, TaskLock):
+            task.publish_handed_over(lock.finish(hold=keep, done_ttl=done_ttl, lookahead=lookahead))
+            if lock.pulled is not None:
+                signals.task_pulled.send(task, name=lock.name, task_id=lock.pulled)
+                log.info(
+                    "redislock: %s[%s] handed %r to the next queued task %s (look-ahead)",
+                    task.name,
+                    task.request.id,
+                    lock.name,
+                    lock.pulled,
+                )
+        else:
+            task.publish_handed_over(lock.finish(hold=keep, done_ttl=done_ttl))
     except LockNotOwnedError as exc:  # includes LockLostError: reported by the caller
         task.publish_handed_over(getattr(exc, "handed_to", None))
         log.warning(

@@ -13,15 +13,24 @@ from typing import Any
 import redis
 
 from celery_redislock import RedisLock
+from celery_redislock import task as task_module
 from celery_redislock._scripts import scripts_for
 from celery_redislock.parking import Parker, _same_redis
-from celery_redislock.task import Sweeper, TaskLock
+from celery_redislock.task import (
+    Sweeper,
+    TaskLock,
+    _lookahead_denied,
+    _next_queued,
+    _Pull,
+)
 from celery_redislock.testing import RedisServer
 
 from . import celery_app as ca
 from ._celery import wait_until, worker
+from .test_security import CELERY_COMMANDS, PASSWORD, acl_rules, denials, set_user
 
 PARKED = "redislock:{job:%s}:parked"
+CHAIN = "redislock:lookahead:%s"
 
 
 def _release_as(r: redis.Redis, name: str, owner: str) -> list[Any]:
@@ -350,3 +359,332 @@ def test_a_copy_looking_for_its_own_delivery_does_not_keep_a_dead_ones_lease_ali
     assert taker.take(keep_lease=True) and taker.server_hold_count == 1 and taker.token == 7
     assert r.pttl(key) > 1000
     taker.release()
+
+
+# ------------------------------------------------------------------ look-ahead at release
+
+
+def _holder(r: redis.Redis, name: str, owner: str = "holder") -> TaskLock:
+    lock = TaskLock(r, f"job:{name}", task_id=owner, options=ca.hold_for.lock_options())
+    assert lock.take() is True
+    return lock
+
+
+def test_a_release_with_nobody_parked_hands_the_lock_to_the_next_queued_task_of_its_lock(
+    broker: RedisServer,
+) -> None:
+    r = broker.client()
+    queue = "lookahead-pull"
+    lock = _holder(r, "la")
+    token = lock.token
+    # Oldest first: tasks the look-ahead must pass over, then the one it takes.
+    passed = [
+        ca.hold_for.apply_async(("la", 0.01), queue=queue, countdown=60),  # an eta
+        ca.skip_if_busy.apply_async(("la",), queue=queue),  # not requeue mode
+        ca.hold_for.apply_async(("elsewhere", 0.01), queue=queue),  # another lock
+        ca.settle.apply_async((7, 1), queue=queue),  # another task and lock
+    ]
+    target = ca.hold_for.apply_async(("la", 0.01), queue=queue)
+    later = ca.hold_for.apply_async(("la", 0.01), queue=queue)  # newer: stays in its turn
+    before = r.lrange(queue, 0, -1)
+
+    pull = _next_queued(ca.app, lock, queue, 64, 60)
+    assert pull is not None and pull.task_id == target.id
+    assert pull.raw in before
+    assert lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull) is None
+    assert lock.pulled == target.id
+    assert r.hget(CHAIN % queue, "lock") == b"redislock:{job:la}"  # its chain: the list's one
+    # Handed over as a parked task would be: count 0, a new token, the sweeper's records.
+    held = r.hgetall("redislock:{job:la}")
+    assert held[target.id.encode()] == b"0"
+    assert int(held[b"__fence__"]) == token + 1
+    assert r.hexists(PARKED % "la" + ":messages", target.id)
+    assert r.hexists(PARKED % "la" + ":dispatched", target.id)
+    for record in (":messages", ":dispatched"):  # they expire as parked records do
+        assert 50_000 < r.pttl(PARKED % "la" + record) <= 60_000
+    assert r.zscore("redislock:parked", "redislock:{job:la}") is not None
+    # Its message moved from its place to the read end, with a hand-over's delivery tag.
+    after = r.lrange(queue, 0, -1)
+    assert len(after) == len(before) and pull.raw not in after
+    moved = json.loads(after[-1])
+    assert moved["headers"]["id"] == target.id
+    assert re.fullmatch(rf"rltag[0-9a-f]{{16}}h{token + 1}", moved["properties"]["delivery_tag"])
+    assert [json.loads(m)["headers"]["id"] for m in after[:-1]] == [
+        later.id,
+        *reversed([p.id for p in passed]),
+    ]
+    # The worker's main process delivers it without checking the lock again, and tells
+    # the pool process which list its own release is to search.
+    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    first = _fetch(queue, parker=parker, parks=False)
+    assert first.headers["id"] == target.id
+    assert first.headers["redislock_lookahead"] == queue
+    assert first.decode()[0] == ["la", 0.01]
+
+
+def test_the_look_ahead_gives_way_to_parked_tasks_and_to_tasks_that_went_meanwhile(
+    broker: RedisServer,
+) -> None:
+    r = broker.client()
+    queue = "lookahead-misses"
+    lock = _holder(r, "miss")
+    queued = ca.hold_for.apply_async(("miss", 0.01), queue=queue)
+    pull = _next_queued(ca.app, lock, queue, 64, 60)
+    assert pull is not None and pull.task_id == queued.id
+
+    # A task parked behind the holder meanwhile is handed the lock first.
+    parked = TaskLock(r, "job:miss", task_id="parked", options=ca.hold_for.lock_options())
+    assert isinstance(parked.park('{"parked": 1}', keep_for=60), int)  # the holder's pttl
+    assert r.llen(PARKED % "miss") == 1
+    assert _next_queued(ca.app, lock, queue, 64, 60) is None  # a task is parked: no search
+    message = lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+    assert message == '{"parked": 1}' and lock.pulled is None
+    assert r.hget("redislock:{job:miss}", "parked") == b"0"
+    assert r.llen(queue) == 1 and r.lindex(queue, 0) == pull.raw  # left in its turn
+    r.delete("redislock:{job:miss}")
+
+    # The message was fetched meanwhile: the release just frees the lock.
+    lock = _holder(r, "miss", "second")
+    assert r.rpop(queue) == pull.raw
+    lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+    assert lock.pulled is None and not r.exists("redislock:{job:miss}")
+
+    # Its task id finished meanwhile (another delivery ran it): not handed the lock.
+    r.lpush(queue, pull.raw)
+    r.set(f"redislock:{{job:miss}}:done:{queued.id}", "1")
+    lock = _holder(r, "miss", "third")
+    lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+    assert lock.pulled is None and not r.exists("redislock:{job:miss}")
+    assert r.lrange(queue, 0, -1) == [pull.raw]
+
+
+def test_the_look_ahead_searches_as_far_as_lock_lookahead_says(broker: RedisServer) -> None:
+    r = broker.client()
+    queue = "lookahead-far"
+    lock = _holder(r, "far")
+    for i in range(40):  # 40 older messages of other locks (over two reads of 16)
+        ca.hold_for.apply_async((f"other{i}", 0.01), queue=queue)
+    target = ca.hold_for.apply_async(("far", 0.01), queue=queue)
+    assert _next_queued(ca.app, lock, queue, 40, 60) == _Pull(queue, CHAIN % queue)  # none
+    found = _next_queued(ca.app, lock, queue, 41, 60)
+    assert found is not None and found.task_id == target.id
+    assert _next_queued(ca.app, lock, queue, 1000, 60).task_id == target.id  # type: ignore[union-attr]
+    empty = "lookahead-empty"
+    assert _next_queued(ca.app, lock, empty, 64, 60) == _Pull(empty, CHAIN % empty)
+    lock.finish(hold=0, done_ttl=60)
+
+
+def test_a_worker_runs_the_queued_tasks_of_a_busy_lock_ahead_of_the_backlog(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    """Queue (oldest first): a, o0..o7, b, c, d — a, b, c, d on one lock, o* each on its own.
+    With two slots and look-ahead, b, c and d run one after another as soon as the lock is
+    free, each moved ahead of the o* backlog by the release before it (without look-ahead
+    they would wait for o2..o7, in turn)."""
+    r = broker.client()
+    RedisLock(r, "job:busy", ttl=60, owner="holder", auto_renew=False).acquire()
+    first = ca.hold_for.apply_async(("busy", 0.2), queue="celery")
+    backlog = [ca.hold_for.apply_async((f"o{i}", 0.5), queue="celery") for i in range(8)]
+    chain = [ca.hold_for.apply_async(("busy", 0.2), queue="celery") for _ in range(3)]
+    proc = worker(broker.url, tmp_path / "w.log", concurrency=2)
+    try:
+        wait_until(lambda: r.llen(PARKED % "busy") == 1, timeout=30)  # a, at delivery
+        wait_until(lambda: r.llen("started:o1") == 1, timeout=30)  # both slots busy
+        assert _release_as(r, "busy", "holder")[2].decode() == first.id
+        tokens = [result.get(timeout=60) for result in [first, *chain]]
+        # d is done while the backlog still has tasks that were queued long before it.
+        assert sum(r.llen(f"started:o{i}") for i in range(8)) < 8
+        assert proc.text().count("(look-ahead)") == 3  # b, c and d were moved ahead
+        assert tokens == sorted(tokens) and len(set(tokens)) == 4  # one at a time
+        for result in backlog:
+            result.get(timeout=60)
+        started = [line.split()[0].decode() for line in r.lrange("started:busy", 0, -1)]
+        assert started == [first.id, *(result.id for result in chain)]  # each once, in order
+        assert all(r.llen(f"started:o{i}") == 1 for i in range(8))
+        # Nothing left behind: the lock, the parked and dispatched records are gone.
+        wait_until(lambda: not r.exists("redislock:{job:busy}"), timeout=10)
+        assert not r.hlen(PARKED % "busy" + ":messages")
+        assert not r.hlen(PARKED % "busy" + ":dispatched")
+    finally:
+        proc.stop()
+
+
+def test_a_lock_user_that_may_not_read_the_queue_releases_without_look_ahead(
+    broker: RedisServer, caplog: Any
+) -> None:
+    admin = broker.client()
+    queue = "lookahead-acl"
+    admin.execute_command(
+        "ACL",
+        "SETUSER",
+        "noread",
+        "on",
+        ">pw",
+        "~redislock:*",
+        f"~{queue}",
+        "&redislock:*",
+        "+@all",
+        "-lrange",
+    )
+    port = broker.url.rsplit(":", 1)[1].split("/")[0]
+    user = redis.Redis.from_url(f"redis://noread:pw@127.0.0.1:{port}/0")
+    try:
+        lock = _holder(user, "acl-read")
+        queued = ca.hold_for.apply_async(("acl-read", 0.01), queue=queue)
+        assert _next_queued(ca.app, lock, queue, 64, 60) is None
+        assert "look-ahead is off for queue list 'lookahead-acl'" in caplog.text
+        assert queue in _lookahead_denied
+        options = ca.hold_for.lock_options()
+        ca.hold_for.push_request(
+            redislock_lookahead=queue, properties={"delivery_tag": "rltag0123h1"}
+        )
+        try:
+            assert ca.hold_for._lookahead(lock, options) is None  # not searched again
+        finally:
+            ca.hold_for.pop_request()
+        lock.finish(hold=0, done_ttl=60)
+        assert not admin.exists("redislock:{job:acl-read}")
+        assert json.loads(admin.lindex(queue, -1))["headers"]["id"] == queued.id  # untouched
+    finally:
+        _lookahead_denied.discard(queue)
+        user.close()
+        admin.execute_command("ACL", "DELUSER", "noread")
+
+
+def test_only_the_worker_s_own_look_ahead_header_on_a_handed_over_delivery_counts(
+    broker: RedisServer, monkeypatch: Any
+) -> None:
+    r = broker.client()
+    lock = _holder(r, "trust")
+    options = ca.hold_for.lock_options()
+    task = ca.hold_for
+
+    def lookahead(**request: Any) -> Any:
+        task.push_request(**request)
+        try:
+            return task._lookahead(lock, options)
+        finally:
+            task.pop_request()
+
+    handed = {"delivery_tag": "rltag0123456789abcdefh7"}
+    assert callable(lookahead(redislock_lookahead="q", properties=handed))
+    # A header that came in a message (a normal delivery tag) is not trusted.
+    assert lookahead(redislock_lookahead="q", properties={"delivery_tag": "a-uuid"}) is None
+    assert lookahead(properties=handed) is None  # no header: not a hand-over through a list
+    # No thread to search with: the task runs and releases without look-ahead.
+    monkeypatch.setattr(task_module, "_lookahead_thread", _no_thread)
+    assert lookahead(redislock_lookahead="q", properties=handed) is None
+    # A retry or a re-queue never publishes the header.
+    task.push_request(
+        id="t1", args=["trust", 0.01], kwargs={}, headers={"redislock_lookahead": "q", "x": 1}
+    )
+    try:
+        signature = task.signature_from_request(headers={"redislock_lookahead": "q", "y": 2})
+        assert "redislock_lookahead" not in signature.options["headers"]
+        assert signature.options["headers"]["y"] == 2
+    finally:
+        task.pop_request()
+    lock.finish(hold=0, done_ttl=60)
+
+
+def _no_thread() -> Any:
+    raise RuntimeError("can't start new thread")
+
+
+def test_one_lock_at_a_time_is_served_ahead_in_a_queue(broker: RedisServer) -> None:
+    """Two busy locks in one queue: the second lock's tasks are not moved ahead while the
+    first's chain lasts (two or more such chains would take every slot in turn). A chain
+    lasts while its lock is held by a task it was handed that way, whatever ends it."""
+    r = broker.client()
+    queue = "lookahead-chains"
+    first, second = _holder(r, "one"), _holder(r, "two")
+    later = [ca.hold_for.apply_async((name, 0.01), queue=queue) for name in ("one", "two")]
+    pull = _next_queued(ca.app, first, queue, 64, 60)
+    assert pull is not None and pull.task_id == later[0].id
+    first.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+    assert first.pulled == later[0].id
+    assert r.hget(CHAIN % queue, "lock") == b"redislock:{job:one}"
+    assert r.hget("redislock:{job:one}", "__chain__") == queue.encode()
+
+    # The second lock's release finds the list taken: no move, though its task is there.
+    pull = _next_queued(ca.app, second, queue, 64, 60)
+    assert pull is not None and pull.task_id == later[1].id
+    second.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+    assert second.pulled is None and not r.exists("redislock:{job:two}")
+    assert r.lrange(queue, 0, 0) == [pull.raw]  # left in its turn
+    assert r.hget(CHAIN % queue, "lock") == b"redislock:{job:one}"  # not another lock's to end
+
+    # The first chain ends without a release of its own that says so (its task dropped
+    # unstarted, as for a revoked message): the list is free again at once.
+    unstarted = TaskLock(r, "job:one", task_id=later[0].id, options=ca.hold_for.lock_options())
+    keys, args = unstarted.handoff_args(later[0].id, "unstarted", 60)
+    assert scripts_for(r).handoff(keys=keys, args=args)[0] == 0
+    second = _holder(r, "two", "again")
+    pull = _next_queued(ca.app, second, queue, 64, 60)
+    assert pull is not None and pull.task_id == later[1].id
+    second.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+    assert second.pulled == later[1].id
+    assert r.hget(CHAIN % queue, "lock") == b"redislock:{job:two}"
+
+    # Its moved task's release finds no next one: the chain ends and its record goes.
+    handed = _holder(r, "two", later[1].id)
+    ended = _next_queued(ca.app, handed, queue, 64, 60)
+    assert ended == _Pull(queue, CHAIN % queue)
+    handed.finish(hold=0, done_ttl=60, lookahead=lambda: ended)
+    assert not r.exists(CHAIN % queue) and not r.exists("redislock:{job:two}")
+
+
+def test_a_kept_hold_is_no_chain(broker: RedisServer) -> None:
+    """lock_hold / a retry keeping its hold: the lock stays held, its task does not run,
+    so it is no look-ahead chain (release.lua's "hold" drops the mark)."""
+    r = broker.client()
+    r.hset("redislock:{job:kept}", mapping={"task": 1, "__fence__": 1, "__chain__": "q"})
+    lock = TaskLock(r, "job:kept", task_id="task", options=ca.hold_for.lock_options())
+    keys = lock.keys.release_keys()
+    assert scripts_for(r).release(keys=keys, args=["task", "hold", 5000]) == 0
+    assert r.hgetall("redislock:{job:kept}") == {b"task": b"1", b"__fence__": b"1"}
+
+
+def test_a_worker_with_one_slot_does_not_look_ahead(broker: RedisServer) -> None:
+    """Moved ahead, a lock's tasks would take a one-slot worker's only slot in turn."""
+    r = broker.client()
+    queue = "lookahead-one-slot"
+    RedisLock(r, "job:solo", ttl=60, owner="holder", auto_renew=False).acquire()
+    parked = ca.hold_for.apply_async(("solo", 0.01), queue=queue)
+    for slots, header in ((1, False), (2, True)):
+        parker = Parker(ca.hold_for, ca.app, revoked=set(), slots=slots)
+        if slots == 1:
+            _fetch(queue, parker=parker)  # parked at delivery
+            _release_as(r, "solo", "holder")  # ...and handed its lock through the list
+        message = _fetch(queue, parker=parker, parks=False)
+        assert message.headers["id"] == parked.id
+        assert ("redislock_lookahead" in message.headers) is header
+        if slots == 1:  # deliver the same hand-over again, to a two-slot worker
+            r.rpush(queue, json.dumps(message._raw))
+
+
+def test_look_ahead_works_for_the_documented_lock_user(broker: RedisServer) -> None:
+    """docs/security.md: the Celery lock user, plus the queue list, +lrange and +lpos."""
+    admin = broker.client()
+    queue = "lookahead-doc-acl"
+    user = "lookahead-doc"
+    rules = acl_rules((*CELERY_COMMANDS, "lrange", "lpos"), keys=("redislock:*", queue))
+    set_user(admin, user, rules)
+    admin.execute_command("ACL", "LOG", "RESET")
+    port = broker.url.rsplit(":", 1)[1].split("/")[0]
+    client = redis.Redis.from_url(f"redis://{user}:{PASSWORD}@127.0.0.1:{port}/0")
+    try:
+        lock = _holder(client, "doc-acl")
+        queued = ca.hold_for.apply_async(("doc-acl", 0.01), queue=queue)
+        pull = _next_queued(ca.app, lock, queue, 64, 60)
+        assert pull is not None and pull.task_id == queued.id
+        lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+        assert lock.pulled == queued.id
+        handed = _holder(client, "doc-acl", queued.id)
+        ended = _next_queued(ca.app, handed, queue, 64, 60)
+        handed.finish(hold=0, done_ttl=60, lookahead=lambda: ended)  # ends its chain
+        assert not admin.exists("redislock:lookahead:" + queue)
+        assert denials(admin, user) == []
+    finally:
+        client.close()
+        admin.execute_command("ACL", "DELUSER", user)

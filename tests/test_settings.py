@@ -48,6 +48,9 @@ def test_missing_url_with_a_non_redis_broker_is_a_clear_error() -> None:
         ("redislock_prefix", "a{b"),
         ("redislock_done_ttl", 0),
         ("redislock_redis_options", ["socket_timeout"]),
+        ("redislock_lookahead", -1),
+        ("redislock_lookahead", 1001),
+        ("redislock_lookahead", True),
     ],
 )
 def test_each_bad_setting_is_named(setting: str, value: object) -> None:
@@ -61,8 +64,12 @@ def test_task_overrides_name_the_task_and_option() -> None:
         task_overrides({"on_contention": "sometimes"}, "billing.settle")
     with pytest.raises(LockConfigurationError, match=r"task 't': lock_hold"):
         task_overrides({"lock_hold": -3}, "t")
+    with pytest.raises(LockConfigurationError, match=r"task 't': lock_lookahead .* 0 \(off\)"):
+        task_overrides({"lock_lookahead": "all"}, "t")
     found = task_overrides({"lock_ttl": 5, "lock_wait": 0, "on_contention": None}, "t")
     assert found == {"ttl": 5.0, "wait": 0.0}
+    assert task_overrides({"lock_lookahead": 0}, "t") == {"lookahead": 0}
+    assert LockOptions().lookahead == 64
 
 
 def test_overrides_merge_over_app_defaults() -> None:

@@ -14,12 +14,25 @@
 --          worker dropping a revoked or expired message
 -- ARGV[3]  lease in milliseconds for the task the lock is handed to
 -- ARGV[4]  lifetime of the done marker in milliseconds (0: do not mark done)
+-- Optional look-ahead (task.py: the releasing task was handed its lock through a queue list,
+-- and searched that list for the next queued task of this lock):
+-- KEYS[10] the queue list (kombu's Redis transport)
+-- KEYS[11] the sweeper's registry (sorted set of lock keys with parked tasks)
+-- KEYS[12] the queue list's look-ahead chain (a hash: "lock" -> the lock whose tasks are
+--          moved ahead in it; that lock's hash names the list in "__chain__" for as long as
+--          it is held by a task it was handed to this way: the chain lasts that long)
+-- ARGV[5]  that task's id ('': none found, or the search had not finished)
+-- ARGV[6]  its message, exactly as it is in KEYS[10]
+-- ARGV[7]  the same as a parked envelope (envelope.lua) with a new tag placeholder
+-- ARGV[8]  the parking lifetime in milliseconds (as park.lua's): its parked records keep that
 -- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it,
 --                                  -3 "unstarted": this task does not hold it at count 0)
 --          {0}                     released; nobody parked: waiters notified
 --          {0, message, task id}   released and handed over: publish message now
 --          {0, nil, task id}       released and handed over to a parked broker envelope: it is
 --                                  back at the head of its queue list already (see park.lua)
+--          {0, nil, task id, 1}    released and handed to the look-ahead's queued task: its
+--                                  message is moved to the head of its queue list
 if ARGV[2] == 'unstarted' and redis.call('hget', KEYS[1], ARGV[1]) ~= '0' then
   return {-3}
 end
@@ -87,6 +100,41 @@ while true do
     redis.call('publish', KEYS[2], head)
     return {code}
   end
+end
+-- Nobody parked or waiting: hand the lock to the next queued task of this lock (look-ahead),
+-- moving its message from where it waits in its queue to the head, if it is still there and
+-- its task id has not finished. Parked, it would be handed the lock the same way. Only one
+-- lock per queue list is served this way at a time (its "chain"): the tasks of one busy lock
+-- overtake the others; several busy locks would take every worker slot in turn and
+-- starve the rest of the queue.
+local chain = KEYS[12] and redis.call('hget', KEYS[12], 'lock')
+local other = false
+if chain and chain ~= KEYS[1] then
+  -- pcall: the value names a key; whatever it holds, this release must not fail halfway
+  other = redis.pcall('hget', chain, '__chain__') == KEYS[10]
+end
+if other then
+  -- another lock's chain goes on in this list: this one is not served ahead
+elseif ARGV[5] and ARGV[5] ~= '' and redis.call('exists', KEYS[1] .. ':done:' .. ARGV[5]) == 0
+    and redis.call('lrem', KEYS[10], -1, ARGV[6]) == 1 then
+  redis.call('hset', KEYS[12], 'lock', KEYS[1])
+  redis.call('pexpire', KEYS[12], ARGV[3])
+  local token = redis.call('incr', KEYS[3])
+  redis.call('hset', KEYS[1], ARGV[5], 0, '__fence__', token, '__chain__', KEYS[10])
+  redis.call('pexpire', KEYS[1], ARGV[3])
+  redis.call('hset', KEYS[5], ARGV[5], ARGV[7])  -- the sweeper's copy, as for a parked task
+  redis.call('hset', KEYS[7], ARGV[5], now)
+  for _, key in ipairs({KEYS[5], KEYS[7]}) do
+    if redis.call('pttl', key) < tonumber(ARGV[8]) then
+      redis.call('pexpire', key, ARGV[8])
+    end
+  end
+  redis.call('zadd', KEYS[11], t[1], KEYS[1])
+  local queue_list, envelope = pushed_envelope(ARGV[7], token)
+  redis.call('rpush', queue_list, envelope)
+  return {code, false, ARGV[5], 1}
+elseif chain == KEYS[1] then
+  redis.call('del', KEYS[12])  -- this lock's chain ends: the next busy lock may start one
 end
 redis.call('publish', KEYS[2], '1')
 return {code}

@@ -69,6 +69,7 @@ if mode == 'hold' then
     return redis.error_reply('ERR redislock: hold must be a positive number of milliseconds')
   end
   redis.call('hset', KEYS[1], ARGV[1], 1)
+  redis.call('hdel', KEYS[1], '__chain__')  -- kept, not running: no look-ahead chain (handoff.lua)
   redis.call('pexpire', KEYS[1], keep)
   return 0
 end

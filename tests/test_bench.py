@@ -1,0 +1,78 @@
+"""Smoke tests of the benchmarks at tiny sizes: they run and their safety rows hold.
+
+No timing is asserted here (speed is shown by the benchmarks themselves, see
+docs/benchmarks.md); only that each script runs to the end, prints its table, and that
+the rows which are correctness checks (overlapping sections, lost updates, completed
+tasks) show what they must. Peer libraries of the ``bench`` extra are not needed: the
+runs below use ``celery_redislock`` and redis-py only. Nothing is written to
+bench/results.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: float) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _row(table: str, label: str) -> list[str]:
+    lines = [line for line in table.splitlines() if line.strip().startswith(label)]
+    assert lines, f"no row {label!r} in:\n{table}"
+    return lines[0][len(lines[0].split(label)[0]) + len(label) :].split()
+
+
+def test_the_lock_benchmark_runs_at_tiny_sizes() -> None:
+    out = _run(
+        "bench.locks",
+        "--libs", "ours,redispy",
+        "--cycles", "100",
+        "--procs", "2",
+        "--duration", "0.5",
+        "--dead-reps", "1",
+        "--waiters", "8",
+        "--handoffs", "20",
+        "--many-seconds", "5",
+        "--renew-locks", "100",
+        "--renew-hold", "1.2",
+        "--no-plot",
+        "--no-json",
+        timeout=240,
+    )  # fmt: skip
+    assert _row(out, "2 overlapping sections")[:2] == ["0", "0"]  # then the floor's "-"
+    assert _row(out, "5 renew 100: leases lost")[0] == "0"
+    assert _row(out, "5 renew 100: loss reports on clean release")[0] == "0"
+    uncontended = _row(out, "1 uncontended acquire+release /s")
+    assert all(float(value) > 0 for value in uncontended[:2])
+    assert "Ratios:" in out
+
+
+def test_the_settlement_benchmark_runs_lockedtask_without_lost_updates() -> None:
+    out = _run(
+        "bench.celery_settlement",
+        "--variants", "locked",
+        "--no-json",
+        "--timeout", "120",
+        timeout=400,
+    )  # fmt: skip
+    assert _row(out, "lost updates") == ["0"]
+    assert _row(out, "overlapping sections") == ["0"]
+    for makespan in re.findall(r"makespan \(s\)\s+(\S+)", out):
+        assert float(makespan) > 0  # a number: every task completed (not "timeout")
+    assert "LockedTask makespan/ideal W2" in out
