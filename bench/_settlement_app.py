@@ -16,7 +16,8 @@ only in how (whether) they lock the account:
 Configured from the environment (set by the benchmark): ``SETTLE_URL`` (broker, locks
 and data: one private redis-server), ``SETTLE_PREFIX`` (key prefix of the data),
 ``SETTLE_QUEUE`` (the worker's queue), ``SETTLE_WORK`` (seconds), ``SETTLE_PREFETCH``,
-``SETTLE_TASKS`` (comma-separated variants to register; default all).
+``SETTLE_TASKS`` (comma-separated variants to register; default all), ``SETTLE_LOOKAHEAD``
+(``redislock_lookahead``; default: the package's).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
 )
+if os.environ.get("SETTLE_LOOKAHEAD"):
+    app.conf.redislock_lookahead = int(os.environ["SETTLE_LOOKAHEAD"])
 
 _client: tuple[int, redis.Redis] | None = None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
+import itertools
 import json
 import os
 import random
@@ -84,20 +85,27 @@ def package_origin(module: Any) -> str:
     return "this checkout" if here.parent == ROOT else "an installed copy"
 
 
-def perfect_lock_bound(accounts: list[str], work: float, cost: float, concurrency: int) -> float:
+def perfect_lock_bound(
+    accounts: list[str], work: float, cost: float, concurrency: int, lookahead: int = 0
+) -> float:
     """Makespan of a *perfect* per-account lock on this queue order (computed, not run).
 
     The model: ``concurrency`` slots take messages in publish order (FIFO, as the
     worker fetches them); every task costs ``work`` plus ``cost`` (Celery's own per-task
     cost, measured by the no-lock run); a message whose account is locked is parked at
     no cost, and the slot that frees its lock runs it next, at once (zero hand-over
-    time). No lock can do better on a FIFO queue: a task cannot start before a slot
-    has fetched it, however early its account's lock is free.
+    time). Without ``lookahead`` no lock can do better on a FIFO queue: a task cannot
+    start before a slot has fetched it, however early its account's lock is free. With
+    ``lookahead`` (LockedTask's), a task started with nothing parked behind its lock
+    takes its account's oldest message among the next ``lookahead`` still queued out of
+    the queue, to run at its release, if no other account's chain of such moves is
+    going on (one account at a time, as LockedTask does).
     """
     queue = deque(accounts)
     parked: dict[str, int] = Counter()
     lock_until: dict[str, float] = {}
     slots = [(0.0, i) for i in range(concurrency)]
+    chain = ""  # the account whose next messages are being moved ahead
     end = 0.0
     while queue or any(parked.values()):
         now, slot = heapq.heappop(slots)
@@ -122,6 +130,14 @@ def perfect_lock_bound(accounts: list[str], work: float, cost: float, concurrenc
         lock_until[account] = finish
         end = max(end, finish)
         heapq.heappush(slots, (finish, slot))
+        if lookahead and not parked[account] and chain in ("", account):
+            chain = ""
+            for i, candidate in enumerate(itertools.islice(queue, lookahead)):
+                if candidate == account:
+                    del queue[i]
+                    parked[account] += 1
+                    chain = account
+                    break
     return end
 
 
@@ -279,6 +295,7 @@ def run_variant(
         "SETTLE_QUEUE": queue,
         "SETTLE_WORK": str(args.work),
         "SETTLE_PREFETCH": str(args.prefetch),
+        "SETTLE_LOOKAHEAD": "" if args.lookahead is None else str(args.lookahead),
         "SETTLE_TASKS": variant,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
@@ -415,7 +432,8 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
         f"floor (no lock; Celery's own per-task overhead here): W1 {ratio('nolock', 'W1')}, "
         f"W2 {ratio('nolock', 'W2')}"
     )
-    bounds = []
+    bounds, ahead = [], []
+    lookahead = 64 if args.lookahead is None else args.lookahead
     for wl in WORKLOADS:
         m = med.get("nolock", {}).get(wl)
         if m is None or m["makespan"] is None:
@@ -426,10 +444,17 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
         bound = perfect_lock_bound(accounts, args.work, cost, args.concurrency)
         ideal = ideal_of(accounts, args.work, args.concurrency)
         bounds.append(f"{wl} {bound / ideal:.2f}x ({cost * 1e3:.1f} ms per task)")
+        if lookahead:
+            bound = perfect_lock_bound(accounts, args.work, cost, args.concurrency, lookahead)
+            ahead.append(f"{wl} {bound / ideal:.2f}x")
     if bounds:
         lines.append(
             "perfect lock on this queue order (computed: FIFO fetch, the no-lock run's "
             "per-task cost, zero hand-over time): " + ", ".join(bounds)
+        )
+    if ahead:
+        lines.append(
+            f"  the same with LockedTask's look-ahead of {lookahead} messages: " + ", ".join(ahead)
         )
     return lines
 
@@ -457,6 +482,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=4, help="worker processes (4)")
     ap.add_argument("--work", type=float, default=0.02, help="seconds per section (0.02)")
     ap.add_argument("--prefetch", type=int, default=1, help="worker_prefetch_multiplier (1)")
+    ap.add_argument(
+        "--lookahead", type=int, help="redislock_lookahead for LockedTask (package default)"
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=240.0, help="per workload (240 s)")
     ap.add_argument("--start-timeout", type=float, default=60.0, help="worker start + warm-up")

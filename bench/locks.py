@@ -678,6 +678,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--renew-locks", default="1000,10000", help="5: comma list of lock counts")
     ap.add_argument("--renew-hold", type=float, default=4.0, help="5: seconds held (ttl 3 s)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-json", action="store_true", help="do not write results.json")
     args = ap.parse_args(argv)
     s = args.scale
     args.cycles = max(100, int(args.cycles * s))
@@ -766,6 +767,8 @@ def main(argv: list[str] | None = None) -> int:
         and plot(results["contended"], RESULTS / "handoff.png")
     ):
         print("  plot: bench/results/handoff.png")
+    if args.no_json:
+        return 0
     slim = json.loads(json.dumps(results, default=str))
     for res in slim.get("contended", {}).values():
         res["gaps_ms"] = [round(g * 1e3, 4) for g in res.pop("gaps")]
