@@ -140,6 +140,7 @@ class _Pull(NamedTuple):
     raw: bytes = b""
     entry: str = ""  # the message as a parked envelope (envelope_entry)
     keep_ms: int = 0  # lifetime of its parked records (the parking lifetime)
+    reach: int = 0  # how far from the read end the release looks for it (handoff.lua)
 
 
 class _Call(NamedTuple):
@@ -246,7 +247,7 @@ class TaskLock(RedisLock):
         args: list[Any] = [owner, mode, self._lease, done_ms]
         if pull is not None:
             keys += [pull.queue_list, self.registry, pull.chain]
-            args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms]
+            args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms, pull.reach]
         return keys, args
 
     def finish(
@@ -1002,7 +1003,7 @@ def _search_queue(
                 return None  # the release hands the lock to a parked task
         else:
             raws = lock.client.lrange(queue_list, -end, -start - 1)
-        for raw in map(_bytes, reversed(raws)):  # oldest first
+        for position, raw in enumerate(map(_bytes, reversed(raws)), start):  # oldest first
             read += len(raw)
             digest = hashlib.blake2b(raw, digest_size=16).digest()
             lock_key = _lock_of.get(digest, b"")
@@ -1016,12 +1017,19 @@ def _search_queue(
                 headers.pop(LOOKAHEAD_HEADER, None)
                 if headers["id"] != lock.owner:
                     entry = envelope_entry(queue_list, envelope)
-                    return _Pull(queue_list, chain, headers["id"], raw, entry, keep_ms)
+                    reach = position + 1 + LOOKAHEAD_SLACK
+                    return _Pull(queue_list, chain, headers["id"], raw, entry, keep_ms, reach)
         if len(raws) < end - start:
             return nothing  # the whole list was read
         start = end
     return nothing
 
+
+#: How much farther from the read end than where the search found it the release still
+#: looks for a message it hands the lock to: hand-overs pushed to the read end meanwhile
+#: move it back. Beyond that, the release leaves it in its turn (a miss), so a message
+#: fetched meanwhile never costs a scan of a long backlog.
+LOOKAHEAD_SLACK = 1000
 
 #: Queued messages whose lock this process knows (digest of the message -> lock key or
 #: None), so that each message is decoded once however many look-ahead searches read it.

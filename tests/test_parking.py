@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import redis
 
 from celery_redislock import RedisLock
@@ -17,6 +18,7 @@ from celery_redislock import task as task_module
 from celery_redislock._scripts import scripts_for
 from celery_redislock.parking import Parker, _same_redis
 from celery_redislock.task import (
+    LOOKAHEAD_SLACK,
     Sweeper,
     TaskLock,
     _lookahead_denied,
@@ -456,6 +458,20 @@ def test_the_look_ahead_gives_way_to_parked_tasks_and_to_tasks_that_went_meanwhi
     lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
     assert lock.pulled is None and not r.exists("redislock:{job:miss}")
     assert r.lrange(queue, 0, -1) == [pull.raw]
+    r.delete(f"redislock:{{job:miss}}:done:{queued.id}")
+
+    # Moved back past the release's reach (found next to read, then a hand-over pushed to
+    # the read end): left in its turn, the list not scanned further; within reach, pulled.
+    assert pull.reach == 1 + LOOKAHEAD_SLACK  # found next to read, plus the slack
+    r.rpush(queue, b"another message")
+    lock = _holder(r, "miss", "fourth")
+    lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull._replace(reach=1))
+    assert lock.pulled is None and not r.exists("redislock:{job:miss}")
+    assert r.lrange(queue, 0, -1) == [pull.raw, b"another message"]
+    lock = _holder(r, "miss", "fifth")
+    lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull._replace(reach=2))
+    assert lock.pulled == queued.id
+    assert r.lindex(queue, 0) == b"another message" and r.llen(queue) == 2  # moved to the end
 
 
 def test_the_look_ahead_searches_as_far_as_lock_lookahead_says(broker: RedisServer) -> None:
@@ -663,12 +679,15 @@ def test_a_worker_with_one_slot_does_not_look_ahead(broker: RedisServer) -> None
             r.rpush(queue, json.dumps(message._raw))
 
 
-def test_look_ahead_works_for_the_documented_lock_user(broker: RedisServer) -> None:
-    """docs/security.md: the Celery lock user, plus the queue list, +lrange and +lpos."""
+@pytest.mark.parametrize("lpos", [True, False], ids=["documented", "without-lpos"])
+def test_look_ahead_works_for_the_documented_lock_user(broker: RedisServer, lpos: bool) -> None:
+    """docs/security.md: the Celery lock user, plus the queue list, +lrange and +lpos;
+    without +lpos, the release finds the message with LREM alone (and logs a denial)."""
     admin = broker.client()
     queue = "lookahead-doc-acl"
     user = "lookahead-doc"
-    rules = acl_rules((*CELERY_COMMANDS, "lrange", "lpos"), keys=("redislock:*", queue))
+    commands = (*CELERY_COMMANDS, "lrange", *(["lpos"] if lpos else []))
+    rules = acl_rules(commands, keys=("redislock:*", queue))
     set_user(admin, user, rules)
     admin.execute_command("ACL", "LOG", "RESET")
     port = broker.url.rsplit(":", 1)[1].split("/")[0]
@@ -684,7 +703,8 @@ def test_look_ahead_works_for_the_documented_lock_user(broker: RedisServer) -> N
         ended = _next_queued(ca.app, handed, queue, 64, 60)
         handed.finish(hold=0, done_ttl=60, lookahead=lambda: ended)  # ends its chain
         assert not admin.exists("redislock:lookahead:" + queue)
-        assert denials(admin, user) == []
+        denied = {e["object"] for e in denials(admin, user)}
+        assert denied == (set() if lpos else {"lpos"})
     finally:
         client.close()
         admin.execute_command("ACL", "DELUSER", user)

@@ -25,6 +25,9 @@
 -- ARGV[6]  its message, exactly as it is in KEYS[10]
 -- ARGV[7]  the same as a parked envelope (envelope.lua) with a new tag placeholder
 -- ARGV[8]  the parking lifetime in milliseconds (as park.lua's): its parked records keep that
+-- ARGV[9]  how many messages from the read end of KEYS[10] to look for it in (LPOS MAXLEN:
+--          a message fetched meanwhile costs no scan of a long backlog; a lock user without
+--          LPOS looks with LREM alone, which scans the whole list when it is gone)
 -- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it,
 --                                  -3 "unstarted": this task does not hold it at count 0)
 --          {0}                     released; nobody parked: waiters notified
@@ -107,6 +110,13 @@ end
 -- lock per queue list is served this way at a time (its "chain"): the tasks of one busy lock
 -- overtake the others; several busy locks would take every worker slot in turn and
 -- starve the rest of the queue.
+local function queued_within(list, message, reach)
+  local found = redis.pcall('lpos', list, message, 'RANK', -1, 'MAXLEN', math.max(tonumber(reach) or 1, 1))
+  if type(found) == 'table' and found.err then
+    return true  -- no LPOS for this user: LREM alone finds out
+  end
+  return found ~= false  -- then LREM, from the same end, stops where LPOS found it
+end
 local chain = KEYS[12] and redis.call('hget', KEYS[12], 'lock')
 local other = false
 if chain and chain ~= KEYS[1] then
@@ -116,6 +126,7 @@ end
 if other then
   -- another lock's chain goes on in this list: this one is not served ahead
 elseif ARGV[5] and ARGV[5] ~= '' and redis.call('exists', KEYS[1] .. ':done:' .. ARGV[5]) == 0
+    and queued_within(KEYS[10], ARGV[6], ARGV[9])
     and redis.call('lrem', KEYS[10], -1, ARGV[6]) == 1 then
   redis.call('hset', KEYS[12], 'lock', KEYS[1])
   redis.call('pexpire', KEYS[12], ARGV[3])
