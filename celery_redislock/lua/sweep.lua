@@ -38,8 +38,9 @@ local function still_queued(message)
     return false
   end
   local queue_list, pushed = pushed_envelope(message, redis.call('hget', KEYS[1], '__fence__'))
-  -- pcall: a lock user without LPOS (or read access to the queue) just sends it again
-  return type(redis.pcall('lpos', queue_list, pushed)) == 'number'
+  -- pcall: a lock user without LPOS (or read access to the queue) just sends it again.
+  -- RANK -1: from the read end, where the hand-over pushed it (not through the backlog).
+  return type(redis.pcall('lpos', queue_list, pushed, 'RANK', -1)) == 'number'
 end
 local dispatched = redis.call('hgetall', KEYS[7])
 for i = 1, #dispatched, 2 do
