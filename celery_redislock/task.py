@@ -88,7 +88,6 @@ import random
 import secrets
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -1017,7 +1016,7 @@ def _search_queue(
                 headers.pop(LOOKAHEAD_HEADER, None)
                 if headers["id"] != lock.owner:
                     entry = envelope_entry(queue_list, envelope)
-                    reach = position + 1 + LOOKAHEAD_SLACK
+                    reach = position + 1 + QUEUE_REACH
                     return _Pull(queue_list, chain, headers["id"], raw, entry, keep_ms, reach)
         if len(raws) < end - start:
             return nothing  # the whole list was read
@@ -1025,11 +1024,12 @@ def _search_queue(
     return nothing
 
 
-#: How much farther from the read end than where the search found it the release still
-#: looks for a message it hands the lock to: hand-overs pushed to the read end meanwhile
-#: move it back. Beyond that, the release leaves it in its turn (a miss), so a message
-#: fetched meanwhile never costs a scan of a long backlog.
-LOOKAHEAD_SLACK = 1000
+#: How far from a queue list's read end the hand-over scripts look for a message (LPOS
+#: MAXLEN), so that one fetched meanwhile never costs a scan of a long backlog: a
+#: look-ahead release, this much farther than where its search found the message (hand-overs
+#: pushed to the read end meanwhile move it back; beyond that it stays in its turn), and
+#: the sweeper, for an envelope a hand-over pushed (beyond that it is sent again).
+QUEUE_REACH = 1000
 
 #: Queued messages whose lock this process knows (digest of the message -> lock key or
 #: None), so that each message is decoded once however many look-ahead searches read it.
@@ -1323,16 +1323,17 @@ class Sweeper(threading.Thread):
             lock_key + b":parked:dispatched",
             registry,
         ]
-        args = [lease_ms(self.ttl, "redislock_ttl"), lease_ms(self.ttl / 2, "stale")]
+        args = [lease_ms(self.ttl, "redislock_ttl"), lease_ms(self.ttl / 2, "stale"), QUEUE_REACH]
         reply = scripts.sweep(keys=keys, args=args)
-        if int(reply[0]) != 1 or reply[1] is None:
+        if int(reply[0]) != 1:
             return 0
         log.warning(
             "redislock: sweeper hands %r to parked task %s (holder or hand-over lost)",
             lock_key,
             _text(reply[2]),
         )
-        deliver_parked(self.app, client, _text(reply[1]))
+        if reply[1] is not None:  # a parked signature (an envelope is pushed back already)
+            publish_to_handoff_queue(self.app, _text(reply[1]))
         return 1
 
 
@@ -1351,22 +1352,11 @@ def envelope_entry(queue_list: str, envelope: dict[str, Any]) -> str:
 
     The envelope is the broker's own message (Redis transport), with a placeholder for
     its delivery tag: whoever hands the lock over pushes it back to the head of
-    ``queue_list`` with a new tag (``handoff.lua``, or :func:`deliver_parked`).
+    ``queue_list`` with a new tag (``handoff.lua``, or the sweeper's ``sweep.lua``).
     """
     placeholder = TAG_PREFIX + secrets.token_hex(8)  # letters and digits, unique
     envelope["properties"]["delivery_tag"] = placeholder
     return f"{ENVELOPE}{queue_list}\n{placeholder}\n{_dumps(envelope)}"
-
-
-def deliver_parked(app: Any, client: Any, message: str) -> None:
-    """Send a parked task the lock was handed to on its way (the sweeper's path)."""
-    if message.startswith(ENVELOPE):
-        queue_list, placeholder, envelope = message[1:].split("\n", 2)
-        client.rpush(
-            queue_list, envelope.replace(placeholder, f"{placeholder}s{uuid.uuid4().hex}", 1)
-        )
-    else:
-        publish_to_handoff_queue(app, message)
 
 
 def publish_to_handoff_queue(app: Any, message: str) -> None:

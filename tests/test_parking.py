@@ -18,7 +18,7 @@ from celery_redislock import task as task_module
 from celery_redislock._scripts import scripts_for
 from celery_redislock.parking import Parker, _same_redis
 from celery_redislock.task import (
-    LOOKAHEAD_SLACK,
+    QUEUE_REACH,
     Sweeper,
     TaskLock,
     _lookahead_denied,
@@ -106,7 +106,7 @@ def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
 
 
 def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
-    broker: RedisServer,
+    broker: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     r = broker.client()
     queue = "parking-sweeper"
@@ -130,8 +130,25 @@ def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
     assert r.delete(queue) == 1  # now the handed-over message is lost on its way
     time.sleep(stale + 0.2)
     assert sweeper.sweep_once() == 1  # ...so the sweeper sends it again
+    token = int(r.hget("redislock:{job:swept}", "__fence__"))
+    copy = json.loads(r.lindex(queue, -1))
+    assert re.fullmatch(rf"rltag[0-9a-f]{{16}}h{token}s\d+", copy["properties"]["delivery_tag"])
+    for _ in range(2):
+        time.sleep(stale + 0.2)
+        assert sweeper.sweep_once() == 0  # the copy it sent waits in the queue: recognised
+        assert r.llen(queue) == 1
+        assert r.pttl("redislock:{job:swept}") > stale * 1000  # its lease renewed
+    # Looked for near the read end only: pushed back past the sweeper's reach, it counts
+    # as lost and is sent again (the task's hold absorbs the extra copy).
+    r.rpush(queue, b"another message")
+    monkeypatch.setattr(task_module, "QUEUE_REACH", 1)
+    time.sleep(stale + 0.2)
+    assert sweeper.sweep_once() == 1
+    assert r.llen(queue) == 3
+    r.lrem(queue, 0, b"another message")
     again = _fetch(queue)
     assert again.headers["id"] == sent[0].id
+    assert r.lpop(queue) is not None and r.llen(queue) == 0  # the extra copy
 
     # Its task never starts and its hand-over lease runs out: the next parked task is served.
     r.delete("redislock:{job:swept}")
@@ -462,7 +479,7 @@ def test_the_look_ahead_gives_way_to_parked_tasks_and_to_tasks_that_went_meanwhi
 
     # Moved back past the release's reach (found next to read, then a hand-over pushed to
     # the read end): left in its turn, the list not scanned further; within reach, pulled.
-    assert pull.reach == 1 + LOOKAHEAD_SLACK  # found next to read, plus the slack
+    assert pull.reach == 1 + QUEUE_REACH  # found next to read, plus the slack
     r.rpush(queue, b"another message")
     lock = _holder(r, "miss", "fourth")
     lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull._replace(reach=1))

@@ -10,11 +10,28 @@
 --             meanwhile cannot be dropped with it)
 -- ARGV[1]     lease in milliseconds for a task the lock is handed to
 -- ARGV[2]     milliseconds after which a published hand-over counts as lost
+-- ARGV[3]     how many messages from a queue list's read end to look for a pushed envelope in
 -- returns     {0}                     nothing to do, tasks still parked
 --             {-1}                    nothing parked or dispatched any more: forget this lock
---             {1, message, task id}   publish this message now
+--             {1, message, task id}   publish this message now (a parked signature)
+--             {1, nil, task id}       a parked broker envelope: pushed back to the read end of
+--                                     its queue list already, with delivery tag
+--                                     "<placeholder>h<token>" (a hand-over, as handoff.lua's)
+--                                     or "<placeholder>h<token>s<ms>" (a re-send at <ms>, the
+--                                     time the dispatched hash records), so that the next pass
+--                                     recognises either while it waits there
 local now = redis.call('time')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+local reach = math.max(tonumber(ARGV[3]) or 1000, 1)
+-- A parked broker envelope goes back to the read end of its queue list from here.
+local function send(message, task_id, tag)
+  if string.sub(message, 1, 1) ~= 'E' then
+    return {1, message, task_id}  -- a parked signature: the worker publishes it
+  end
+  local queue_list, pushed = pushed_envelope(message, tag)
+  redis.call('rpush', queue_list, pushed)
+  return {1, false, task_id}
+end
 if redis.call('exists', KEYS[1]) == 0 then
   while true do
     local next_id = redis.call('lpop', KEYS[4])
@@ -27,31 +44,42 @@ if redis.call('exists', KEYS[1]) == 0 then
       local token = redis.call('incr', KEYS[3])
       redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
       redis.call('pexpire', KEYS[1], ARGV[1])
-      return {1, message, next_id}
+      return send(message, next_id, token)
     end
   end
 end
--- Whether the envelope a hand-over pushed (handoff.lua: tag "<placeholder>h<token>") is
--- still waiting in its queue list: then it is not lost, only not fetched yet.
-local function still_queued(message)
-  if not message or string.sub(message, 1, 1) ~= 'E' then
+-- Whether the envelope pushed for this hand-over (tag "<placeholder>h<token>") or re-sent
+-- at <sent> (tag "<placeholder>h<token>s<sent>") is still waiting in its queue list: then it
+-- is not lost, only not fetched yet. Looked for within `reach` of the read end, where it was
+-- pushed (LPOS MAXLEN: a lost one costs no scan of a long backlog; one pushed back farther
+-- meanwhile is sent again, and the task's hold absorbs the extra copy).
+local function still_queued(message, token, sent)
+  if string.sub(message, 1, 1) ~= 'E' then
     return false
   end
-  local queue_list, pushed = pushed_envelope(message, redis.call('hget', KEYS[1], '__fence__'))
-  -- pcall: a lock user without LPOS (or read access to the queue) just sends it again.
-  -- RANK -1: from the read end, where the hand-over pushed it (not through the backlog).
-  return type(redis.pcall('lpos', queue_list, pushed, 'RANK', -1)) == 'number'
+  for _, tag in ipairs({token, token .. 's' .. sent}) do
+    local queue_list, pushed = pushed_envelope(message, tag)
+    -- pcall: a lock user without LPOS (or read access to the queue) just sends it again
+    local found = redis.pcall('lpos', queue_list, pushed, 'RANK', -1, 'MAXLEN', reach)
+    if type(found) == 'number' then
+      return true
+    end
+  end
+  return false
 end
 local dispatched = redis.call('hgetall', KEYS[7])
 for i = 1, #dispatched, 2 do
   local task_id = dispatched[i]
   if redis.call('hget', KEYS[1], task_id) == '0' then
     if now_ms - tonumber(dispatched[i + 1]) > tonumber(ARGV[2]) then
-      redis.call('hset', KEYS[7], task_id, now_ms)
-      redis.call('pexpire', KEYS[1], ARGV[1])  -- the hand-over's lease, renewed either way
       local message = redis.call('hget', KEYS[5], task_id)
-      if not still_queued(message) then
-        return {1, message, task_id}
+      if message then  -- (its record gone: nothing to send; the hand-over's lease runs out)
+        redis.call('pexpire', KEYS[1], ARGV[1])  -- the hand-over's lease, renewed either way
+        local token = redis.call('hget', KEYS[1], '__fence__') or '0'
+        if not still_queued(message, token, dispatched[i + 1]) then
+          redis.call('hset', KEYS[7], task_id, now_ms)  -- the time a re-sent copy's tag names
+          return send(message, task_id, token .. 's' .. now_ms)
+        end
       end
     end
   else
