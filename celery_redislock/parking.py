@@ -75,7 +75,6 @@ class Parker:
         #: would otherwise take this worker's only one in turn.
         self.lookahead = slots is None or slots >= 2
         self.queues: dict[tuple[str, str], list[str]] = {}
-        self.writable: dict[str, bool] = {}
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -190,8 +189,10 @@ class Parker:
 
     def _may_push(self, client: Any, queue_list: str) -> bool:
         """Whether the lock's Redis user may write ``queue_list`` (the hand-over pushes
-        to it from a script): an ``LREM`` of a value that is never there, once a list."""
-        found = self.writable.get(queue_list)
+        to it from a script): an ``LREM`` of a value that is never there, once a list per
+        app in a process (every task type asks; the ``LREM`` scans the whole list)."""
+        writable = _writable.setdefault(self.app, {})
+        found = writable.get(queue_list)
         if found is None:
             try:
                 client.lrem(queue_list, 0, "redislock-probe-" + uuid.uuid4().hex)
@@ -204,7 +205,7 @@ class Parker:
                     queue_list,
                     exc,
                 )
-            self.writable[queue_list] = found
+            writable[queue_list] = found
         return found
 
     def _queues_for(self, channel: Any, exchange: str, routing_key: str) -> list[str]:
@@ -217,6 +218,8 @@ class Parker:
 
 
 _same: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
+#: Per app: queue lists the locks' Redis user may write (True) or not (False).
+_writable: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 def _same_redis(app: Any, consumer: Any) -> bool:

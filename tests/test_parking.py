@@ -266,20 +266,19 @@ def test_a_lock_user_that_may_not_write_the_queue_leaves_parking_to_pool_process
     queue = "parking-acl"
     try:
         with app.connection_for_read() as conn:
-            parker = Parker.for_consumer(
-                job,
-                app,
-                SimpleNamespace(
-                    connection=conn,
-                    controller=SimpleNamespace(state=SimpleNamespace(revoked=set())),
-                ),
+            consumer = SimpleNamespace(
+                connection=conn,
+                controller=SimpleNamespace(state=SimpleNamespace(revoked=set())),
             )
-        assert parker is not None  # same server and db: found with the probe key
+            parkers = [Parker.for_consumer(job, app, consumer) for _ in range(2)]
         RedisLock(admin, "job:acl", ttl=60, owner="holder", auto_renew=False).acquire()
-        job.apply_async(("acl",), queue=queue)
-        _fetch(queue, app=app, parker=parker, parks=False)  # delivered: a pool process parks it
+        for parker in parkers:  # as the Parkers of two task types of the app
+            assert parker is not None  # same server and db: found with the probe key
+            job.apply_async(("acl",), queue=queue)
+            _fetch(queue, app=app, parker=parker, parks=False)  # a pool process parks it
         assert not admin.exists(PARKED % "acl")
-        assert "parking at delivery is off for queue 'parking-acl'" in caplog.text
+        # Asked once per app and list (the probe's LREM scans the whole list).
+        assert caplog.text.count("parking at delivery is off for queue 'parking-acl'") == 1
     finally:
         admin.execute_command("ACL", "DELUSER", "lockonly")
         app.close()
