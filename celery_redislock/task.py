@@ -386,9 +386,18 @@ class QuorumTaskLock(RedLock):
         """Every hold of the task id, on every node (its process died)."""
         return self._each_node(self.keys.release_keys(), [self.owner, "all"])
 
-    def finish(self, *, hold: float, done_ttl: float | None) -> str | None:
+    pulled: str | None = None  # never: a quorum lock does not look ahead
+
+    def finish(
+        self,
+        *,
+        hold: float,
+        done_ttl: float | None,
+        lookahead: Callable[[], _Pull | None] | None = None,
+    ) -> str | None:
         """Give the hold back on every node (or keep it ``hold`` seconds), marking the task
-        id done. Raises :class:`LockLostError` like :meth:`TaskLock.finish`; when too few
+        id done (``lookahead`` is unused: ``LockedTask._lookahead`` gives a quorum lock
+        none). Raises :class:`LockLostError` like :meth:`TaskLock.finish`; when too few
         nodes answer to tell, the hold is given up with a warning (the silent nodes get
         the release when they answer, or the lease ends there)."""
         owner = self._current_owner()
@@ -1149,19 +1158,16 @@ def _finish_quietly(
     keep = options.hold if hold is None else hold
     done_ttl = options.done_ttl if done else None
     try:
-        if isinstance(lock, TaskLock):
-            task.publish_handed_over(lock.finish(hold=keep, done_ttl=done_ttl, lookahead=lookahead))
-            if lock.pulled is not None:
-                signals.task_pulled.send(task, name=lock.name, task_id=lock.pulled)
-                log.info(
-                    "redislock: %s[%s] handed %r to the next queued task %s (look-ahead)",
-                    task.name,
-                    task.request.id,
-                    lock.name,
-                    lock.pulled,
-                )
-        else:
-            task.publish_handed_over(lock.finish(hold=keep, done_ttl=done_ttl))
+        task.publish_handed_over(lock.finish(hold=keep, done_ttl=done_ttl, lookahead=lookahead))
+        if lock.pulled is not None:
+            signals.task_pulled.send(task, name=lock.name, task_id=lock.pulled)
+            log.info(
+                "redislock: %s[%s] handed %r to the next queued task %s (look-ahead)",
+                task.name,
+                task.request.id,
+                lock.name,
+                lock.pulled,
+            )
     except LockNotOwnedError as exc:  # includes LockLostError: reported by the caller
         task.publish_handed_over(getattr(exc, "handed_to", None))
         log.warning(
