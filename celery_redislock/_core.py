@@ -16,6 +16,7 @@ import random
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -74,6 +75,21 @@ def optional_seconds(value: object, argument: str) -> float | None:
             f"{argument} must be None or a finite number of seconds >= 0, got {value!r}"
         )
     return float(value)  # type: ignore[arg-type]
+
+
+def acquire_arguments(
+    blocking: object, timeout: object, lease: object
+) -> tuple[float | None, int | None]:
+    """Check ``acquire()``'s arguments as strictly as the constructor's, before any I/O.
+
+    ``blocking`` must be a bool (``"no"`` is not False), ``timeout`` None or a finite
+    number of seconds >= 0, ``lease`` None or a lease like ``ttl``. Returns (timeout in
+    seconds or None, lease in milliseconds or None).
+    """
+    if not isinstance(blocking, bool):
+        raise LockConfigurationError(f"blocking must be True or False, got {blocking!r}")
+    wait_limit = optional_seconds(timeout, "timeout")
+    return wait_limit, None if lease is None else lease_ms(lease, "lease")
 
 
 def validate_owner(owner: object) -> str | None:
@@ -437,6 +453,7 @@ class Hold:
         "next_due",
         "notify",
         "owner",
+        "owner_task",
         "pid",
         "releasing",
         "renew",
@@ -454,9 +471,13 @@ class Hold:
         sent_at: float,
         lost: LossSignal,
         notify: Callable[[Hold, str], None],
+        owner_task: weakref.ref[Any] | None = None,
     ) -> None:
         self.keys = keys
         self.owner = owner
+        #: The asyncio task a default owner names (weakly): once it is done, nobody can
+        #: release the hold, so the watchdog stops renewing it (see :meth:`abandoned`).
+        self.owner_task = owner_task
         self.count = 0
         self.token = token
         self.lease = lease
@@ -480,6 +501,13 @@ class Hold:
         self.next_due = sent_at + self.renew_interval
         self.failures = 0
 
+    def abandoned(self) -> bool:
+        """Whether the asyncio task that owns this hold has ended (no release is under way)."""
+        if self.owner_task is None or self.releasing:
+            return False
+        task = self.owner_task()
+        return task is None or bool(task.done())
+
     def past_deadline(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.deadline
 
@@ -501,6 +529,8 @@ LOSS_TEXT = {
     "unreachable": "Redis could not be reached to renew it before the lease's validity deadline",
     "deadline": "the lease's local validity deadline passed without a renewal",
     "released": "it was force-released",
+    "abandoned": "the asyncio task that owned it ended without releasing it, so it was no "
+    "longer renewed and expires with its lease",
 }
 
 

@@ -282,6 +282,7 @@ class HoldGroup:
             sent_at=sent_at,
             lost=self._signal_type(),
             notify=self._part_lost,
+            owner_task=hold.owner_task,
         )
         part.group = self
         self.parts.append((node, part))

@@ -33,7 +33,6 @@ from ._core import (
     OwnerFinished,
     decode_acquire,
     lease_ms,
-    optional_seconds,
     thread_owner,
     validate_prefix,
     wait_bound,
@@ -145,8 +144,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         about 1 s after it (half the grant's lease, less the drift allowance) is taken
         with a round trip instead, as is any grant without direct grants.
         """
-        wait_limit = optional_seconds(timeout, "timeout")
-        lease_millis, renew = self._acquire_args(lease)
+        wait_limit, lease_millis, renew = self._acquire_args(blocking, timeout, lease)
         owner = self._current_owner()
         started = time.monotonic()
         if self._try(owner, lease_millis, renew) is True:

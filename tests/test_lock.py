@@ -371,12 +371,44 @@ def test_bad_arguments_are_refused_at_construction(
         RedisLock(redis_client, "job", **kwargs)  # type: ignore[arg-type]
 
 
+#: acquire() arguments every lock refuses (``LockConfigurationError`` naming the argument,
+#: nothing sent), as strictly as the constructor's: (kwargs, the argument named).
+BAD_ACQUIRE_CALLS: list[tuple[dict[str, Any], str]] = [
+    ({"blocking": "no"}, "blocking"),  # a non-empty string is truthy: it would block
+    ({"blocking": 0}, "blocking"),
+    ({"blocking": None}, "blocking"),
+    ({"timeout": -1}, "timeout"),
+    ({"timeout": math.nan}, "timeout"),
+    ({"timeout": math.inf}, "timeout"),
+    ({"timeout": "5"}, "timeout"),
+    ({"timeout": True}, "timeout"),
+    ({"lease": 0}, "lease"),
+    ({"lease": -1}, "lease"),
+    ({"lease": math.nan}, "lease"),
+    ({"lease": "10"}, "lease"),
+    ({"lease": True}, "lease"),
+]
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    """Scripts run on ``client``'s server since its stats were last reset."""
+    stats: dict[str, Any] = client.info("commandstats")  # type: ignore[assignment]
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize(("kwargs", "argument"), BAD_ACQUIRE_CALLS)
+def test_bad_acquire_arguments_are_refused_before_any_io(
+    redis_client: redis.Redis, kwargs: dict[str, Any], argument: str
+) -> None:
+    lock = RedisLock(redis_client, "job")
+    redis_client.config_resetstat()
+    with pytest.raises(LockConfigurationError, match=f"^{argument} must"):
+        lock.acquire(**kwargs)
+    assert evalsha_calls(redis_client) == 0 and not lock.locked()
+
+
 def test_bad_call_arguments_are_refused_before_any_io(redis_client: redis.Redis) -> None:
     lock = RedisLock(redis_client, "job")
-    with pytest.raises(LockConfigurationError, match="timeout"):
-        lock.acquire(timeout=-1)
-    with pytest.raises(LockConfigurationError, match="lease"):
-        lock.acquire(lease=0)
     with pytest.raises(LockConfigurationError, match="ttl"):
         lock.extend(math.inf)
     assert not lock.locked()
