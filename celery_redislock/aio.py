@@ -64,48 +64,37 @@ def _scheduler(client: Any) -> AsyncRenewalScheduler:
 
 
 def task_owner() -> str:
-    """Owner id of the running asyncio task (child tasks get their own, not the parent's)."""
-    task = asyncio.current_task()
-    return thread_owner() if task is None else _owner_of(task)
-
-
-def _owner_of(task: asyncio.Task[Any]) -> str:
-    """The owner id of ``task``, the running task (made on its first use)."""
-    current = _task_owner.get()
-    if current is not None and current[0]() is task:
-        return current[1]
-    owner = f"{process_id()}:a{new_owner_suffix()}"
-    _task_owner.set((weakref.ref(task), owner))
-    return owner
+    """Owner id of the calling asyncio task (child tasks get their own, not the
+    parent's), or of the calling thread outside any task."""
+    return caller(None).owner
 
 
 class Caller(NamedTuple):
-    """Who called an owner-checked method: the owner id and, for a default owner, the
-    asyncio task it names (None for an explicit owner)."""
+    """Who calls an owner-checked method: the owner id, and the asyncio task a default
+    owner names (None for an explicit owner, or a thread's owner outside any task)."""
 
     owner: str
     task: asyncio.Task[Any] | None
 
 
-def caller(explicit: str | None) -> Caller | None:
-    """The owner for a call made now, resolved in the calling task: ``explicit`` if
-    given, else the running task's owner; None when no task runs (the coroutine then
-    resolves it where it runs: see :func:`resolved`)."""
+def caller(explicit: str | None) -> Caller:
+    """Who calls now: ``explicit`` if given, else the calling asyncio task, or the
+    calling thread when no task is running (say, ``run_coroutine_threadsafe`` from a
+    thread: its acquire and its release then match)."""
     if explicit is not None:
         return Caller(explicit, None)
     try:
         task = asyncio.current_task()
-    except RuntimeError:  # called outside a running event loop
-        return None
-    return None if task is None else Caller(_owner_of(task), task)
-
-
-def resolved(explicit: str | None, called: Caller | None) -> Caller:
-    """``called``, or, if the method was called outside any task, the owner of the task
-    that runs its coroutine now (the thread's owner if none does)."""
-    if called is not None:
-        return called
-    return caller(explicit) or Caller(thread_owner(), None)
+    except RuntimeError:  # no event loop runs in this thread
+        task = None
+    if task is None:
+        return Caller(thread_owner(), None)
+    current = _task_owner.get()
+    if current is not None and current[0]() is task:
+        return Caller(current[1], task)
+    owner = f"{process_id()}:a{new_owner_suffix()}"
+    _task_owner.set((weakref.ref(task), owner))
+    return Caller(owner, task)
 
 
 class OwnerTurns:
@@ -279,18 +268,18 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
 
     async def _acquire(
         self,
-        called: Caller | None,
+        called: Caller,
         blocking: bool,
         wait_limit: float | None,
         lease_millis: int,
         renew: bool,
     ) -> bool:
-        owner, task = resolved(self.owner, called)
+        owner, task = called
 
         def attempt(limit: float | None) -> Awaitable[bool]:
             return self._acquire_as(owner, task, blocking, limit, lease_millis, renew)
 
-        if task is None:
+        if self.owner is not None:  # an explicit owner may be shared: no turns
             return await attempt(wait_limit)
         return await owner_turns.run((self.keys.lock, owner), blocking, wait_limit, attempt)
 
@@ -428,8 +417,8 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         :meth:`acquire`). See :meth:`RedisLock.release`."""
         return self._release_for(caller(self.owner))
 
-    async def _release_for(self, called: Caller | None) -> None:
-        owner = resolved(self.owner, called).owner
+    async def _release_for(self, called: Caller) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         await to_completion(self._release(owner))
 
@@ -450,8 +439,8 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         """Replace the calling owner's lease with ``ttl`` seconds. See :meth:`RedisLock.extend`."""
         return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
 
-    async def _extend(self, called: Caller | None, lease: int) -> None:
-        owner = resolved(self.owner, called).owner
+    async def _extend(self, called: Caller, lease: int) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
         if self.min_replicas:
@@ -473,8 +462,8 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         """Whether the calling owner holds the lock (server-side)."""
         return self._owned(caller(self.owner))
 
-    async def _owned(self, called: Caller | None) -> bool:
-        owner = resolved(self.owner, called).owner
+    async def _owned(self, called: Caller) -> bool:
+        owner = called.owner
         return bool(await self.client.hexists(self.keys.lock, owner))
 
     async def remaining(self) -> float | None:

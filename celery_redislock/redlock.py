@@ -68,7 +68,7 @@ from ._quorum import (
 from ._renewal import async_scheduler_for, scheduler_for
 from ._scripts import scripts_for
 from ._waiting import UNCONFIRMED_POLL, async_subscriber_for, subscriber_for
-from .aio import Caller, caller, owner_turns, resolved, task_owner, to_completion
+from .aio import Caller, caller, owner_turns, task_owner, to_completion
 
 T = TypeVar("T")
 
@@ -721,18 +721,18 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
 
     async def _acquire(
         self,
-        called: Caller | None,
+        called: Caller,
         blocking: bool,
         wait_limit: float | None,
         lease_millis: int,
         renew: bool,
     ) -> bool:
-        owner, task = resolved(self.owner, called)
+        owner, task = called
 
         def attempt(limit: float | None) -> Awaitable[bool]:
             return self._acquire_as(owner, task, blocking, limit, lease_millis, renew)
 
-        if task is None:
+        if self.owner is not None:  # an explicit owner may be shared: no turns
             return await attempt(wait_limit)
         return await owner_turns.run((self.keys.lock, owner), blocking, wait_limit, attempt)
 
@@ -861,8 +861,8 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         release still completes (and is recorded) before the cancellation goes on."""
         return self._release_for(caller(self.owner))
 
-    async def _release_for(self, called: Caller | None) -> None:
-        owner = resolved(self.owner, called).owner
+    async def _release_for(self, called: Caller) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         await to_completion(self._release(owner))
 
@@ -885,8 +885,8 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         """Replace the calling owner's lease with ``ttl`` seconds; see :meth:`RedLock.extend`."""
         return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
 
-    async def _extend(self, called: Caller | None, lease: int) -> None:
-        owner = resolved(self.owner, called).owner
+    async def _extend(self, called: Caller, lease: int) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
         keys = [self.keys.lock]
@@ -921,8 +921,8 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         """Whether a majority of the nodes shows the calling owner's hold."""
         return self._owned(caller(self.owner))
 
-    async def _owned(self, called: Caller | None) -> bool:
-        owner = resolved(self.owner, called).owner
+    async def _owned(self, called: Caller) -> bool:
+        owner = called.owner
 
         async def one(i: int) -> bool:
             return bool(await self._fast[i].hexists(self.keys.lock, owner))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,7 +25,7 @@ from celery_redislock import (
 from celery_redislock.aio import aclose_background
 from celery_redislock.testing import RedisServer
 
-from .test_lock import BAD_ACQUIRE_CALLS
+from .test_lock import BAD_ACQUIRE_CALLS, in_thread
 
 
 @pytest_asyncio.fixture
@@ -489,3 +490,33 @@ async def test_a_hold_whose_task_ended_is_not_renewed_for_ever(aclient: aioredis
     assert await AsyncRedisLock(aclient, "orphan", owner="next").acquire(blocking=False)
     assert await shared.owned()  # many leases later: still renewed
     await shared.release()
+
+
+def test_an_acquire_called_outside_any_task_is_the_calling_threads(
+    redis_server: RedisServer,
+) -> None:
+    """A thread that drives a loop in another thread (``run_coroutine_threadsafe``)
+    calls acquire() and release() outside any task: both resolve to that thread's
+    owner, so they match, as its lock's properties do."""
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever)
+    runner.start()
+
+    def on_loop(awaitable: Awaitable[Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(awaitable, loop).result(20)  # type: ignore[arg-type]
+
+    client = aioredis.Redis(port=redis_server.port, socket_timeout=5)
+    try:
+        lock = AsyncRedisLock(client, "bridged", ttl=5)
+        assert on_loop(lock.acquire()) is True
+        assert lock.hold_count == 1 and on_loop(lock.owned()) is True
+        # Another thread is another owner.
+        assert in_thread(lambda: on_loop(lock.acquire(blocking=False))) is False
+        on_loop(lock.release())
+        assert lock.hold_count == 0 and on_loop(lock.locked()) is False
+    finally:
+        on_loop(aclose_background(client))
+        on_loop(client.aclose())
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        loop.close()
