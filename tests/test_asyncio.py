@@ -343,11 +343,11 @@ async def test_a_wait_for_timeout_while_the_acquire_is_at_redis_gives_the_hold_b
     lock = AsyncRedisLock(aclient, "job", ttl=5)
     assert await lock.acquire(blocking=False)  # loads the script; released below
     await lock.release()
-    await aclient.client_pause(400, all=False)  # scripts wait; reads do not
+    await aclient.client_pause(1000, all=False)  # scripts wait; reads do not
     started = time.monotonic()
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(lock.acquire(), 0.1)
-    assert time.monotonic() - started >= 0.3  # it waited for the paused script to finish
+    assert time.monotonic() - started >= 0.5  # it waited for the paused script to finish
     assert await aclient.get(lock.keys.fence) == b"2"  # the script did take the lock ...
     assert not await aclient.exists(lock.keys.lock)  # ... and it was given back
     assert lock.hold_count == 0 and not lock._holds
