@@ -47,6 +47,12 @@ if os.environ.get("REDISLOCK_TEST_NO_FALLBACK"):
     app.conf.redislock_park_fallback = False
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
+if os.environ.get("REDISLOCK_TEST_LOCK_TIMEOUT"):  # a lock Redis that may stop answering
+    seconds = float(os.environ["REDISLOCK_TEST_LOCK_TIMEOUT"])
+    app.conf.redislock_redis_options = {
+        "socket_timeout": seconds,
+        "socket_connect_timeout": seconds,
+    }
 if os.environ.get("REDISLOCK_TEST_QUORUM"):  # locks on a quorum of masters
     app.conf.redislock_urls = os.environ["REDISLOCK_TEST_QUORUM"].split(",")
 

@@ -291,3 +291,29 @@ def test_a_locked_task_called_inside_a_running_one_is_a_plain_call(
         assert len(records) == (2 if inner is None else 1) and len(inner_records) <= 2
     for key in {name, inner or name}:
         wait_until(lambda key=key: not r.exists(lock_key(f"job:{key}")), timeout=10)
+
+
+@pytest.mark.parametrize("at", [0.0, 0.25, 0.48, 0.5, 0.52, 0.7])
+def test_a_duplicate_delivered_at_any_point_of_a_run_never_runs_it_again(
+    r: redis.Redis, shared_worker: CeleryProcess, at: float
+) -> None:
+    """The duplicate-delivery harness: the same message again (what a visibility-timeout
+    redelivery produces) at a chosen point of a 0.5 s run — at its start, mid-way, just
+    before, at and just after its release, and after it. The duplicate check used to be
+    two round trips, and a run finishing between them left no done marker: the copy ran
+    the work again."""
+    import time as _time
+
+    name = f"dup-at-{at}"
+    first = ca.hold_for.delay(name, 0.5)
+    wait_until(lambda: r.llen(f"started:{name}"), timeout=30)
+    _time.sleep(at)
+    copy = ca.hold_for.apply_async((name, 0.5), task_id=first.id)
+    assert first.get(timeout=30) is not None
+    # The copy is re-queued (the run still holds the lock) or finds the run done; either
+    # way it comes back within the re-queue cap and never runs the body.
+    wait_until(lambda: not r.exists(lock_key(f"job:{name}")), timeout=15)
+    _time.sleep(1.5)  # past the re-queue cap (0.5 s) and the copy's handling
+    assert r.llen(f"started:{name}") == 1
+    assert copy.state == "SUCCESS"
+    assert not r.exists(lock_key(f"job:{name}"))
