@@ -235,3 +235,9 @@ def nest(self: Any, name: str, inner: str | None = None, how: str = "self") -> s
     self.lock.ensure_held()
     r().rpush(f"nested:{name}", f"outer {self.lock.name} {got}")
     return got
+
+
+@app.task
+def biggest(values: list[int]) -> int:
+    """A chord's body: the largest of its header's results."""
+    return max(values)

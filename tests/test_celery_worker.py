@@ -317,3 +317,21 @@ def test_a_duplicate_delivered_at_any_point_of_a_run_never_runs_it_again(
     assert r.llen(f"started:{name}") == 1
     assert copy.state == "SUCCESS"
     assert not r.exists(lock_key(f"job:{name}"))
+
+
+def test_groups_and_chords_over_one_key_run_each_member_once_in_turn(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    from celery import chord, group
+
+    amounts = list(range(1, 9))
+    grouped = group(ca.settle.s(901, a, 0.01) for a in amounts).delay()
+    assert sorted(grouped.get(timeout=60))[-1] == sum(amounts)
+    body = chord((ca.settle.s(902, a, 0.01) for a in amounts), ca.biggest.s()).delay()
+    assert body.get(timeout=60) == sum(amounts)  # the body ran after every member
+    assert int(r.get("balance:901")) == int(r.get("balance:902")) == sum(amounts)
+    for account in ("901", "902"):
+        spans = sorted((e, x) for k, _, e, x in sections(r, "settle") if k == account)
+        assert len(spans) == len(amounts)  # every member seen once
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))  # none overlapped
+    assert not r.keys("redislock:{account:90*}")
