@@ -56,7 +56,19 @@ On contention (``on_contention``)
 
 Direct calls (``settle(7, 10)``) and eager mode (``task_always_eager``, ``.apply()``)
 never re-queue (that would recurse): they wait up to ``lock_wait`` for the lock, then
-raise ``LockContendedError`` (``"skip"`` returns None instead).
+raise ``LockContendedError`` (``"skip"`` returns None instead). A call made while a
+LockedTask's body runs in the same thread is a plain function call under the caller's
+ownership: it re-enters the caller's lock (docs/concepts.md, "Direct and nested calls").
+
+Runs
+====
+
+The lock's owner is the *run*: the task id, plus the run's generation (``retries``,
+``replaced_task_nesting``), see :func:`run_owner`. A redelivered message is the same run
+(its duplicate is recognised in one atomic step: the acquire script never re-enters a
+run's own hold); ``self.retry()`` and ``self.replace()`` start new runs that wait for the
+previous one. A release that cannot reach Redis does not fail the run: its hold stops
+renewing and the release is retried in the background.
 
 Lease lost mid-run
 ==================
