@@ -377,6 +377,22 @@ class LockBase(Generic[Signal]):
             owner=owner,
         )
 
+    def _unconfirmed(self, hold: Hold, exc: BaseException) -> str:
+        """The release of this object's last hold could not reach Redis: stop renewing it
+        at once (its lease then ends it: never a lock renewed for ever) and report it.
+        Returns how to name it in logs; the caller retries it in the background."""
+        self._forget(hold)
+        self._signals.pop(hold.owner, None)
+        what = f"lock {self.name!r} (owner {hold.owner}, token {hold.token})"
+        log.warning(
+            "redislock: could not release %s: %r; it is no longer renewed, its lease ends "
+            "it at the latest, and the release is retried in the background",
+            what,
+            exc,
+        )
+        signals.lock_release_failed.send(self, name=self.name, owner=hold.owner, error=exc)
+        return what
+
     def _forget(self, hold: Hold) -> None:
         if self._holds.get(hold.owner) is hold:
             del self._holds[hold.owner]

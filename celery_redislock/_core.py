@@ -271,6 +271,9 @@ class AcquireReply(NamedTuple):
     pttl: int = 0
     #: The owner's "done" marker exists: it already finished its work under this lock.
     finished: bool = False
+    #: A task run's attempt found its own owner holding the lock (another delivery of
+    #: the same run is running): nothing was changed.
+    running: bool = False
 
 
 def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
@@ -279,11 +282,18 @@ def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
         return AcquireReply(True, token=int(reply[1]), hold_count=int(reply[2]))
     if code == -1:
         return AcquireReply(False, finished=True)
+    if code in (2, 3):  # acquire.lua "task" / park.lua: this owner holds it already
+        return AcquireReply(False, pttl=int(reply[1]), running=True)
     return AcquireReply(False, pttl=int(reply[1]))
 
 
 class OwnerFinished(Exception):
     """Internal: the acquire script found the owner's "done" marker (a finished task)."""
+
+
+class OwnerRunning(Exception):
+    """Internal: a task run's attempt found its own owner holding the lock already
+    (another delivery of the same run); nothing was changed in Redis."""
 
 
 RELEASE_EXPIRED = -1

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import time
 import weakref
 from collections import deque
@@ -46,6 +47,7 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
+from ._deferred import UNREACHABLE, defer_async
 from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
 from ._scripts import run_async, scripts_for
 from ._waiting import async_subscribers_of, async_waiter_for
@@ -430,6 +432,16 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             code = int(
                 await run_async(self.client, self._scripts.release, self._release_keys, [owner])
             )
+        except UNREACHABLE as exc:
+            if hold is None or hold.count > 1 or hold.pid != os.getpid():
+                raise  # not this object's last hold: still held and renewed; retry it
+            what = self._unconfirmed(hold, exc)
+            defer_async(
+                what,
+                lambda: run_async(self.client, self._scripts.release, self._release_keys, [owner]),
+                until=hold.deadline,  # past it the owner may hold the lock afresh
+            )
+            return
         finally:
             if hold is not None:
                 hold.releasing -= 1

@@ -31,12 +31,14 @@ from ._core import (
     LeaseLost,
     LockKeys,
     OwnerFinished,
+    OwnerRunning,
     decode_acquire,
     lease_ms,
     thread_owner,
     validate_prefix,
     wait_bound,
 )
+from ._deferred import UNREACHABLE, deferred_releases
 from ._renewal import RenewalScheduler, require_replicas, scheduler_for
 from ._scripts import run, scripts_for
 from ._waiting import waiter_for
@@ -216,6 +218,8 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         if not reply.acquired:
             if reply.finished:
                 raise OwnerFinished(self.name)
+            if reply.running:
+                raise OwnerRunning(self.name)
             return reply.pttl
         if self.min_replicas and self._unreplicated(acks):
             self._give_back(owner)
@@ -260,8 +264,14 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                 protected may have overlapped another holder's).
             LockNotOwnedError: the caller does not hold the lock; nothing changed.
             LockForkedError: the hold belongs to the parent of this forked process.
-            redis.exceptions.ConnectionError: Redis unreachable; the hold is kept
-                and the call can be retried.
+            redis.exceptions.ConnectionError: Redis unreachable while releasing an
+                inner (re-entered) hold: it is kept, still renewed, and the call can be
+                retried.
+
+        When Redis cannot be reached to release this object's *last* hold, the call
+        does not raise: the hold stops being renewed at once (its lease ends it at the
+        latest), ``lock_release_failed`` is sent, and the release is retried in the
+        background until Redis answers or the hold's validity deadline passes.
         """
         owner = self._current_owner()
         self._check_not_inherited(owner)
@@ -270,6 +280,16 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             hold.releasing += 1
         try:
             code = int(run(self.client, self._scripts.release, self._release_keys, (owner,)))
+        except UNREACHABLE as exc:
+            if hold is None or hold.count > 1 or hold.pid != os.getpid():
+                raise  # not this object's last hold: still held and renewed; retry it
+            what = self._unconfirmed(hold, exc)
+            deferred_releases().add(
+                what,
+                lambda: run(self.client, self._scripts.release, self._release_keys, (owner,)),
+                until=hold.deadline,  # past it the owner may hold the lock afresh
+            )
+            return
         finally:
             if hold is not None:
                 hold.releasing -= 1

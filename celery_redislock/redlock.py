@@ -36,6 +36,7 @@ from ._core import (
     LeaseLost,
     LockKeys,
     OwnerFinished,
+    OwnerRunning,
     decode_acquire,
     lease_ms,
     thread_owner,
@@ -492,6 +493,8 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         self._undo(owner, outcome, fresh, round_)
         if outcome.finished:
             raise OwnerFinished(self.name)
+        if outcome.running:
+            raise OwnerRunning(self.name)
         outcome.split = outcome.split and not acquired
         return outcome
 
@@ -825,6 +828,8 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         self._undo(owner, fresh, sources)
         if outcome.finished:
             raise OwnerFinished(self.name)
+        if outcome.running:
+            raise OwnerRunning(self.name)
         outcome.split = outcome.split and not acquired
         return outcome
 

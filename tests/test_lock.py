@@ -330,23 +330,86 @@ def test_force_release_evicts_any_holder_and_wakes_waiters(redis_client: redis.R
     assert RedisLock.force_release(redis_client, "nothing-here") is False
 
 
-def test_release_survives_a_network_error_and_can_be_retried(
+def test_a_release_that_cannot_reach_redis_stops_renewing_and_is_retried(
+    redis_server_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """Redis unreachable at release (longer than the client's retries, shorter than the
+    lease): the hold used to stay with the watchdog and be renewed for ever once Redis was
+    back. Now the release returns, the hold stops renewing at once, ``lock_release_failed``
+    is sent, and the release is retried in the background when Redis answers again."""
+    from celery_redislock import signals
+    from celery_redislock._deferred import deferred_releases
+
+    server = redis_server_factory()
+    client = server.client(socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
+    lock = RedisLock(client, "job", ttl=3)
+    failed: list[str] = []
+    receiver = signals.lock_release_failed.connect(lambda sender, owner, **_: failed.append(owner))
+    try:
+        lock.acquire()
+        scheduler = lock._scheduler()
+        assert len(scheduler) == 1
+        server.signal(19)  # SIGSTOP: the release cannot get an answer
+        try:
+            lock.release()  # does not raise
+            assert lock.hold_count == 0 and len(scheduler) == 0  # no longer renewed
+            assert failed == [lock._current_owner()]
+        finally:
+            server.signal(18)  # SIGCONT
+        assert deferred_releases().wait_idle(5.0)
+        assert not client.exists(lock.keys.lock)  # released soon, not after the lease
+        assert lock.acquire(blocking=False)  # and free for anyone, this owner included
+        lock.release()
+    finally:
+        signals.lock_release_failed.disconnect(receiver)
+
+
+def test_an_outage_past_the_lease_leaves_nothing_renewed(
+    redis_server_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """The background release gives up at the hold's validity deadline (after it the
+    lease may have ended and the owner may hold the lock afresh); the lease ends the lock
+    and nothing renews it."""
+    from celery_redislock._deferred import deferred_releases
+
+    server = redis_server_factory()
+    client = server.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    lock = RedisLock(client, "job", ttl=1.0)
+    lock.acquire()
+    server.signal(19)
+    try:
+        lock.release()
+        assert deferred_releases().wait_idle(3.0)  # gave up: past the deadline
+    finally:
+        server.signal(18)
+    # The release sent while stopped may run on resume; if it did not, the lease ends it.
+    deadline = time.monotonic() + 2.0
+    while client.exists(lock.keys.lock) and time.monotonic() < deadline:
+        assert client.pttl(lock.keys.lock) <= 1000  # never renewed
+        time.sleep(0.05)
+    assert not client.exists(lock.keys.lock)
+
+
+def test_an_inner_release_that_fails_keeps_the_hold_renewed_and_retryable(
     redis_server_factory,  # type: ignore[no-untyped-def]
 ) -> None:
     server = redis_server_factory()
     client = server.client(socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
-    lock = RedisLock(client, "job", ttl=60, auto_renew=False)
+    lock = RedisLock(client, "job", ttl=60)
     lock.acquire()
-    server.signal(19)  # SIGSTOP: the release cannot get an answer
+    lock.acquire()  # re-entered: the next release is not the last
+    server.signal(19)
     try:
         with pytest.raises(redis.exceptions.TimeoutError):
             lock.release()
-        assert lock.hold_count == 1  # still known, still releasable
+        assert lock.hold_count == 2 and len(lock._scheduler()) == 1
     finally:
-        server.signal(18)  # SIGCONT
-    # The first release may or may not have run once the server resumed; either way the
-    # caller can finish it and nobody else's hold is touched.
-    if client.exists(lock.keys.lock):
+        server.signal(18)
+    time.sleep(0.1)
+    # The first release may or may not have run once the server resumed.
+    count = int(client.hget(lock.keys.lock, lock._current_owner()) or 0)
+    assert count in (1, 2)
+    for _ in range(count):
         lock.release()
     assert not client.exists(lock.keys.lock)
 
