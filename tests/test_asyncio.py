@@ -520,3 +520,41 @@ def test_an_acquire_called_outside_any_task_is_the_calling_threads(
         loop.call_soon_threadsafe(loop.stop)
         runner.join(10)
         loop.close()
+
+
+async def test_a_release_that_cannot_reach_redis_stops_renewing_and_is_retried(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    """The asyncio twin of test_lock's: the last hold's release returns, the hold stops
+    renewing at once, and the release lands in the background once Redis answers."""
+    from redis.asyncio.retry import Retry as AsyncRetry
+    from redis.backoff import NoBackoff
+
+    from celery_redislock import signals
+    from celery_redislock._deferred import pending_async
+
+    server = redis_server_factory()
+    client = aioredis.Redis(
+        host="127.0.0.1", port=server.port, socket_timeout=0.3, retry=AsyncRetry(NoBackoff(), 0)
+    )
+    lock = AsyncRedisLock(client, "job", ttl=3)
+    failed: list[str] = []
+    receiver = signals.lock_release_failed.connect(lambda sender, owner, **_: failed.append(owner))
+    try:
+        assert await lock.acquire()
+        server.signal(19)  # SIGSTOP
+        try:
+            await lock.release()  # does not raise
+            assert lock.hold_count == 0 and len(failed) == 1
+        finally:
+            server.signal(18)  # SIGCONT
+        for _ in range(100):
+            if not pending_async():
+                break
+            await asyncio.sleep(0.05)
+        assert not pending_async()
+        assert not await client.exists(lock.keys.lock)  # released long before the lease
+    finally:
+        signals.lock_release_failed.disconnect(receiver)
+        await aclose_background(client)
+        await client.aclose()
