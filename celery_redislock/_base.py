@@ -296,8 +296,10 @@ class LockBase(Generic[Signal]):
         """
         self._server_count = reply.hold_count
         hold = self._live_hold(owner)
-        if hold is not None and reply.hold_count == 1:
+        if hold is not None and reply.hold_count == 1 and reply.token != hold.token:
             # We thought we held it, but Redis handed out a fresh hold: ours had expired.
+            # (Count 1 with our token is a concurrent acquire of the same explicit owner
+            # whose reply came after a re-entry's: still our holding.)
             self._forget(hold)
             hold.mark_lost("expired")
             hold = None

@@ -512,11 +512,16 @@ class Hold:
         self.failures = 0
 
     def abandoned(self) -> bool:
-        """Whether the asyncio task that owns this hold has ended (no release is under way)."""
+        """Whether the asyncio task or thread that owns this hold has ended (no release is
+        under way): nobody can release it any more."""
         if self.owner_task is None or self.releasing:
             return False
-        task = self.owner_task()
-        return task is None or bool(task.done())
+        owner = self.owner_task()
+        if owner is None:
+            return True
+        if isinstance(owner, threading.Thread):
+            return not owner.is_alive()
+        return bool(owner.done())
 
     def past_deadline(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.deadline

@@ -12,7 +12,7 @@ Outcomes per hold:
 * Redis says the key is gone or belongs to someone else: the hold is **lost**;
 * the call fails (network): retried with jittered backoff until the hold's validity
   deadline; past it the hold is **lost** ("unreachable").
-* (asyncio) the task that owns the hold has ended: not renewed, **lost** ("abandoned").
+* the asyncio task or thread that owns the hold has ended: not renewed, **lost** ("abandoned").
 
 A lost hold is dropped from the schedule and reported through its lock (warning log,
 ``lock.lost`` set, ``on_lost`` callbacks). The thread exits when nothing is held.
@@ -237,7 +237,7 @@ class _SchedulerBase:
             signals.lock_renewed.send(self, count=renewed)
 
     def _drop_abandoned(self, holds: Sequence[Hold]) -> list[Hold]:
-        """Stop renewing holds whose owning asyncio task has ended (nobody can release
+        """Stop renewing holds whose owning asyncio task or thread has ended (nobody can release
         them: see ``Hold.abandoned``); they are lost, reason "abandoned", and expire
         with their lease. Returns the others."""
         kept = []
@@ -326,6 +326,10 @@ class RenewalScheduler(_SchedulerBase):
             self._renew(due)
 
     def _renew(self, holds: Sequence[Hold]) -> None:
+        with self._cond:
+            holds = self._drop_abandoned(holds)
+        if not holds:
+            return
         sent_at = time.monotonic()
         try:
             with self._cond:

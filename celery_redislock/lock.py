@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -174,7 +175,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                     waiter.wait(wait_bound(outcome, remaining))
                     token = waiter.take_grant()
                     if token is not None and self._take_grant(
-                        owner, token, sent_at, lease_millis, started
+                        owner, token, sent_at, lease_millis, started, threading.current_thread()
                     ):
                         acquired = True
                         return True
@@ -224,7 +225,10 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         if self.min_replicas and self._unreplicated(acks):
             self._give_back(owner)
             raise self._replication_error(acks, "acquire", owner, self._connected_replicas())
-        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew, started)
+        thread = threading.current_thread() if self.owner is None else None
+        hold, is_new = self._record_acquired(
+            owner, reply, sent_at, lease, renew, started, owner_task=thread
+        )
         if is_new and renew:
             require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
             self._scheduler().add(hold)

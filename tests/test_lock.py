@@ -825,3 +825,41 @@ def test_abandoned_waits_expire() -> None:
     assert waits.get(b"k", "o") == b"g1:5"
     assert waits.get(b"k", "gone") is None
     assert waits.get(b"other", "o") is None
+
+
+def test_a_hold_whose_thread_ended_is_not_renewed_for_ever(redis_client: redis.Redis) -> None:
+    """A thread that takes a lock (default owner) and exits without releasing: nobody can
+    release it any more, so the watchdog stops renewing it (lost, "abandoned") and the
+    lease ends it. It used to be renewed until the process exited."""
+    lock = RedisLock(redis_client, "job:orphan", ttl=0.6)
+    kept = RedisLock(redis_client, "job:kept", ttl=0.6, owner="explicit")
+    started = threading.Thread(target=lock.acquire)
+    started.start()
+    started.join()
+    assert kept.acquire()
+    deadline = time.monotonic() + 3.0
+    while redis_client.exists(lock.keys.lock) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not redis_client.exists(lock.keys.lock)  # expired, not renewed
+    assert redis_client.exists(kept.keys.lock)  # an explicit owner's hold is still renewed
+    kept.release()
+
+
+def test_concurrent_acquires_of_one_explicit_owner_keep_the_counts_right(
+    redis_client: redis.Redis,
+) -> None:
+    """Threads sharing an explicit owner on one lock object: replies can be handled out of
+    order, and a count of 1 with the hold's own token used to be taken for an expired hold
+    (a false "expired" loss, and a local count that drifted from Redis's)."""
+    lock = RedisLock(redis_client, "job:shared", ttl=30, owner="shared")
+    for _ in range(10):
+        threads = [threading.Thread(target=lock.acquire) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not lock.lost
+        assert lock.hold_count == int(redis_client.hget(lock.keys.lock, "shared")) == 8
+        for _ in range(8):
+            lock.release()
+        assert not redis_client.exists(lock.keys.lock)
