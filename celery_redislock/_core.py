@@ -544,7 +544,8 @@ LOSS_TEXT = {
     "unreachable": "Redis could not be reached to renew it before the lease's validity deadline",
     "deadline": "the lease's local validity deadline passed without a renewal",
     "released": "it was force-released",
-    "abandoned": "the asyncio task that owned it ended without releasing it, so it was no "
+    "abandoned": "the thread or asyncio task that owned it ended without releasing it, so it "
+    "was no "
     "longer renewed and expires with its lease",
 }
 
