@@ -49,6 +49,8 @@ if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
 if os.environ.get("REDISLOCK_TEST_QUORUM"):  # locks on a quorum of masters
     app.conf.redislock_urls = os.environ["REDISLOCK_TEST_QUORUM"].split(",")
+if os.environ.get("REDISLOCK_TEST_SIGNING_KEY"):  # a worker with another signing key
+    app.conf.redislock_signing_key = os.environ["REDISLOCK_TEST_SIGNING_KEY"]
 
 _r: redis.Redis | None = None
 
