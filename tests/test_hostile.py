@@ -43,7 +43,7 @@ PLACEHOLDER = "rltag0123456789abcdef"
 
 
 def lock_of(account: int) -> str:
-    return "redislock:{account:%d}" % account
+    return f"redislock:{{account:{account}}}"
 
 
 @pytest.fixture
@@ -248,8 +248,9 @@ def test_a_hand_over_pushes_only_an_envelope_in_the_checked_form(
     elif spoil == "another task id":
         text = text.replace('"id": "t-1"', '"id": "t-2"')
     elif spoil == "list not the worker's":
-        head, text = head.replace("Ecelery", "Eelsewhere"), text.replace(
-            '"list": "celery"', '"list": "elsewhere"'
+        head, text = (
+            head.replace("Ecelery", "Eelsewhere"),
+            text.replace('"list": "celery"', '"list": "elsewhere"'),
         )
     elif spoil == "list not signed for":
         head = head.replace("Ecelery", "Eelsewhere")
