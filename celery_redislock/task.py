@@ -1575,6 +1575,10 @@ def _report_refused(app: Any, key: bytes, task_id: bytes | None, reason: str) ->
         reason,
     )
     signals.parked_rejected.send(app, key=shown_key, task_id=shown_id, reason=reason)
+    try:  # now: the worker's main process (the sweeper, a fetch) flushes no other way
+        metrics.flush_to_redis(client_for(app), settings_for(app).defaults.prefix, force=True)
+    except Exception:  # stats are best effort
+        log.debug("redislock: could not flush stats", exc_info=True)
 
 
 def _handed(lock_key: bytes, reply: list[Any]) -> _Handed | None:

@@ -134,18 +134,18 @@ def test_the_sweeper_never_sends_what_the_lock_user_forged(
 def test_a_release_never_runs_what_the_lock_user_parked_behind_its_holder(
     broker: RedisServer, locker: redis.Redis, tmp_path: Path
 ) -> None:
-    """The hot path: a real task holds the lock, and forgeries are parked behind it, an
-    envelope in the form the hand-over script pushes itself (the worker that fetches it
-    refuses it) and a signature (the releasing pool process refuses it), then a real task.
-    The release hands the lock on past both to the real one."""
+    """The hot path: a real task holds the lock, and forgeries are parked behind it, a
+    signature (the releasing pool process refuses it) and an envelope in the form the
+    hand-over script pushes itself (the worker that fetches it refuses it), then a real
+    task. The lock goes on past both to the real one."""
     admin = broker.client()
     proc = worker(broker.url, tmp_path / "w.log", concurrency=2)
     try:
         holder = ca.settle.delay(999, 0, 2.0)
         wait_until(lambda: admin.exists(lock_of(999)), timeout=30)
+        forge(locker, lock_of(999), "evil-signature", forged_signature("evil-signature"))
         envelope = forged_envelope(admin, "evil-envelope", lock_of(999), "celery")
         forge(locker, lock_of(999), "evil-envelope", envelope)
-        forge(locker, lock_of(999), "evil-signature", forged_signature("evil-signature"))
         parked = ca.settle.delay(999, 5)  # a real task, parked at delivery behind them
         wait_until(lambda: admin.llen(lock_of(999) + ":parked") == 3, timeout=30)
         assert holder.get(timeout=30) == 0
@@ -156,6 +156,7 @@ def test_a_release_never_runs_what_the_lock_user_parked_behind_its_holder(
         proc.stop()
     assert ran(admin) == [holder.id, parked.id]  # nothing forged ran
     assert refusals(text, "evil-envelope") == 1 and refusals(text, "evil-signature") == 1
+    assert f"ERROR/MainProcess] {REFUSED} 'evil-envelope'" in text  # fetched, then refused
     assert "[evil-envelope] received" not in text
     assert admin.hlen(lock_of(999) + ":parked:messages") == 0
     assert admin.hget("redislock:stats", "parked_rejected") == b"2"
