@@ -1481,6 +1481,12 @@ def deliver_handed_over(app: Any, handed: _Handed | None, lease: int) -> int:
             continue
         send()
         return 1
+    if handed is not None:
+        log.warning(
+            "redislock: refused %d parked messages in a row under %r; the sweeper goes on",
+            MAX_REFUSALS,
+            _text(handed.lock_key),
+        )
     return 0
 
 
