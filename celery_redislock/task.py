@@ -1611,7 +1611,9 @@ def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
             signature = signing.open_signature(key, handed.lock_key, handed.task_id, message)
             options = signature.get("options") or {}
             run = run_owner(
-                options.get("task_id"), options.get("retries"), options.get("replaced_task_nesting")
+                str(options.get("task_id")),
+                options.get("retries"),
+                options.get("replaced_task_nesting"),
             )
             if run != handed.task_id.decode():
                 raise signing.Refused("its run is not the one it was parked as")
