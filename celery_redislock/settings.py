@@ -300,7 +300,8 @@ def _url(conf: Mapping[str, Any]) -> tuple[str, str]:
                 f"got {url!r}"
             )
         return url, "redislock_url"
-    broker = conf.get("broker_url")
+    # The attribute, not conf.get(): it also sees CELERY_BROKER_URL and `celery -b`.
+    broker = getattr(conf, "broker_url", None) or conf.get("broker_url")
     if isinstance(broker, str) and broker.startswith(REDIS_SCHEMES):
         return broker, "broker_url (redislock_url is not set; the broker is Redis)"
     shown = broker.split("@")[-1] if isinstance(broker, str) else broker

@@ -1202,7 +1202,7 @@ def _park_fallback(app: Any) -> bool:
     settings = settings_for(app)
     if settings.park_fallback == "auto":
         return not settings.url_source.startswith("broker_url") and (
-            settings.url != app.conf.get("broker_url")
+            settings.url != (getattr(app.conf, "broker_url", None) or app.conf.get("broker_url"))
         )
     return bool(settings.park_fallback)
 
