@@ -248,3 +248,22 @@ def test_another_threads_eager_call_on_a_held_key_is_still_excluded(
     settle.delay(7, True).get(disable_sync_subtasks=False)
     assert len(outcome) == 1 and isinstance(outcome[0], LockContendedError)
     assert ran == [7]  # the other thread's call never ran
+
+
+@PENDING
+def test_a_direct_call_of_another_locked_task_on_the_callers_key_runs_reentrantly(
+    app: Celery, redis_client: Any
+) -> None:
+    order: list[str] = []
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def refund(account_id: int) -> None:
+        order.append("refund")
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def settle(account_id: int) -> None:
+        refund(account_id)  # direct, from inside an eager run of another task
+        order.append("settle")
+
+    settle.delay(7).get(disable_sync_subtasks=False)
+    assert order == ["refund", "settle"]
