@@ -64,7 +64,8 @@ def _shown(value: bytes | str) -> str:
 # ------------------------------------------------------------------ arguments
 
 
-def _as_bytes(value: str, param: click.Parameter) -> bytes:
+def _lock_name(_ctx: click.Context | None, param: click.Parameter, value: str) -> bytes:
+    """A NAME (or PATTERN) as the bytes the command line gave."""
     if not value:
         raise click.BadParameter("must not be empty", param=param)
     try:
@@ -79,12 +80,8 @@ def _as_bytes(value: str, param: click.Parameter) -> bytes:
         ) from None
 
 
-def _lock_name(_ctx: click.Context, param: click.Parameter, value: str) -> bytes:
-    return _as_bytes(value, param)
-
-
 def _glob(_ctx: click.Context, param: click.Parameter, value: str) -> bytes:
-    raw = _as_bytes(value, param)
+    raw = _lock_name(None, param, value)
     # Names are stored with '%', '{' and '}' escaped (see LockKeys); so is the pattern.
     return raw.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
 
@@ -118,7 +115,7 @@ class _Nodes:
             clients = quorum_clients_for(app) if settings.urls else [client_for(app)]
         except LockConfigurationError as exc:
             raise click.ClickException(str(exc)) from None
-        self.prefix: str = prefix or settings.defaults.prefix
+        self.prefix: str = settings.defaults.prefix if prefix is None else prefix
         self.is_quorum = bool(settings.urls)
         self.clients = clients
         self.labels = [node_label(c) for c in clients]

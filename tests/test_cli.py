@@ -228,3 +228,11 @@ def test_quorum_release_releases_every_node_and_names_an_unreachable_one(
         result = invoke(*args)
         assert result.exit_code == 1
         assert f"127.0.0.1:{quorum[2].port}: unreachable" in result.output
+
+
+def test_an_empty_prefix_is_a_prefix(one: redis.Redis) -> None:
+    RedisLock(one, "bare", owner="holder", ttl=60, prefix="").acquire()
+    assert json.loads(invoke("show", "--prefix", "", "bare", "--json").output)["owners"] == {
+        "holder": 1
+    }
+    assert "not locked" in invoke("show", "bare").output  # the app's prefix: another lock
