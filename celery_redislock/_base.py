@@ -6,6 +6,7 @@ each script reply live here; the subclasses only send the commands.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -102,6 +103,7 @@ class LockBase(Generic[Signal]):
             client, min_replicas, replica_timeout
         )
         self._replica_timeout_ms = round(self.replica_timeout * 1000)
+        warn_if_unbounded(client, self.name)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} ttl={self.ttl!r} owner={self.owner!r}>"
@@ -503,6 +505,58 @@ def validate_replicas(
             f"replication could not be checked (use min_replicas=0 on a cluster)"
         )
     return min_replicas, timeout_ms / 1000.0
+
+
+#: Connection pools already checked by :func:`warn_if_unbounded` (each is checked once).
+_checked_pools: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_UNKNOWN = object()
+
+
+def _connection_default(connection_class: Any, option: str) -> Any:
+    """The default of ``option`` in ``connection_class``'s constructor (or ``_UNKNOWN``)."""
+    for klass in getattr(connection_class, "__mro__", ()):
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        try:
+            parameter = inspect.signature(init).parameters.get(option)
+        except (TypeError, ValueError):
+            return _UNKNOWN
+        if parameter is not None:
+            return parameter.default
+    return _UNKNOWN
+
+
+def warn_if_unbounded(client: Any, name: str | bytes) -> None:
+    """Log once per connection pool when its connections have no ``socket_timeout``.
+
+    Nothing else bounds a command that reached a Redis which stopped answering: the
+    lock's own timeouts bound its waits, not a command in flight (see
+    docs/guarantees.md, "How long a call can take").
+    """
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if pool is None or not isinstance(kwargs, dict):
+        return  # a cluster client, or one this cannot inspect
+    try:
+        if pool in _checked_pools:
+            return
+        _checked_pools[pool] = True
+    except TypeError:  # not weak-referenceable: not checked
+        return
+    if "socket_timeout" in kwargs:
+        timeout = kwargs["socket_timeout"]
+    else:  # redis-py's own default, which differs between its versions
+        timeout = _connection_default(getattr(pool, "connection_class", None), "socket_timeout")
+    if timeout is None:
+        log.warning(
+            "redislock: the Redis client of lock %r has no socket_timeout: if that Redis stops "
+            "answering (paused, overloaded, a network that drops packets), lock calls wait "
+            "until it answers again, acquire(timeout=...) and asyncio timeouts included. Set "
+            "socket_timeout and socket_connect_timeout on the client (see docs/guarantees.md, "
+            "'How long a call can take'). This is logged once per connection pool.",
+            name,
+        )
 
 
 class SyncContext:

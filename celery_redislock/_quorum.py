@@ -33,34 +33,19 @@ def quorum_of(nodes: int) -> int:
     return nodes // 2 + 1
 
 
-def node_label(client: Any) -> str:
-    """``host:port`` of a redis-py client (for error messages)."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", {}) if pool is not None else {}
-    if "path" in kwargs:
-        return f"unix:{kwargs['path']}"
-    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-
-
 def validate_nodes(clients: object) -> list[Any]:
-    """The node list: a non-empty sequence of distinct clients or ``redis://`` URLs."""
+    """The node list: a non-empty sequence of clients or ``redis://`` URLs (that no two
+    reach one server is :func:`celery_redislock._nodes.check_distinct`'s to check)."""
     if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence) or not clients:
         raise LockConfigurationError(
             f"clients must be a non-empty list of redis-py clients or redis:// URLs, one per "
             f"independent Redis master (an odd number, 3 or 5, is recommended), got {clients!r}"
         )
-    labels: set[str] = set()
     for node in clients:
         if node is None or isinstance(node, bytes):
             raise LockConfigurationError(
                 f"clients must hold redis-py clients or redis:// URLs, got {node!r}"
             )
-        label = node if isinstance(node, str) else node_label(node)
-        if label in labels and not label.startswith("?"):
-            raise LockConfigurationError(
-                f"clients lists {label} twice: a quorum needs independent Redis masters"
-            )
-        labels.add(label)
     return list(clients)
 
 

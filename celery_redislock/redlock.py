@@ -45,6 +45,7 @@ from ._core import (
     wait_event,
 )
 from ._errors import LockConfigurationError, LockQuorumError
+from ._nodes import check_distinct, node_label
 from ._quorum import (
     Decided,
     HoldGroup,
@@ -57,7 +58,6 @@ from ._quorum import (
     decided_by,
     given_back,
     granted,
-    node_label,
     quorum_error,
     quorum_of,
     release_code,
@@ -160,6 +160,7 @@ class _QuorumBase:
     ) -> None:
         """Validate the nodes and options; open the private per-node clients."""
         nodes = validate_nodes(clients)
+        check_distinct(nodes, "clients")
         ttl = self._lease / 1000.0  # type: ignore[attr-defined]
         timeout = NODE_TIMEOUT if node_timeout is None else node_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:

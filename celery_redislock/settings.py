@@ -48,6 +48,7 @@ from typing import Any
 
 from ._core import DEFAULT_PREFIX, lease_ms, validate_prefix
 from ._errors import LockConfigurationError
+from ._nodes import check_distinct
 
 CONTENTION_POLICIES = ("requeue", "wait", "skip", "raise")
 WAIT_FALLBACKS = ("requeue", "raise")
@@ -280,10 +281,7 @@ def _urls(conf: Mapping[str, Any]) -> tuple[str, ...]:
             raise LockConfigurationError(
                 f"redislock_urls must hold Redis URLs starting with {allowed}, got {url!r}"
             )
-    if len(set(urls)) != len(urls):
-        raise LockConfigurationError(
-            f"redislock_urls lists a node twice: a quorum needs independent masters, got {urls!r}"
-        )
+    check_distinct(list(urls), "redislock_urls")
     if conf.get("redislock_url") is not None:
         raise LockConfigurationError(
             "set redislock_urls (a quorum of masters) or redislock_url (one Redis), not both"

@@ -547,7 +547,11 @@ def quorum_clients_for(app: Any) -> list[redis.Redis]:
     found = _quorum_clients.get(app)
     if found is None or found[0] != os.getpid():
         settings = settings_for(app)
-        options: dict[str, Any] = {"health_check_interval": 30}
+        options: dict[str, Any] = {
+            "socket_timeout": 10.0,
+            "socket_connect_timeout": 10.0,
+            "health_check_interval": 30,
+        }
         options.update(settings.redis_options)
         clients = [redis.Redis.from_url(url, **options) for url in settings.urls]
         found = _quorum_clients[app] = (os.getpid(), clients)

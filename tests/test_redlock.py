@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
 
 import pytest
 import redis
@@ -29,7 +28,6 @@ from celery_redislock._scripts import scripts_for
 from celery_redislock.testing import RedisServer
 
 from . import _procs
-from .test_lock import BAD_ACQUIRE_CALLS, evalsha_calls
 
 
 @pytest.fixture(scope="module")
@@ -223,29 +221,6 @@ def test_bad_arguments_are_named(three: list[redis.Redis]) -> None:
         RedLock(three, "x", retry_delay=-1)
     with pytest.raises(LockConfigurationError, match="ttl"):
         RedLock(three, "x", ttl=0)
-
-
-@pytest.mark.parametrize(("kwargs", "argument"), BAD_ACQUIRE_CALLS)
-async def test_bad_acquire_arguments_are_refused_before_any_io(
-    nodes: list[RedisServer], three: list[redis.Redis], kwargs: dict[str, Any], argument: str
-) -> None:
-    """Both quorum locks check acquire()'s arguments as strictly as the constructor's,
-    before sending anything to any node (the asyncio one when acquire() is called)."""
-    sync = RedLock(three, "x")
-    clients = [redis.asyncio.Redis(port=s.port) for s in nodes[:3]]
-    aio = AsyncRedLock(clients, "x")
-    try:
-        for client in three:
-            client.config_resetstat()
-        for lock in (sync, aio):
-            with pytest.raises(LockConfigurationError, match=f"^{argument} must"):
-                lock.acquire(**kwargs)
-        assert [evalsha_calls(c) for c in three] == [0, 0, 0]
-        assert held_on(three, sync) == [False, False, False]
-    finally:
-        await aio.aclose()
-        for client in clients:
-            await client.aclose()
 
 
 def test_urls_are_accepted(nodes: list[RedisServer], three: list[redis.Redis]) -> None:

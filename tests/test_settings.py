@@ -102,12 +102,18 @@ def test_park_at_delivery_is_a_bool() -> None:
         ([], "non-empty list"),
         (["redis://a:1", "http://b:2"], "http://b:2"),
         (["redis://a:1", "redis://a:1"], "twice"),
+        (["redis://a:1", "redis://b:1/0", "redis://A:1/2"], "[0] (a:1) and redislock_urls[2]"),
+        (["redis://localhost:7", "redis://b:1", "redis://127.0.0.1:7"], "both reach 127.0.0.1:7"),
+        (["redis://:secret@[::ffff:127.0.0.1]:7", "rediss://127.0.0.1:7"], "twice"),
+        (["unix:///run/redis.sock", "unix:///run/../run/redis.sock?db=1"], "unix:/run/redis.sock"),
+        (["redis://a:1", "redis://a:port"], "redislock_urls[1] is not a Redis URL"),
     ],
 )
 def test_quorum_urls_are_validated(urls: object, match: str) -> None:
     with pytest.raises(LockConfigurationError, match="redislock_urls") as caught:
         LockSettings.from_conf({"redislock_urls": urls})
     assert match in str(caught.value)
+    assert "secret" not in str(caught.value)
 
 
 def test_quorum_urls_exclude_a_single_url_and_are_used() -> None:
