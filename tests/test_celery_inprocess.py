@@ -125,8 +125,6 @@ def test_a_missing_redis_url_is_a_clear_error_unless_the_broker_is_redis() -> No
 # the function would; it never waits for its own caller. Another thread's call on that key
 # is excluded as before, and the nested call's end does not free the enclosing call's lock.
 
-PENDING = pytest.mark.xfail(strict=True, reason="nested eager calls: pending lead's change")
-
 
 def held_by(client: Any, name: str) -> dict[bytes, bytes]:
     """The owners' hold counts of lock ``name`` (reserved fields left out)."""
@@ -134,7 +132,6 @@ def held_by(client: Any, name: str) -> dict[bytes, bytes]:
     return {k: v for k, v in fields.items() if not k.startswith(b"__")}
 
 
-@PENDING
 def test_an_eager_delay_on_the_callers_own_key_runs_reentrantly(
     app: Celery, redis_client: Any
 ) -> None:
@@ -204,7 +201,6 @@ def test_an_eager_delay_on_another_key_takes_that_lock(app: Celery, redis_client
     assert seen == {"account:8": 2, "account:7": 1}  # both held while the nested call ran
 
 
-@PENDING
 def test_another_locked_task_on_the_callers_key_runs_reentrantly_when_eager(
     app: Celery, redis_client: Any
 ) -> None:
@@ -250,7 +246,6 @@ def test_another_threads_eager_call_on_a_held_key_is_still_excluded(
     assert ran == [7]  # the other thread's call never ran
 
 
-@PENDING
 def test_a_direct_call_of_another_locked_task_on_the_callers_key_runs_reentrantly(
     app: Celery, redis_client: Any
 ) -> None:
