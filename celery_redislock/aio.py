@@ -302,7 +302,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
-        async with async_waiter_for(self.client, self.keys.channel, owner) as waiter:
+        async with async_waiter_for(self.client, self.keys.channel, owner, wait_limit) as waiter:
             direct = self._direct(renew) and waiter.direct
             pttl = 0  # the holder's lease at the last attempt (how long our place is kept)
             try:

@@ -165,7 +165,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
-        with waiter_for(self.client, self.keys.channel, owner) as waiter:
+        with waiter_for(self.client, self.keys.channel, owner, wait_limit) as waiter:
             direct = self._direct(renew) and waiter.direct
             pttl = 0  # the holder's lease at the last attempt (how long our place is kept)
             try:

@@ -863,3 +863,22 @@ def test_concurrent_acquires_of_one_explicit_owner_keep_the_counts_right(
         for _ in range(8):
             lock.release()
         assert not redis_client.exists(lock.keys.lock)
+
+
+def test_a_short_timeout_bounds_the_wait_for_the_subscription(redis_client: redis.Redis) -> None:
+    """acquire(timeout=0.1) on a held lock used to wait up to 1 s (CONFIRM_WAIT) for its
+    subscription to be confirmed before its first wait, whatever its timeout: the wait is
+    now bounded by the acquire's remaining timeout."""
+    from celery_redislock._waiting import CONFIRM_WAIT, waiter_for
+
+    assert waiter_for(redis_client, b"ch", "o").confirm_wait == CONFIRM_WAIT
+    assert waiter_for(redis_client, b"ch", "o", 0.05).confirm_wait == 0.05
+    assert waiter_for(redis_client, b"ch", "o", 30.0).confirm_wait == CONFIRM_WAIT
+    holder = RedisLock(redis_client, "job:short", ttl=30, owner="holder")
+    holder.acquire()
+    try:
+        started = time.monotonic()
+        assert not RedisLock(redis_client, "job:short", ttl=30).acquire(timeout=0.1)
+        assert time.monotonic() - started < 1.0
+    finally:
+        holder.release()
