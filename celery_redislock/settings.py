@@ -274,12 +274,13 @@ def _urls(conf: Mapping[str, Any]) -> tuple[str, ...]:
     if isinstance(urls, str) or not isinstance(urls, (list, tuple)) or not urls:
         raise LockConfigurationError(
             f"redislock_urls must be a non-empty list of Redis URLs (starting with {allowed}), "
-            f"one per independent master (3 or 5 recommended), got {urls!r}"
+            f"one per independent master (3 or 5 recommended), got {_redacted(urls)!r}"
         )
     for url in urls:
         if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
             raise LockConfigurationError(
-                f"redislock_urls must hold Redis URLs starting with {allowed}, got {url!r}"
+                f"redislock_urls must hold Redis URLs starting with {allowed}, "
+                f"got {_redacted(url)!r}"
             )
     check_distinct(list(urls), "redislock_urls")
     if conf.get("redislock_url") is not None:
@@ -295,7 +296,7 @@ def _url(conf: Mapping[str, Any]) -> tuple[str, str]:
         if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
             raise LockConfigurationError(
                 f"redislock_url must be a Redis URL starting with {', '.join(REDIS_SCHEMES)}, "
-                f"got {url!r}"
+                f"got {_redacted(url)!r}"
             )
         return url, "redislock_url"
     # The attribute, not conf.get(): it also sees CELERY_BROKER_URL and `celery -b`.
@@ -307,3 +308,15 @@ def _url(conf: Mapping[str, Any]) -> tuple[str, str]:
         f"redislock_url is not set and the broker ({shown!r}) is not Redis: set "
         f"app.conf.redislock_url = 'redis://host:6379/0'"
     )
+
+
+def _redacted(value: Any) -> Any:
+    """A URL (or a list of them) as an error may show it: without a password."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redacted(v) for v in value)
+    if isinstance(value, str) and "@" in value and "://" in value:
+        scheme, rest = value.split("://", 1)
+        credentials, host = rest.rsplit("@", 1)
+        user = credentials.split(":", 1)[0]
+        return f"{scheme}://{user + ':' if user else ''}***@{host}"
+    return value

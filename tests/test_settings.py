@@ -140,3 +140,17 @@ def test_a_broker_from_the_environment_is_the_locks_default(
     settings = LockSettings.from_conf(app.conf)
     assert settings.url == "redis://127.0.0.1:1/3"
     assert settings.url_source.startswith("broker_url")
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"redislock_url": "http://user:s3cret@host:6379/0"},
+        {"redislock_urls": ["redis://:s3cret@h1:1/0", "http://:s3cret@h2:1/0"]},
+        {"redislock_urls": "redis://:s3cret@h1:1/0"},
+    ],
+)
+def test_errors_never_show_a_password(conf: dict[str, object]) -> None:
+    with pytest.raises(LockConfigurationError) as error:
+        LockSettings.from_conf({"broker_url": "redis://127.0.0.1:1/0", **conf})
+    assert "s3cret" not in str(error.value) and "***" in str(error.value)
