@@ -130,12 +130,21 @@ def validate_owner(owner: object) -> str | None:
 
 
 def validate_prefix(prefix: object) -> str:
-    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix or not _encodes(prefix):
         raise LockConfigurationError(
-            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag), "
-            f"got {prefix!r}"
+            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag) "
+            f"that encodes as UTF-8, got {prefix!r}"
         )
     return prefix
+
+
+def _encodes(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------- key layout
@@ -169,7 +178,12 @@ class LockKeys:
     @classmethod
     def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys:
         if isinstance(name, str):
-            raw = name.encode("utf-8")
+            try:
+                raw = name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise LockConfigurationError(
+                    f"name must be bytes or a str that encodes as UTF-8, got {name!r}"
+                ) from None
         elif isinstance(name, bytes):
             raw = name
         else:

@@ -199,7 +199,10 @@ class LockSettings:
         """Read and validate ``redislock_*`` from a Celery ``app.conf`` (or any mapping)."""
         urls = _urls(conf)
         url, source = (urls[0], "redislock_urls") if urls else _url(conf)
-        node_timeout = seconds(conf.get("redislock_node_timeout", 0.25), "redislock_node_timeout")
+        node_timeout = conf.get("redislock_node_timeout")
+        node_timeout = (
+            0.25 if node_timeout is None else seconds(node_timeout, "redislock_node_timeout")
+        )
         options = conf.get("redislock_redis_options") or {}
         if not isinstance(options, Mapping):
             raise LockConfigurationError(

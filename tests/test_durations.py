@@ -41,6 +41,7 @@ from celery_redislock._core import (
 )
 from celery_redislock._renewal import async_scheduler_for, scheduler_for
 from celery_redislock._scripts import scripts_for, source
+from celery_redislock.aio import aclose_background
 from celery_redislock.settings import LockOptions, LockSettings, task_overrides
 from celery_redislock.task import TaskLock
 from celery_redislock.testing import RedisServer
@@ -468,6 +469,7 @@ async def test_the_asyncio_watchdog_survives_a_hold_that_raises(
             assert not lock.lost
             await lock.release()
     finally:
+        await aclose_background(client)
         await client.aclose()
 
 
@@ -490,4 +492,5 @@ async def test_the_asyncio_watchdog_drops_an_absurd_lease_alone(
             assert not lock.lost
             await lock.release()
     finally:
+        await aclose_background(client)
         await client.aclose()
