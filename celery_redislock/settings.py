@@ -2,6 +2,7 @@
 
 This module does not import Celery: it reads any mapping (``app.conf`` is one), so the
 same rules check task attributes at decoration time and app settings at worker start.
+Every duration is a number of seconds of at most ``_core.MAX_SECONDS`` (365 days).
 
 Settings (task attributes of the same meaning override them per task):
 
@@ -228,11 +229,18 @@ class LockSettings:
             raise LockConfigurationError(
                 f"redislock_park_at_delivery must be True or False, got {at_delivery!r}"
             )
+        defaults = LockOptions(**values)
+        if urls and node_timeout * 2 >= defaults.ttl:
+            raise LockConfigurationError(
+                f"redislock_node_timeout ({node_timeout}s) must be well below redislock_ttl "
+                f"({defaults.ttl}s): a quorum attempt that takes longer than the lease can never "
+                f"be valid (use at most ttl / 10)"
+            )
         return cls(
             url=url,
             url_source=source,
             redis_options=dict(options),
-            defaults=LockOptions(**values),
+            defaults=defaults,
             park_fallback=fallback,
             park_at_delivery=at_delivery,
             urls=urls,

@@ -134,6 +134,16 @@ def test_app_settings_refuse_huge_durations(setting: str, value: object) -> None
         LockSettings.from_conf({"broker_url": "redis://localhost", setting: value})
 
 
+def test_a_quorum_node_timeout_must_be_well_below_the_app_ttl() -> None:
+    urls = ["redis://a:1", "redis://b:2", "redis://c:3"]
+    match = r"^redislock_node_timeout \(0.25s\) must be well below redislock_ttl \(0.4s\)"
+    with pytest.raises(LockConfigurationError, match=match):
+        LockSettings.from_conf({"redislock_urls": urls, "redislock_ttl": 0.4})
+    assert (
+        LockSettings.from_conf({"redislock_urls": urls, "redislock_ttl": 0.6}).node_timeout == 0.25
+    )
+
+
 @pytest.mark.parametrize(
     ("attribute", "value"),
     [("lock_ttl", 1e12), ("lock_done_ttl", 1e16), ("lock_hold", 1e12), ("lock_wait", 1e12)],
