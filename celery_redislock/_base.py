@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Generic, TypeVar
+import weakref
+from typing import Any, Awaitable, Callable, Coroutine, Generic, TypeVar
 
 from . import signals
 from ._core import (
@@ -21,6 +22,7 @@ from ._core import (
     LockKeys,
     LossSignal,
     abandoned_waits,
+    acquire_arguments,
     lease_ms,
     loss_reason_from_release,
     lost_error,
@@ -236,7 +238,13 @@ class LockBase(Generic[Signal]):
             abandoned_waits.add(self.keys.lock, owner, grant_name, until)
 
     def _take_grant(
-        self, owner: str, token: int, sent_at: float, lease: int, started: float
+        self,
+        owner: str,
+        token: int,
+        sent_at: float,
+        lease: int,
+        started: float,
+        owner_task: Any = None,
     ) -> bool:
         """Count a direct grant as acquired, if its short lease can still be trusted.
 
@@ -250,7 +258,7 @@ class LockBase(Generic[Signal]):
         if deadline - time.monotonic() < grant_ms / 2000.0 or self._live_hold(owner):
             return False
         hold, is_new = self._record_acquired(
-            owner, AcquireReply(True, token, 1), sent_at, lease, True, started
+            owner, AcquireReply(True, token, 1), sent_at, lease, True, started, owner_task
         )
         hold.deadline = deadline
         hold.next_due = sent_at + grant_ms / 3000.0  # full lease well before the grant's ends
@@ -262,10 +270,14 @@ class LockBase(Generic[Signal]):
         """This lock's watchdog (sync: a thread's scheduler; asyncio: the loop's)."""
         raise NotImplementedError
 
-    def _acquire_args(self, lease: float | None) -> tuple[int, bool]:
-        if lease is None:
-            return self._lease, self.auto_renew
-        return lease_ms(lease, "lease"), False
+    def _acquire_args(
+        self, blocking: object, timeout: object, lease: object
+    ) -> tuple[float | None, int, bool]:
+        """Check acquire()'s arguments: (wait limit, lease in ms, renewed by the watchdog?)."""
+        wait_limit, lease_millis = acquire_arguments(blocking, timeout, lease)
+        if lease_millis is None:
+            return wait_limit, self._lease, self.auto_renew
+        return wait_limit, lease_millis, False
 
     def _record_acquired(
         self,
@@ -275,12 +287,19 @@ class LockBase(Generic[Signal]):
         lease: int,
         renew: bool,
         started: float | None = None,
+        owner_task: Any = None,
     ) -> tuple[Hold, bool]:
-        """Update the hold table; returns (hold, is_new) — a new hold needs the watchdog."""
+        """Update the hold table; returns (hold, is_new) — a new hold needs the watchdog.
+
+        ``owner_task``: the asyncio task a default owner names (the watchdog stops
+        renewing the hold once it is done).
+        """
         self._server_count = reply.hold_count
         hold = self._live_hold(owner)
-        if hold is not None and reply.hold_count == 1:
+        if hold is not None and reply.hold_count == 1 and reply.token != hold.token:
             # We thought we held it, but Redis handed out a fresh hold: ours had expired.
+            # (Count 1 with our token is a concurrent acquire of the same explicit owner
+            # whose reply came after a re-entry's: still our holding.)
             self._forget(hold)
             hold.mark_lost("expired")
             hold = None
@@ -296,6 +315,7 @@ class LockBase(Generic[Signal]):
                 sent_at=sent_at,
                 lost=signal,
                 notify=self._report_lost,
+                owner_task=None if owner_task is None else weakref.ref(owner_task),
             )
             hold.count = 1
             self._holds[owner] = hold
@@ -359,6 +379,22 @@ class LockBase(Generic[Signal]):
             owner=owner,
         )
 
+    def _unconfirmed(self, hold: Hold, exc: BaseException) -> str:
+        """The release of this object's last hold could not reach Redis: stop renewing it
+        at once (its lease then ends it: never a lock renewed for ever) and report it.
+        Returns how to name it in logs; the caller retries it in the background."""
+        self._forget(hold)
+        self._signals.pop(hold.owner, None)
+        what = f"lock {self.name!r} (owner {hold.owner}, token {hold.token})"
+        log.warning(
+            "redislock: could not release %s: %r; it is no longer renewed, its lease ends "
+            "it at the latest, and the release is retried in the background",
+            what,
+            exc,
+        )
+        signals.lock_release_failed.send(self, name=self.name, owner=hold.owner, error=exc)
+        return what
+
     def _forget(self, hold: Hold) -> None:
         if self._holds.get(hold.owner) is hold:
             del self._holds[hold.owner]
@@ -389,6 +425,9 @@ class LockBase(Generic[Signal]):
             signals.lock_contended.send(self, name=self.name, owner=owner)
 
     def _report_lost(self, hold: Hold, reason: str) -> None:
+        if reason == "abandoned":  # its owner (a task) is gone: nothing here will release it
+            self._forget(hold)
+            self._signals.pop(hold.owner, None)
         error = lost_error(self.name, hold.owner, reason)
         signals.lock_lost.send(self, name=self.name, owner=hold.owner, reason=reason)
         log.warning(
@@ -491,24 +530,28 @@ class SyncContext:
 
 
 class AsyncContext:
-    """``async with lock:`` for the asyncio locks."""
+    """``async with lock:`` for the asyncio locks (owner resolved where entered and left,
+    as by ``acquire()`` and ``release()``)."""
 
     blocking: bool
     timeout: float | None
 
-    async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> Awaitable[bool]:
         raise NotImplementedError
 
-    async def release(self) -> None:
+    def release(self) -> Awaitable[None]:
         raise NotImplementedError
 
     def _timeout_error(self, timeout: float | None) -> LockTimeoutError:
         raise NotImplementedError
 
-    async def __aenter__(self: A) -> A:
-        if not await self.acquire(self.blocking, self.timeout):
+    def __aenter__(self: A) -> Coroutine[Any, Any, A]:
+        return self._entered(self.acquire(self.blocking, self.timeout))
+
+    async def _entered(self: A, acquiring: Awaitable[bool]) -> A:
+        if not await acquiring:
             raise self._timeout_error(self.timeout if self.blocking else None)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
+    def __aexit__(self, *exc: object) -> Awaitable[None]:
+        return self.release()

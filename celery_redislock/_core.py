@@ -16,6 +16,7 @@ import random
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -116,6 +117,21 @@ def optional_seconds(value: object, argument: str) -> float | None:
     if not _in_range(value, 0.0):
         raise duration_error(argument, value, 0.0, alternative="None (no limit)")
     return float(value)  # type: ignore[arg-type]
+
+
+def acquire_arguments(
+    blocking: object, timeout: object, lease: object
+) -> tuple[float | None, int | None]:
+    """Check ``acquire()``'s arguments as strictly as the constructor's, before any I/O.
+
+    ``blocking`` must be a bool (``"no"`` is not False), ``timeout`` None or a number of
+    seconds from 0 to :data:`MAX_SECONDS`, ``lease`` None or a lease like ``ttl``.
+    Returns (timeout in seconds or None, lease in milliseconds or None).
+    """
+    if not isinstance(blocking, bool):
+        raise LockConfigurationError(f"blocking must be True or False, got {blocking!r}")
+    wait_limit = optional_seconds(timeout, "timeout")
+    return wait_limit, None if lease is None else lease_ms(lease, "lease")
 
 
 def validate_owner(owner: object) -> str | None:
@@ -311,6 +327,9 @@ class AcquireReply(NamedTuple):
     pttl: int = 0
     #: The owner's "done" marker exists: it already finished its work under this lock.
     finished: bool = False
+    #: A task run's attempt found its own owner holding the lock (another delivery of
+    #: the same run is running): nothing was changed.
+    running: bool = False
 
 
 def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
@@ -319,11 +338,18 @@ def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
         return AcquireReply(True, token=int(reply[1]), hold_count=int(reply[2]))
     if code == -1:
         return AcquireReply(False, finished=True)
+    if code in (2, 3):  # acquire.lua "task" / park.lua: this owner holds it already
+        return AcquireReply(False, pttl=int(reply[1]), running=True)
     return AcquireReply(False, pttl=int(reply[1]))
 
 
 class OwnerFinished(Exception):
     """Internal: the acquire script found the owner's "done" marker (a finished task)."""
+
+
+class OwnerRunning(Exception):
+    """Internal: a task run's attempt found its own owner holding the lock already
+    (another delivery of the same run); nothing was changed in Redis."""
 
 
 RELEASE_EXPIRED = -1
@@ -495,6 +521,7 @@ class Hold:
         "next_due",
         "notify",
         "owner",
+        "owner_task",
         "pid",
         "releasing",
         "renew",
@@ -512,9 +539,13 @@ class Hold:
         sent_at: float,
         lost: LossSignal,
         notify: Callable[[Hold, str], None],
+        owner_task: weakref.ref[Any] | None = None,
     ) -> None:
         self.keys = keys
         self.owner = owner
+        #: The asyncio task a default owner names (weakly): once it is done, nobody can
+        #: release the hold, so the watchdog stops renewing it (see :meth:`abandoned`).
+        self.owner_task = owner_task
         self.count = 0
         self.token = token
         self.lease = lease
@@ -537,6 +568,18 @@ class Hold:
         self.deadline = validity_deadline(sent_at, self.lease)
         self.next_due = sent_at + self.renew_interval
         self.failures = 0
+
+    def abandoned(self) -> bool:
+        """Whether the asyncio task or thread that owns this hold has ended (no release is
+        under way): nobody can release it any more."""
+        if self.owner_task is None or self.releasing:
+            return False
+        owner = self.owner_task()
+        if owner is None:
+            return True
+        if isinstance(owner, threading.Thread):
+            return not owner.is_alive()
+        return bool(owner.done())
 
     def past_deadline(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.deadline
@@ -581,6 +624,8 @@ LOSS_TEXT = {
     "released": "it was force-released",
     "unrenewable": "the watchdog could not renew it (its lease was out of range, or renewing "
     "it raised an unexpected error; logged) and stopped renewing it",
+    "abandoned": "the thread or asyncio task that owned it ended without releasing it, so it "
+    "was no longer renewed and expires with its lease",
 }
 
 

@@ -145,6 +145,8 @@ class QuorumAcquire:
     #: Some nodes granted it, not a majority: a split vote (retry after a random delay).
     split: bool = False
     finished: bool = False
+    #: A node found the owner holding it already (a task run's other delivery).
+    running: bool = False
 
     def reply(self) -> AcquireReply:
         return AcquireReply(True, token=self.token, hold_count=self.hold_count)
@@ -178,6 +180,8 @@ def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply])
             outcome.hold_count = max(outcome.hold_count, reply.hold_count)
         elif reply.finished:
             outcome.finished = True
+        elif reply.running:
+            outcome.running = True
         else:
             waits.append(reply.pttl)
     positive = [w for w in waits if w > 0]
@@ -282,6 +286,7 @@ class HoldGroup:
             sent_at=sent_at,
             lost=self._signal_type(),
             notify=self._part_lost,
+            owner_task=hold.owner_task,
         )
         part.group = self
         self.parts.append((node, part))

@@ -12,6 +12,7 @@ Outcomes per hold:
 * Redis says the key is gone or belongs to someone else: the hold is **lost**;
 * the call fails (network): retried with jittered backoff until the hold's validity
   deadline; past it the hold is **lost** ("unreachable");
+* the asyncio task or thread that owns the hold has ended: not renewed, **lost** ("abandoned");
 * the hold cannot be renewed at all (a lease out of range, or an unexpected error while
   scheduling or renewing it): that hold alone is **lost** ("unrenewable") and dropped.
   The watchdog goes on renewing every other hold: no single hold stops it.
@@ -278,6 +279,19 @@ class _SchedulerBase:
         if renewed and signals.lock_renewed.receivers:
             signals.lock_renewed.send(self, count=renewed)
 
+    def _drop_abandoned(self, holds: Sequence[Hold]) -> list[Hold]:
+        """Stop renewing holds whose owning asyncio task or thread has ended (nobody can release
+        them: see ``Hold.abandoned``); they are lost, reason "abandoned", and expire
+        with their lease. Returns the others."""
+        kept = []
+        for hold in holds:
+            if hold.abandoned():
+                self._holds.pop(id(hold), None)
+                hold.mark_lost("abandoned")
+            else:
+                kept.append(hold)
+        return kept
+
     def _failed(self, holds: Sequence[Hold], exc: BaseException) -> None:
         now = time.monotonic()
         for hold in holds:
@@ -380,6 +394,10 @@ class RenewalScheduler(_SchedulerBase):
                     self._give_up(hold, f"renewing it raised {exc!r}")
 
     def _renew(self, holds: Sequence[Hold]) -> None:
+        with self._cond:
+            holds = self._drop_abandoned(holds)
+        if not holds:
+            return
         sent_at = time.monotonic()
         try:
             with self._cond:
@@ -465,6 +483,9 @@ class AsyncRenewalScheduler(_SchedulerBase):
                 self._give_up(hold, f"renewing it raised {exc!r}")
 
     async def _renew(self, holds: Sequence[Hold]) -> None:
+        holds = self._drop_abandoned(holds)
+        if not holds:
+            return
         sent_at = time.monotonic()
         try:
             pipe, chunks = self._pipeline(holds)

@@ -39,6 +39,7 @@ from .task import (
     _park_fallback,
     client_for,
     envelope_entry,
+    request_owner,
     settings_for,
 )
 
@@ -148,7 +149,7 @@ class Parker:
         envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
         envelope["headers"][REQUEUE_HEADER] = count + 1
         client = client_for(self.app)
-        lock = TaskLock(client, name, task_id=task_id, options=options)
+        lock = TaskLock(client, name, task_id=request_owner(headers), options=options)
         keep_for = task._parking_lifetime(options)
         try:
             outcome = lock.park(envelope_entry(queue_list, envelope), keep_for, behind=True)

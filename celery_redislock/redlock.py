@@ -21,7 +21,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -36,9 +36,9 @@ from ._core import (
     LeaseLost,
     LockKeys,
     OwnerFinished,
+    OwnerRunning,
     decode_acquire,
     lease_ms,
-    optional_seconds,
     seconds,
     thread_owner,
     validate_prefix,
@@ -70,7 +70,7 @@ from ._quorum import (
 from ._renewal import async_scheduler_for, scheduler_for
 from ._scripts import scripts_for
 from ._waiting import UNCONFIRMED_POLL, async_subscriber_for, subscriber_for
-from .aio import task_owner, to_completion
+from .aio import Caller, caller, owner_turns, task_owner, to_completion
 
 T = TypeVar("T")
 
@@ -424,8 +424,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         Same arguments as :meth:`RedisLock.acquire`. Raises :class:`LockQuorumError` when
         fewer than a majority of the nodes answer an attempt.
         """
-        wait_limit = optional_seconds(timeout, "timeout")
-        lease_millis, renew = self._acquire_args(lease)
+        wait_limit, lease_millis, renew = self._acquire_args(blocking, timeout, lease)
         owner = self._current_owner()
         started = time.monotonic()
         outcome = self._try(owner, lease_millis, renew)
@@ -487,6 +486,8 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         self._undo(owner, outcome, fresh, round_)
         if outcome.finished:
             raise OwnerFinished(self.name)
+        if outcome.running:
+            raise OwnerRunning(self.name)
         outcome.split = outcome.split and not acquired
         return outcome
 
@@ -706,15 +707,42 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
                 break
         return _node_failures_as_round(sources, self._labels)
 
-    async def acquire(
+    def acquire(
         self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
+    ) -> Coroutine[Any, Any, bool]:
+        """Take the lock on a majority of the nodes; see :meth:`RedLock.acquire`. The
+        owner is resolved when called, as by :meth:`AsyncRedisLock.acquire`."""
+        wait_limit, lease_millis, renew = self._acquire_args(blocking, timeout, lease)
+        return self._acquire(caller(self.owner), blocking, wait_limit, lease_millis, renew)
+
+    async def _acquire(
+        self,
+        called: Caller,
+        blocking: bool,
+        wait_limit: float | None,
+        lease_millis: int,
+        renew: bool,
     ) -> bool:
-        """Take the lock on a majority of the nodes; see :meth:`RedLock.acquire`."""
-        wait_limit = optional_seconds(timeout, "timeout")
-        lease_millis, renew = self._acquire_args(lease)
-        owner = self._current_owner()
+        owner, task = called
+
+        def attempt(limit: float | None) -> Awaitable[bool]:
+            return self._acquire_as(owner, task, blocking, limit, lease_millis, renew)
+
+        if self.owner is not None:  # an explicit owner may be shared: no turns
+            return await attempt(wait_limit)
+        return await owner_turns.run((self.keys.lock, owner), blocking, wait_limit, attempt)
+
+    async def _acquire_as(
+        self,
+        owner: str,
+        task: asyncio.Task[Any] | None,
+        blocking: bool,
+        wait_limit: float | None,
+        lease_millis: int,
+        renew: bool,
+    ) -> bool:
         started = time.monotonic()
-        outcome = await self._try(owner, lease_millis, renew)
+        outcome = await self._try(owner, lease_millis, renew, owner_task=task)
         if outcome is None:
             return True
         self._contended(owner)
@@ -734,14 +762,20 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
                 else:
                     await waiter.wait(wait_bound(outcome.pttl, remaining))
                 waiter.mark()
-                outcome = await self._try(owner, lease_millis, renew, started)
+                outcome = await self._try(owner, lease_millis, renew, started, owner_task=task)
                 if outcome is None:
                     return True
         finally:
             waiter.exit()
 
     async def _try(
-        self, owner: str, lease: int, renew: bool, started: float | None = None
+        self,
+        owner: str,
+        lease: int,
+        renew: bool,
+        started: float | None = None,
+        *,
+        owner_task: asyncio.Task[Any] | None = None,
     ) -> QuorumAcquire | None:
         """One attempt on every node: None if acquired, else what the nodes said."""
         running, within = self._still_undoing(owner)
@@ -775,7 +809,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             raise
         if acquired and attempt_valid(sent_at, lease):
             hold, is_new = self._record_acquired(
-                owner, outcome.reply(), sent_at, lease, renew, started
+                owner, outcome.reply(), sent_at, lease, renew, started, owner_task
             )
             if is_new and renew:
                 parts = self._start_group(hold, outcome, sent_at, AsyncLeaseLost)
@@ -787,6 +821,8 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         self._undo(owner, fresh, sources)
         if outcome.finished:
             raise OwnerFinished(self.name)
+        if outcome.running:
+            raise OwnerRunning(self.name)
         outcome.split = outcome.split and not acquired
         return outcome
 
@@ -818,10 +854,13 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
 
         self._track(owner, [_background(give_back())])
 
-    async def release(self) -> None:
+    def release(self) -> Coroutine[Any, Any, None]:
         """Give back one hold on every node; see :meth:`RedLock.release`. A cancelled
         release still completes (and is recorded) before the cancellation goes on."""
-        owner = self._current_owner()
+        return self._release_for(caller(self.owner))
+
+    async def _release_for(self, called: Caller) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         await to_completion(self._release(owner))
 
@@ -840,10 +879,12 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             self._ack_releasing(hold, -1)
         self._settle_release(owner, hold, round_, valid)
 
-    async def extend(self, ttl: float) -> None:
+    def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
         """Replace the calling owner's lease with ``ttl`` seconds; see :meth:`RedLock.extend`."""
-        lease = lease_ms(ttl, "ttl")
-        owner = self._current_owner()
+        return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
+
+    async def _extend(self, called: Caller, lease: int) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
         keys = [self.keys.lock]
@@ -874,9 +915,12 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         round_ = await self._pttls()
         return sum(1 for i in round_.answered() if round_.replies[i] != -2) >= self.quorum
 
-    async def owned(self) -> bool:
+    def owned(self) -> Coroutine[Any, Any, bool]:
         """Whether a majority of the nodes shows the calling owner's hold."""
-        owner = self._current_owner()
+        return self._owned(caller(self.owner))
+
+    async def _owned(self, called: Caller) -> bool:
+        owner = called.owner
 
         async def one(i: int) -> bool:
             return bool(await self._fast[i].hexists(self.keys.lock, owner))

@@ -20,6 +20,9 @@ signal                 sent when                                keyword argument
 ``task_requeued``      a LockedTask was re-queued (countdown)   name, task_id, countdown
 ``task_pulled``        a release moved the next queued task     name, task_id (the one moved)
                        of its lock ahead, handing it the lock
+``lock_release_failed``  a release could not reach Redis: the  name, owner, error
+                       hold stopped renewing (its lease ends
+                       it); retried in the background
 =====================  =======================================  ================================
 
 ``sender`` is the lock object (the task for ``task_*``, the watchdog for
@@ -91,12 +94,14 @@ lock_renewed = Signal("lock_renewed")
 task_parked = Signal("task_parked")
 task_requeued = Signal("task_requeued")
 task_pulled = Signal("task_pulled")
+lock_release_failed = Signal("lock_release_failed")
 
 __all__ = [
     "Signal",
     "lock_acquired",
     "lock_contended",
     "lock_lost",
+    "lock_release_failed",
     "lock_released",
     "lock_renewed",
     "task_parked",

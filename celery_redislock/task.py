@@ -56,7 +56,19 @@ On contention (``on_contention``)
 
 Direct calls (``settle(7, 10)``) and eager mode (``task_always_eager``, ``.apply()``)
 never re-queue (that would recurse): they wait up to ``lock_wait`` for the lock, then
-raise ``LockContendedError`` (``"skip"`` returns None instead).
+raise ``LockContendedError`` (``"skip"`` returns None instead). A call made while a
+LockedTask's body runs in the same thread is a plain function call under the caller's
+ownership: it re-enters the caller's lock (docs/concepts.md, "Direct and nested calls").
+
+Runs
+====
+
+The lock's owner is the *run*: the task id, plus the run's generation (``retries``,
+``replaced_task_nesting``), see :func:`run_owner`. A redelivered message is the same run
+(its duplicate is recognised in one atomic step: the acquire script never re-enters a
+run's own hold); ``self.retry()`` and ``self.replace()`` start new runs that wait for the
+previous one. A release that cannot reach Redis does not fail the run: its hold stops
+renewing and the release is retried in the background.
 
 Lease lost mid-run
 ==================
@@ -79,6 +91,7 @@ with ``on_contention="skip"``, skips it.
 from __future__ import annotations
 
 import base64
+import contextvars
 import functools
 import hashlib
 import json
@@ -104,14 +117,17 @@ from kombu.utils import json as kombu_json
 
 from . import metrics, signals
 from ._core import (
+    LINE_MARGIN_MS,
     MAX_SECONDS,
     MIN_SECONDS,
     LockKeys,
     OwnerFinished,
+    OwnerRunning,
     backoff,
     decode_acquire,
     lease_ms,
 )
+from ._deferred import UNREACHABLE, deferred_releases
 from ._errors import (
     LockConfigurationError,
     LockContendedError,
@@ -160,10 +176,45 @@ class _Call(NamedTuple):
     name: str
 
 
-class TaskLock(RedisLock):
-    """A :class:`RedisLock` owned by a task id, with the task's "done" marker beside it."""
+def _task_argv(owner: str, lease: int, line: Any, token: str, adopt: str | None) -> list[Any]:
+    """acquire.lua's ARGV for a task run: never a re-entry ("task"), or taking over the
+    hold an earlier run kept across ``self.retry()`` ("adopt")."""
+    if adopt is None:
+        return [owner, lease, line, token, "task"]
+    return [owner, lease, line, token, "adopt", "", adopt]
 
-    _keep_lease = False  # set during take(keep_lease=True)
+
+def run_owner(task_id: str, retries: Any = 0, nesting: Any = 0) -> str:
+    """The lock owner of one run of a task: its id, and the run's place among the runs
+    that share that id (``self.retry()`` sends the same id again with ``retries`` + 1,
+    ``self.replace()`` with ``replaced_task_nesting`` + 1). A redelivery of a message is
+    the same run (same owner: its duplicate is recognised); a retry or a replacement is
+    a new run that waits for the previous one like any other task, and is not taken for
+    a duplicate of it. The first run's owner is the task id itself."""
+    suffix = ""
+    for tag, value in (("n", nesting), ("r", retries)):
+        try:
+            number = int(value or 0)
+        except (TypeError, ValueError):
+            number = 0
+        if number > 0:
+            suffix += f"{tag}{number}"
+    return f"{task_id}~{suffix}" if suffix else task_id
+
+
+def request_owner(request: Any) -> str:
+    """:func:`run_owner` of a Celery request (or a message's headers, as a dict)."""
+    get = request.get if isinstance(request, dict) else functools.partial(getattr, request)
+    return run_owner(str(get("id", None)), get("retries", 0), get("replaced_task_nesting", 0))
+
+
+class TaskLock(RedisLock):
+    """A :class:`RedisLock` owned by one run of a task (:func:`run_owner`), with the run's
+    "done" marker beside it. A run never re-enters its lock: an attempt that finds its own
+    owner holding it (another delivery of the same run) raises ``OwnerRunning`` and
+    changes nothing."""
+
+    _adopt: str | None = None  # set during take(adopt=...)
     _direct_grants = False  # a hold count of 0 means "handed over, not started" here
     pulled: str | None = None  # the queued task the last finish() handed the lock to
 
@@ -178,28 +229,21 @@ class TaskLock(RedisLock):
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
 
-    def take(self, *, keep_lease: bool = False) -> bool:
-        """One attempt, renewed while held; raises OwnerFinished for a finished task id.
+    def take(self, *, adopt: str | None = None) -> bool:
+        """One attempt, renewed while held. Raises OwnerFinished (this run finished) or
+        OwnerRunning (another delivery of this run holds it; nothing changed).
 
-        ``keep_lease``: finding this task id's own hold (another delivery of the task) does
-        not lengthen its lease, so a copy checking again and again cannot keep a dead
-        delivery's lock alive. A lock handed to this task is taken up as usual.
+        ``adopt``: the owner of an earlier run of this task that kept the lock across
+        ``self.retry()``; its hold, if still there, becomes this run's.
         """
-        self._keep_lease = keep_lease
+        self._adopt = adopt
         try:
             return self._try(self._current_owner(), self._lease, True) is True
         finally:
-            self._keep_lease = False
+            self._adopt = None
 
     def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
-        argv = super()._acquire_argv(owner, lease, line)
-        if self._keep_lease:
-            argv = [owner, lease, argv[2] if line else "", "", "keep-lease"]
-        return argv
-
-    def drop_extra_hold(self) -> None:
-        """Give back the hold count this acquire added in Redis; the local hold stays."""
-        self._scripts.release(keys=self.keys.release_keys(), args=[self.owner])
+        return _task_argv(owner, lease, LINE_MARGIN_MS if line else "", "", self._adopt)
 
     def park(self, message: str, keep_for: float, *, behind: bool = False) -> bool | int | None:
         """Take the lock, or park ``message`` behind the holder: True, or the holder's pttl.
@@ -229,6 +273,8 @@ class TaskLock(RedisLock):
         reply = decode_acquire(raw)
         if reply.finished:
             raise OwnerFinished(self.name)
+        if reply.running:
+            raise OwnerRunning(self.name)
         if not reply.acquired:
             return reply.pttl
         hold, is_new = self._record_acquired(owner, reply, sent_at, self._lease, True)
@@ -319,7 +365,7 @@ class QuorumTaskLock(RedLock):
     is re-queued with a countdown (parked hand-over needs a single Redis).
     """
 
-    _keep_lease = False  # set during take(keep_lease=True)
+    _adopt: str | None = None  # set during take(adopt=...)
 
     def __init__(
         self,
@@ -343,20 +389,16 @@ class QuorumTaskLock(RedLock):
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
 
-    def take(self, *, keep_lease: bool = False) -> bool:
-        """One attempt on every node, renewed while held (OwnerFinished: task finished);
-        ``keep_lease`` as :meth:`TaskLock.take`."""
-        self._keep_lease = keep_lease
+    def take(self, *, adopt: str | None = None) -> bool:
+        """One attempt on every node, renewed while held; raises like :meth:`TaskLock.take`."""
+        self._adopt = adopt
         try:
             return self._try(self._current_owner(), self._lease, True) is None
         finally:
-            self._keep_lease = False
+            self._adopt = None
 
     def _attempt_argv(self, owner: str, lease: int, fresh: bool) -> list[Any]:
-        argv = super()._attempt_argv(owner, lease, fresh)
-        if self._keep_lease:
-            argv = [owner, lease, "", "new-token" if fresh else "", "keep-lease"]
-        return argv
+        return _task_argv(owner, lease, "", "new-token" if fresh else "", self._adopt)
 
     def _each_node(self, keys: list[bytes], args: list[Any]) -> int:
         owner = self._current_owner()
@@ -371,24 +413,11 @@ class QuorumTaskLock(RedLock):
         return super()._start_group(hold, outcome, sent_at, signal)
 
     def _undo_plan(self, owner: str, outcome: Any, fresh: bool) -> tuple[list[int], list[Any]]:
-        if self._keep_lease and outcome is not None and outcome.hold_count > 1:
-            # It re-entered the task id's hold: another delivery of the task holds it
-            # (there). Give back only the count this attempt is known to have added.
+        if outcome is not None and outcome.running:
+            # Another delivery of this run holds it (there): give back only what this
+            # attempt is known to have taken, never a hold that may be the other's.
             return sorted(outcome.granted), [owner, "one"]
-        # Otherwise as any fresh attempt: all of it, also where a grant may land late.
         return super()._undo_plan(owner, outcome, fresh)
-
-    def drop_extra_hold(self) -> None:
-        """Give back the hold count this acquire added, on the nodes that granted it (on
-        the others the task id's count may be another delivery's); the local hold stays."""
-        keys, args = self.keys.release_keys(), [self.owner]
-        for node in getattr(self, "_granted_by", range(len(self.clients))):
-            try:
-                self._node_scripts[node].release(keys=keys, args=args)
-            except redis.RedisError as exc:  # that node's count stays until its lease ends
-                log.warning(
-                    "redislock: could not give back on node %d of %r: %r", node, self.name, exc
-                )
 
     def release_all(self) -> int:
         """Every hold of the task id, on every node (its process died)."""
@@ -563,8 +592,15 @@ class LockedTask(Task):  # type: ignore[misc]
         )
 
     @property
-    def lock(self) -> AnyTaskLock | None:
-        """The lock of the current execution (``bind=True`` tasks: ``self.lock``); None outside."""
+    def lock(self) -> Any:
+        """The lock of the current execution (``bind=True`` tasks: ``self.lock``); None outside.
+
+        Inside a direct call nested in a running task (see :meth:`__call__`), the nested
+        call's lock, and the caller's again once it returns.
+        """
+        current = _current_execution.get()
+        if current is not None and current[1] is self:
+            return current[2]
         return getattr(self.request, "redislock", None)
 
     def lock_options(self) -> LockOptions:
@@ -577,25 +613,45 @@ class LockedTask(Task):  # type: ignore[misc]
     # -- execution -------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task under its lock.
+
+        A call made while a LockedTask's body runs in the same thread (or asyncio task)
+        — ``settle(7, 10)`` inside another task's body, or an eager ``.delay()`` /
+        ``.apply()`` there — is a plain function call made under the caller's ownership:
+        on a lock the caller holds it re-enters (no wait, no duplicate check), on another
+        it waits up to ``lock_wait`` like any direct call, and ``self.lock`` inside it is
+        its own lock until it returns.
+        """
+        enclosing = _current_execution.get()
         request = self.request
-        if request.called_directly or request.is_eager:
-            return self._call_locally(args, kwargs)
+        if enclosing is not None or request.called_directly or request.is_eager:
+            return self._call_locally(args, kwargs, None if enclosing is None else enclosing[0])
         return self._call_in_worker(args, kwargs)
 
     def _call_in_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
         options = self.lock_options()
         name = self.lock_name(args, kwargs)  # a bad value fails the task here: nothing taken
-        lock = task_lock(self.app, name, task_id=request.id, options=options)
+        owner = request_owner(request)
+        lock = task_lock(self.app, name, task_id=owner, options=options)
         call = _Call(request, args, kwargs, options, name)
-        # A retry adopts the hold its previous attempt kept (lock_release_on_retry=False)
-        # only once: the first delivery of the retry message claims the marker.
-        adopting = bool(request.retries) and not options.release_on_retry
-        adopting = adopting and _claim_kept_hold(lock, request.retries)
+        # A retry adopts the hold its previous run kept (lock_release_on_retry=False) only
+        # once: the first delivery of the retry message claims the marker.
+        kept = None
+        if request.retries and not options.release_on_retry:
+            kept = _claim_kept_hold(lock, request)
         try:
-            # Another delivery of this task may hold the lock: looking must not lengthen
-            # its lease (a dead delivery's lease must run out), unless adopting.
-            outcome = lock.take(keep_lease=not adopting)
+            # One atomic attempt: taken (or handed to this run), held by another owner,
+            # held by this very run (another delivery of it: nothing is changed), or done.
+            if not lock.take(adopt=kept):
+                lock._contended(owner)
+                policy = options.on_contention
+                if policy == "wait" and self._wait_for(lock, options):
+                    pass
+                elif policy == "requeue" and isinstance(lock, TaskLock) and self._park(lock, call):
+                    pass  # the lock came free meanwhile
+                else:
+                    return self._contended(call, duplicate=False)
         except OwnerFinished:
             log.info(
                 "redislock: %s[%s] already finished under %r; duplicate delivery ignored",
@@ -604,23 +660,10 @@ class LockedTask(Task):  # type: ignore[misc]
                 name,
             )
             raise Ignore() from None
-        if outcome is not True:
-            lock._contended(request.id)
-            policy = options.on_contention
-            if policy == "wait" and self._wait_for(lock, options):
-                pass
-            elif policy == "requeue" and isinstance(lock, TaskLock) and self._park(lock, call):
-                pass  # the lock came free meanwhile
-            else:
-                return self._contended(call, duplicate=False)
-        if lock.server_hold_count > 1:  # whichever way it was taken
-            # Our own task id already held it: undo our extra hold in Redis only.
-            lock.drop_extra_hold()
-            if not adopting:
-                # Another delivery of this very task is running (or just died).
-                lock.close()
-                return self._contended(call, duplicate=True)
-            # else: the hold our previous attempt kept across self.retry(): adopt it.
+        except OwnerRunning:
+            # Another delivery of this very run holds the lock (running, or just died and
+            # its lease runs out): this copy comes back later, after the other's outcome.
+            return self._contended(call, duplicate=True)
         request.redislock = lock
         return self._run_holding(lock, options, args, kwargs)
 
@@ -629,6 +672,15 @@ class LockedTask(Task):  # type: ignore[misc]
             return lock.acquire(timeout=options.wait)
         except OwnerFinished:  # another delivery of this task finished meanwhile
             raise Ignore() from None
+
+    def _run_body(self, lock: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The task's body, with ``self.lock`` and nested calls seeing this execution."""
+        owner = lock._current_owner()
+        token = _current_execution.set((owner, self, lock))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _current_execution.reset(token)
 
     def _run_holding(
         self,
@@ -639,7 +691,7 @@ class LockedTask(Task):  # type: ignore[misc]
     ) -> Any:
         lookahead = self._lookahead(lock, options)
         try:
-            result = super().__call__(*args, **kwargs)
+            result = self._run_body(lock, args, kwargs)
         except Retry as retry:
             if options.release_on_retry:
                 _finish_quietly(lock, self, options, hold=0.0, done=False, lookahead=lookahead)
@@ -726,8 +778,10 @@ class LockedTask(Task):  # type: ignore[misc]
         hold = min(max(0.0, float(delay)) + options.ttl, MAX_SECONDS)
         try:
             lock.finish(hold=hold, done_ttl=None)
-            _mark_kept_hold(lock, self.request.retries + 1, hold)
-        except LockNotOwnedError as exc:
+            _mark_kept_hold(lock, self.request, hold)
+        except (LockNotOwnedError, *UNREACHABLE) as exc:
+            if not isinstance(exc, LockNotOwnedError):
+                lock.close()  # not renewed: the lease ends it; the retry waits for that
             log.warning(
                 "redislock: %s[%s] could not keep %r for its retry: %s",
                 self.name,
@@ -811,7 +865,8 @@ class LockedTask(Task):  # type: ignore[misc]
         if settings_for(self.app).urls:
             return False  # no parking on a quorum
         lock_key = LockKeys.for_name(call.name, call.options.prefix).lock
-        return bool(client_for(self.app).hexists(lock_key + b":parked:messages", call.request.id))
+        owner = request_owner(call.request)
+        return bool(client_for(self.app).hexists(lock_key + b":parked:messages", owner))
 
     def _park(
         self,
@@ -902,10 +957,16 @@ class LockedTask(Task):  # type: ignore[misc]
         except Exception:  # the sweeper (or its fallback copy) still runs it
             log.exception("redislock: could not publish the task the lock was handed to")
 
-    def _call_locally(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call_locally(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], enclosing: str | None = None
+    ) -> Any:
+        """A direct or eager call: wait up to ``lock_wait`` (never re-queue). Its owner is
+        ``enclosing`` (the owner of the LockedTask body this call is nested in), else the
+        eager request's task id, else the calling thread."""
         options = self.lock_options()
         name = self.lock_name(args, kwargs)
         request_id = self.request.id
+        owner = enclosing or request_id or None
         settings = settings_for(self.app)
         lock: RedisLock | RedLock
         if settings.urls:
@@ -913,17 +974,13 @@ class LockedTask(Task):  # type: ignore[misc]
                 quorum_clients_for(self.app),
                 name,
                 ttl=options.ttl,
-                owner=request_id or None,
+                owner=owner,
                 prefix=options.prefix,
                 node_timeout=settings.node_timeout,
             )
         else:
             lock = RedisLock(
-                client_for(self.app),
-                name,
-                ttl=options.ttl,
-                owner=request_id or None,
-                prefix=options.prefix,
+                client_for(self.app), name, ttl=options.ttl, owner=owner, prefix=options.prefix
             )
         wait = 0.0 if options.on_contention in ("skip", "raise") else options.wait
         if not lock.acquire(timeout=wait):
@@ -938,11 +995,18 @@ class LockedTask(Task):  # type: ignore[misc]
         previous = getattr(self.request, "redislock", None)
         self.request.redislock = lock
         try:
-            return super().__call__(*args, **kwargs)
+            return self._run_body(lock, args, kwargs)
         finally:
             self.request.redislock = previous
             lock.release()
 
+
+#: The LockedTask execution whose body runs in this context (thread, or asyncio task):
+#: (its lock owner, the task, its lock). A LockedTask called inside it is a plain function
+#: call under that owner (LockedTask.__call__).
+_current_execution: contextvars.ContextVar[tuple[str, Any, Any] | None] = contextvars.ContextVar(
+    "celery_redislock_task_execution", default=None
+)
 
 _rng = random.Random()
 
@@ -1032,10 +1096,11 @@ def _search_queue(
                 envelope = json.loads(raw)
                 headers = envelope["headers"]
                 headers.pop(LOOKAHEAD_HEADER, None)
-                if headers["id"] != lock.owner:
+                queued_owner = request_owner(headers)
+                if queued_owner != lock.owner:
                     entry = envelope_entry(queue_list, envelope)
                     reach = position + 1 + QUEUE_REACH
-                    return _Pull(queue_list, chain, headers["id"], raw, entry, keep_ms, reach)
+                    return _Pull(queue_list, chain, queued_owner, raw, entry, keep_ms, reach)
         if len(raws) < end - start:
             return nothing  # the whole list was read
         start = end
@@ -1122,29 +1187,39 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _kept_hold_marker(lock: AnyTaskLock, retries: int) -> tuple[Any, bytes]:
-    """Where a hold kept across ``self.retry()`` is marked for the retry ``retries``: a key
-    beside the lock (on the first node of a quorum), deleted by the one delivery that
-    adopts the hold."""
+def _kept_hold_marker(lock: AnyTaskLock, retry_owner: str) -> tuple[Any, bytes]:
+    """Where a hold kept across ``self.retry()`` is marked for the retry's run (owner
+    ``retry_owner``): a key beside the lock (on the first node of a quorum), deleted by
+    the one delivery that adopts the hold."""
     client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
-    return client, lock.keys.lock + f":kept:{lock.owner}:{retries}".encode()
+    return client, lock.keys.lock + f":kept:{retry_owner}".encode()
 
 
-def _mark_kept_hold(lock: AnyTaskLock, retries: int, hold: float) -> None:
-    client, key = _kept_hold_marker(lock, retries)
+def _mark_kept_hold(lock: AnyTaskLock, request: Any, hold: float) -> None:
+    retry_owner = run_owner(request.id, (request.retries or 0) + 1, _nesting(request))
+    client, key = _kept_hold_marker(lock, retry_owner)
     try:
         client.set(key, b"1", px=lease_ms(hold, "kept hold"))
     except redis.RedisError as exc:  # the retry then waits for the kept hold to run out
         log.warning("redislock: could not mark %r kept for the retry: %r", lock.name, exc)
 
 
-def _claim_kept_hold(lock: AnyTaskLock, retries: int) -> bool:
-    client, key = _kept_hold_marker(lock, retries)
+def _claim_kept_hold(lock: AnyTaskLock, request: Any) -> str | None:
+    """The owner of the run whose kept hold this retry adopts, if it was kept for it."""
+    client, key = _kept_hold_marker(lock, lock.owner or "")
     try:
-        return bool(client.delete(key))
+        claimed = bool(client.delete(key))
     except redis.RedisError as exc:
         log.warning("redislock: could not claim the hold kept for %r: %r", lock.name, exc)
-        return False
+        return None
+    return run_owner(request.id, request.retries - 1, _nesting(request)) if claimed else None
+
+
+def _nesting(request: Any) -> int:
+    try:
+        return int(getattr(request, "replaced_task_nesting", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _visibility_timeout(app: Any) -> float:
@@ -1182,12 +1257,48 @@ def _finish_quietly(
         log.warning(
             "redislock: %s[%s] could not release %r: %s", task.name, task.request.id, lock.name, exc
         )
+    except UNREACHABLE as exc:
+        # Redis did not answer: the run's outcome stands (a body that succeeded is not
+        # failed for it). The hold stops renewing now, so its lease ends it at the latest,
+        # and the release (with its done marker and hand-over) is retried in the background.
+        _finish_later(lock, task, keep, done_ttl, exc, options)
     finally:
         try:
             stats_client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
             metrics.flush_to_redis(stats_client, options.prefix)
         except Exception:  # stats are best effort; the lock is not
             log.debug("redislock: could not flush stats", exc_info=True)
+
+
+def _finish_later(
+    lock: AnyTaskLock,
+    task: Any,
+    keep: float,
+    done_ttl: float | None,
+    exc: BaseException,
+    options: LockOptions,
+) -> None:
+    """A task's release that could not reach Redis: stop renewing, retry in the background."""
+    owner = lock._current_owner()
+    held = lock._holds.get(owner)
+    if held is None:
+        lock.close()
+        what = f"lock {lock.name!r} (owner {owner})"
+        signals.lock_release_failed.send(lock, name=lock.name, owner=owner, error=exc)
+    else:
+        what = lock._unconfirmed(held, exc)
+
+    def again() -> None:
+        try:
+            message = lock.finish(hold=keep, done_ttl=done_ttl)
+        except LockNotOwnedError as lost:  # the lease ran out meanwhile: nothing to give back
+            message = getattr(lost, "handed_to", None)
+        task.publish_handed_over(message)
+
+    # A run's owner never takes its lock again, so the retry may outlive the lease: a late
+    # release still writes the done marker and hands the lock to a parked task.
+    until = time.monotonic() + max(60.0, options.ttl * 2)
+    deferred_releases().add(what, again, until=until)
 
 
 # ------------------------------------------------------------------ the worker's main process
@@ -1229,14 +1340,15 @@ class LockedRequest(Request):  # type: ignore[misc]
         try:
             options = task.lock_options()
             name = task.lock_name(self.args, self.kwargs)
-            lock = task_lock(task.app, name, task_id=self.id, options=options)
+            owner = request_owner(self.request_dict or {"id": self.id})
+            lock = task_lock(task.app, name, task_id=owner, options=options)
             if isinstance(lock, QuorumTaskLock):
                 if mode != "all":
                     return  # no hand-over on a quorum: nothing is handed to an unstarted task
                 code = lock.release_all()
             else:
                 done_ttl = options.done_ttl if mode == "unstarted" else None
-                keys, args = lock.handoff_args(self.id, mode, done_ttl)
+                keys, args = lock.handoff_args(owner, mode, done_ttl)
                 reply = scripts_for(lock.client).handoff(keys=keys, args=args)
                 code = int(reply[0])
                 handed = reply[1] if len(reply) > 1 else None

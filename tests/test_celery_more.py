@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -255,5 +256,44 @@ def test_a_redelivered_retry_message_does_not_adopt_the_kept_hold_twice(
         starts = [run for run in runs if run[0] == "start"]
         assert len(starts) == 1, runs  # the retry ran once
         assert "held by another delivery of this task" in proc.text()  # the copy was seen
+    finally:
+        proc.stop()
+
+
+def test_a_task_whose_release_cannot_reach_redis_still_succeeds_and_frees_the_lock(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path
+) -> None:
+    """The lock Redis stops answering while the task body runs and through its release.
+    The task used to be recorded as FAILURE (a TimeoutError from the release) and its lock
+    renewed until the worker exited; now it succeeds, the hold stops renewing, and the
+    release (with its done marker) lands in the background once Redis answers."""
+    locks = redis_server_factory()
+    r = broker.client()
+    lr = locks.client()
+    proc = worker(
+        broker.url,
+        tmp_path / "w.log",
+        concurrency=1,
+        env={
+            "REDISLOCK_TEST_TTL": "20",
+            "REDISLOCK_TEST_LOCK_URL": locks.url,
+            "REDISLOCK_TEST_LOCK_TIMEOUT": "0.5",
+        },
+    )
+    key = "redislock:{job:relfail}"
+    try:
+        result = ca.hold_for.delay("relfail", 1.0)
+        wait_until(lambda: r.llen("started:relfail") == 1, timeout=30)
+        locks.signal(signal.SIGSTOP)  # the release (and renewals) get no answer
+        try:
+            wait_until(lambda: result.state != "PENDING", timeout=30)
+            assert result.state == "SUCCESS", proc.text()[-3000:]
+            assert "could not release" in proc.text()
+        finally:
+            locks.signal(signal.SIGCONT)
+        wait_until(lambda: not lr.exists(key), timeout=15)  # long before the 20 s lease
+        assert lr.exists(f"{key}:done:{result.id}")  # the done marker landed with it
+        time.sleep(1.0)
+        assert not lr.exists(key)  # and nothing renews it back
     finally:
         proc.stop()

@@ -15,6 +15,7 @@ import redis
 
 from celery_redislock import RedisLock
 from celery_redislock import task as task_module
+from celery_redislock._core import OwnerRunning
 from celery_redislock._scripts import scripts_for
 from celery_redislock.parking import Parker, _same_redis
 from celery_redislock.task import (
@@ -353,28 +354,31 @@ def test_a_copy_looking_for_its_own_delivery_does_not_keep_a_dead_ones_lease_ali
     broker: RedisServer,
 ) -> None:
     """A redelivered copy of a task whose first delivery died finds that delivery's hold
-    (same task id). Its check must not lengthen the dead lease (it used to, on every
-    re-queue, until the copy gave up: the task was lost)."""
+    (same run owner). Its check must neither lengthen the dead lease (it used to, on every
+    re-queue, until the copy gave up: the task was lost) nor change the hold count (a
+    count it added and then dropped in a second call let the original's release leave no
+    done marker when it finished in between: the work ran twice)."""
     r = broker.client()
     options = ca.hold_for.lock_options()
     key = "redislock:{job:dup}"
     RedisLock(r, "job:dup", ttl=1.0, owner="t-1", auto_renew=False).acquire()  # the dead one
     copy = TaskLock(r, "job:dup", task_id="t-1", options=options)
-    assert copy.take(keep_lease=True) and copy.server_hold_count == 2  # "another delivery"
-    copy.drop_extra_hold()
-    copy.close()
+    with pytest.raises(OwnerRunning):
+        copy.take()  # "another delivery of this run": nothing changed
+    assert r.hgetall(key) == {b"t-1": b"1", b"__fence__": b"1"}
     assert 0 < r.pttl(key) <= 1000  # not lengthened to the task's ttl
-    # A retry adopting the hold its first attempt kept lengthens it, as re-entry does.
-    adopter = TaskLock(r, "job:dup", task_id="t-1", options=options)
-    assert adopter.take() and r.pttl(key) > 1000
-    adopter.drop_extra_hold()
-    adopter.close()
-    # A lock handed to the task (hold count 0) is taken up with its full lease either way.
-    r.delete(key)
+    assert copy.hold_count == 0
+    # A retry (its own run: owner "t-1~r1") adopting the hold its first run kept takes it
+    # over with its full lease.
+    adopter = TaskLock(r, "job:dup", task_id="t-1~r1", options=options)
+    assert adopter.take(adopt="t-1") and r.pttl(key) > 1000
+    assert r.hgetall(key) == {b"t-1~r1": b"1", b"__fence__": b"1"}
+    adopter.release()
+    # A lock handed to the task (hold count 0) is taken up with its full lease.
     r.hset(key, mapping={"t-2": 0, "__fence__": 7})
     r.pexpire(key, 500)
     taker = TaskLock(r, "job:dup", task_id="t-2", options=options)
-    assert taker.take(keep_lease=True) and taker.server_hold_count == 1 and taker.token == 7
+    assert taker.take() and taker.server_hold_count == 1 and taker.token == 7
     assert r.pttl(key) > 1000
     taker.release()
 

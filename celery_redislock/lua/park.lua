@@ -18,7 +18,8 @@
 -- The message is a Celery signature (JSON, published again by whoever hands the lock over)
 -- or a broker envelope ("E<list>\n<tag placeholder>\n<envelope>", pushed back to the head
 -- of its queue list by handoff.lua itself).
--- returns  {1, token, hold_count}  taken (or re-entered: hold_count > 1)
+-- returns  {1, token, 1}           taken (or a hand-over to it taken up)
+--          {3, pttl}               this task id holds it already (another delivery of the run)
 --          {0, pttl}               parked (or already parked) behind the holder
 --          {-1, 0}                 this task id already finished
 --          {2, 0}                  "behind": the lock is free, or this task id holds it
@@ -36,7 +37,11 @@ if redis.call('exists', KEYS[1]) == 0 then
   redis.call('pexpire', KEYS[1], lease)
   return {1, token, 1}
 end
-if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
+local held = redis.call('hget', KEYS[1], ARGV[1])
+if held and held ~= '0' then
+  return {3, redis.call('pttl', KEYS[1])}  -- another delivery of this run holds it
+end
+if held then  -- handed to this task (count 0): taken up
   local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
   if redis.call('pttl', KEYS[1]) < lease then
     redis.call('pexpire', KEYS[1], lease)
