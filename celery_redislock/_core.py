@@ -577,9 +577,12 @@ class Hold:
         owner = self.owner_task()
         if owner is None:
             return True
-        if isinstance(owner, threading.Thread):
-            return not owner.is_alive()
-        return bool(owner.done())
+        try:
+            if isinstance(owner, threading.Thread):
+                return not owner.is_alive()
+            return bool(owner.done())
+        except Exception:  # never let one owner's oddity stop the watchdog
+            return False
 
     def past_deadline(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.deadline

@@ -47,6 +47,14 @@ from ._waiting import waiter_for
 log = logging.getLogger(__name__)
 
 
+def _owner_thread() -> threading.Thread | None:
+    """The calling thread, if the watchdog can tell when it ends: not a thread Python did
+    not start (a greenlet under gevent or eventlet, a foreign thread), whose "alive" is
+    not known."""
+    thread = threading.current_thread()
+    return None if isinstance(thread, threading._DummyThread) else thread
+
+
 class RedisLock(LockBase[LeaseLost], SyncContext):
     """A reentrant, owner-checked, fenced lock on one Redis server.
 
@@ -175,7 +183,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                     waiter.wait(wait_bound(outcome, remaining))
                     token = waiter.take_grant()
                     if token is not None and self._take_grant(
-                        owner, token, sent_at, lease_millis, started, threading.current_thread()
+                        owner, token, sent_at, lease_millis, started, _owner_thread()
                     ):
                         acquired = True
                         return True
@@ -225,7 +233,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         if self.min_replicas and self._unreplicated(acks):
             self._give_back(owner)
             raise self._replication_error(acks, "acquire", owner, self._connected_replicas())
-        thread = threading.current_thread() if self.owner is None else None
+        thread = _owner_thread() if self.owner is None else None
         hold, is_new = self._record_acquired(
             owner, reply, sent_at, lease, renew, started, owner_task=thread
         )

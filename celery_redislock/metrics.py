@@ -31,6 +31,7 @@ COUNTERS = (
     "requeued",
     "pulled",
     "release_failed",
+    "parked_rejected",
 )
 
 
@@ -92,6 +93,7 @@ _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.task_requeued, _counter("requeued")),
     (signals.task_pulled, _counter("pulled")),
     (signals.lock_release_failed, _counter("release_failed")),
+    (signals.parked_rejected, _counter("parked_rejected")),
 ]
 _enabled = False
 
@@ -178,6 +180,7 @@ def enable_prometheus(registry: Any = None) -> None:
         (signals.task_requeued, "requeued"),
         (signals.task_pulled, "pulled"),
         (signals.lock_release_failed, "release_failed"),
+        (signals.parked_rejected, "parked_rejected"),
     ):
         signal.connect(lambda sender=None, _c=counters[name], **_: _c.inc())
     signals.lock_renewed.connect(lambda sender=None, count=1, **_: counters["renewed"].inc(count))

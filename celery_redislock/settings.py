@@ -35,6 +35,9 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_park_at_delivery`` (``True``) — park contended messages in the worker's main
   process before dispatch, where the broker is the locks' own Redis (``False``: pool
   processes park them, one round trip less per message in the main loop).
+* ``redislock_signing_key`` (derived from ``broker_url``) — the key the workers sign parked
+  messages with and check them against before sending them on or running them (a ``str``
+  or ``bytes`` of at least 16 bytes, the same on every worker). See docs/security.md.
 """
 
 from __future__ import annotations
@@ -194,6 +197,10 @@ class LockSettings:
     #: With ``redislock_urls``: the quorum's nodes (empty: one Redis at ``url``).
     urls: tuple[str, ...] = ()
     node_timeout: float = 0.25
+    #: The key parked messages are signed with (``redislock_signing_key``, or derived
+    #: from the broker URL), and where it came from.
+    signing_key: bytes = field(default=b"", repr=False)
+    signing_key_source: str = "redislock_signing_key"
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> LockSettings:
@@ -236,6 +243,7 @@ class LockSettings:
                 f"({defaults.ttl}s): a quorum attempt that takes longer than the lease can never "
                 f"be valid (use at most ttl / 10)"
             )
+        signing_key, key_source = _signing_key(conf)
         return cls(
             url=url,
             url_source=source,
@@ -245,7 +253,32 @@ class LockSettings:
             park_at_delivery=at_delivery,
             urls=urls,
             node_timeout=node_timeout,
+            signing_key=signing_key,
+            signing_key_source=key_source,
         )
+
+
+#: The shortest ``redislock_signing_key`` accepted, in bytes.
+MIN_SIGNING_KEY = 16
+
+
+def _signing_key(conf: Mapping[str, Any]) -> tuple[bytes, str]:
+    """``redislock_signing_key`` as bytes, or the key derived from the broker URL."""
+    key = conf.get("redislock_signing_key")
+    if key is None:
+        # Celery's own property also reads CELERY_BROKER_URL (celery -b); a plain mapping has none.
+        broker = getattr(conf, "broker_url", None) or conf.get("broker_url") or ""
+        from .signing import derive_key  # (kombu's JSON; this module reads plain mappings)
+
+        return derive_key(str(broker)), "derived from broker_url"
+    raw = key.encode("utf-8") if isinstance(key, str) else key
+    if not isinstance(raw, bytes) or len(raw) < MIN_SIGNING_KEY:
+        shown = f"{len(raw)} bytes" if isinstance(raw, bytes) else repr(type(key).__name__)
+        raise LockConfigurationError(
+            f"redislock_signing_key must be a str or bytes of at least {MIN_SIGNING_KEY} bytes, "
+            f"the same on every worker (e.g. secrets.token_hex(32)), got {shown}"
+        )
+    return raw, "redislock_signing_key"
 
 
 def _urls(conf: Mapping[str, Any]) -> tuple[str, ...]:
@@ -283,7 +316,8 @@ def _url(conf: Mapping[str, Any]) -> tuple[str, str]:
                 f"got {url!r}"
             )
         return url, "redislock_url"
-    broker = conf.get("broker_url")
+    # The attribute, not conf.get(): it also sees CELERY_BROKER_URL and `celery -b`.
+    broker = getattr(conf, "broker_url", None) or conf.get("broker_url")
     if isinstance(broker, str) and broker.startswith(REDIS_SCHEMES):
         return broker, "broker_url (redislock_url is not set; the broker is Redis)"
     shown = broker.split("@")[-1] if isinstance(broker, str) else broker

@@ -94,13 +94,13 @@ import base64
 import contextvars
 import functools
 import hashlib
-import json
 import logging
 import os
 import random
 import secrets
 import threading
 import time
+import urllib.parse
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -115,7 +115,7 @@ from celery.worker.request import Request
 from kombu import compression, serialization
 from kombu.utils import json as kombu_json
 
-from . import metrics, signals
+from . import metrics, signals, signing
 from ._core import (
     LINE_MARGIN_MS,
     MAX_SECONDS,
@@ -126,6 +126,7 @@ from ._core import (
     backoff,
     decode_acquire,
     lease_ms,
+    name_from_lock_key,
 )
 from ._deferred import UNREACHABLE, deferred_releases
 from ._errors import (
@@ -164,6 +165,17 @@ class _Pull(NamedTuple):
     entry: str = ""  # the message as a parked envelope (envelope_entry)
     keep_ms: int = 0  # lifetime of its parked records (the parking lifetime)
     reach: int = 0  # how far from the read end the release looks for it (handoff.lua)
+
+
+class _Handed(NamedTuple):
+    """A parked task a release (or the sweeper) just handed the lock to, whose message the
+    worker checks and sends: :func:`deliver_handed_over`. Everything but ``lock_key`` was
+    read back from Redis."""
+
+    lock_key: bytes
+    task_id: bytes
+    message: bytes  # a signed parked signature, or a parked broker envelope
+    tag: bytes = b""  # an envelope's delivery tag: "<placeholder>h<tag>"
 
 
 class _Call(NamedTuple):
@@ -217,6 +229,10 @@ class TaskLock(RedisLock):
     _adopt: str | None = None  # set during take(adopt=...)
     _direct_grants = False  # a hold count of 0 means "handed over, not started" here
     pulled: str | None = None  # the queued task the last finish() handed the lock to
+    #: The queue lists a hand-over may push a parked envelope to itself, and the task names
+    #: it may be for, one a line (handoff.lua's ARGV[10], ARGV[11]): ``task_lock`` sets the
+    #: app's. Other envelopes come back to the worker, which checks them first.
+    push_to: tuple[str, str] = ("", "")
 
     def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
         super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
@@ -301,7 +317,13 @@ class TaskLock(RedisLock):
         if pull is not None:
             keys += [pull.queue_list, self.registry, pull.chain]
             args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms, pull.reach]
-        return keys, args
+        else:
+            args += ["", "", "", "", ""]
+        return keys, [*args, *self.push_to]
+
+    def handed(self, reply: list[Any]) -> _Handed | None:
+        """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
+        return _handed(self.keys.lock, reply)
 
     def finish(
         self,
@@ -309,13 +331,14 @@ class TaskLock(RedisLock):
         hold: float,
         done_ttl: float | None,
         lookahead: Callable[[], _Pull | None] | None = None,
-    ) -> str | None:
+    ) -> _Handed | None:
         """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
 
         With ``done_ttl``, also mark the task id done so a later delivery of the same
-        message does not run again. Returns the message of the parked task the lock was
-        handed to (publish it), if any. Raises like :meth:`release` when the hold was
-        lost — after recording any hand-over on the exception's ``handed_to``.
+        message does not run again. Returns the parked task the lock was handed to whose
+        message the worker must check and send (:func:`deliver_handed_over`), if any.
+        Raises like :meth:`release` when the hold was lost — after recording any hand-over
+        on the exception's ``handed_to``.
 
         ``lookahead`` (a release without ``hold``): finds the next queued task of this
         lock, which the release hands the lock to when no task is parked or waiting;
@@ -337,8 +360,8 @@ class TaskLock(RedisLock):
                 handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull)
                 reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
                 code = int(reply[0])
-                message = _text(reply[1]) if len(reply) > 1 and reply[1] is not None else None
-                if len(reply) > 3:  # handed to the look-ahead's queued task
+                message = self.handed(reply)
+                if len(reply) > 3 and reply[1] is None:  # handed to the look-ahead's queued task
                     self.pulled = _text(reply[2])
             else:
                 keys = self.keys.release_keys()
@@ -431,7 +454,7 @@ class QuorumTaskLock(RedLock):
         hold: float,
         done_ttl: float | None,
         lookahead: Callable[[], _Pull | None] | None = None,
-    ) -> str | None:
+    ) -> _Handed | None:
         """Give the hold back on every node (or keep it ``hold`` seconds), marking the task
         id done (``lookahead`` is unused: ``LockedTask._lookahead`` gives a quorum lock
         none). Raises :class:`LockLostError` like :meth:`TaskLock.finish`; when too few
@@ -482,7 +505,9 @@ def task_lock(app: Any, name: str, *, task_id: str, options: LockOptions) -> Any
             options=options,
             node_timeout=settings.node_timeout,
         )
-    return TaskLock(client_for(app), name, task_id=task_id, options=options)
+    lock = TaskLock(client_for(app), name, task_id=task_id, options=options)
+    lock.push_to = push_targets(app)
+    return lock
 
 
 # ------------------------------------------------------------------ per-app state
@@ -763,13 +788,12 @@ class LockedTask(Task):  # type: ignore[misc]
         **extra_options: Any,
     ) -> Any:
         """Celery's, without the worker's in-memory look-ahead header (a retry or a
-        re-queue must not carry it to another delivery)."""
+        re-queue must not carry it to another delivery) or a parked envelope's signature."""
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         headers = signature.options.get("headers")
-        if isinstance(headers, dict) and LOOKAHEAD_HEADER in headers:
-            signature.options["headers"] = {
-                k: v for k, v in headers.items() if k != LOOKAHEAD_HEADER
-            }
+        dropped = (LOOKAHEAD_HEADER, signing.PARKED_HEADER)
+        if isinstance(headers, dict) and any(name in headers for name in dropped):
+            signature.options["headers"] = {k: v for k, v in headers.items() if k not in dropped}
         return signature
 
     def _keep_for_retry(self, lock: AnyTaskLock, retry: Retry, options: LockOptions) -> None:
@@ -887,6 +911,8 @@ class LockedTask(Task):  # type: ignore[misc]
             message = _dumps(dict(signature))
         except TypeError:
             return False
+        key = settings_for(self.app).signing_key
+        message = signing.sign_signature(key, lock.keys.lock, lock.owner or request.id, message)
         fallback = self._fallback_delay(options)
         try:
             outcome = lock.park(message, keep_for=self._parking_lifetime(options))
@@ -943,17 +969,13 @@ class LockedTask(Task):  # type: ignore[misc]
         )
         raise Ignore()
 
-    def publish_handed_over(self, message: str | None) -> None:
-        """Publish the message of the parked task the lock was just handed to.
-
-        It goes to ``<its queue>.redislock``, which every worker consuming ``<its queue>``
-        also consumes: a task that already owns its lock does not wait behind the backlog
-        of the queue it was first sent to.
-        """
-        if message is None:
+    def publish_handed_over(self, handed: _Handed | None) -> None:
+        """Send the message of the parked task the lock was just handed to, if it verifies
+        (:func:`deliver_handed_over`); never raises."""
+        if handed is None:
             return
         try:
-            publish_to_handoff_queue(self.app, message)
+            deliver_handed_over(self.app, handed, lease_ms(self.lock_options().ttl, "lock_ttl"))
         except Exception:  # the sweeper (or its fallback copy) still runs it
             log.exception("redislock: could not publish the task the lock was handed to")
 
@@ -1072,6 +1094,7 @@ def _search_queue(
     accept = serialization.prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
     chain = lookahead_chain(lock.prefix, queue_list)
     nothing = _Pull(queue_list, chain)
+    signing_key = settings_for(app).signing_key
     start = read = 0
     while start < limit and read < LOOKAHEAD_BYTES:
         end = min(start + LOOKAHEAD_CHUNK, limit)
@@ -1093,12 +1116,12 @@ def _search_queue(
                 if len(_lock_of) > LOOKAHEAD_CACHE:
                     del _lock_of[next(iter(_lock_of))]  # the oldest entry
             if lock_key == lock.keys.lock:
-                envelope = json.loads(raw)
+                envelope = kombu_json.loads(raw)  # type: ignore[no-untyped-call]
                 headers = envelope["headers"]
                 headers.pop(LOOKAHEAD_HEADER, None)
                 queued_owner = request_owner(headers)
                 if queued_owner != lock.owner:
-                    entry = envelope_entry(queue_list, envelope)
+                    entry = envelope_entry(queue_list, envelope, lock.keys.lock, signing_key)
                     reach = position + 1 + QUEUE_REACH
                     return _Pull(queue_list, chain, queued_owner, raw, entry, keep_ms, reach)
         if len(raws) < end - start:
@@ -1129,31 +1152,43 @@ def _lock_key_of(app: Any, raw: bytes, accept: Any) -> bytes | None:
     requeue mode and could be parked at delivery (task protocol 2, a task id, no ``eta``
     or ``expires``); else None."""
     try:
-        envelope = json.loads(raw)
-        headers, properties = envelope["headers"], envelope["properties"]
+        envelope = kombu_json.loads(raw)  # type: ignore[no-untyped-call]
+        headers = envelope["headers"]
         task = app.tasks.get(headers.get("task"))
         if (
             not isinstance(task, LockedTask)
-            or not isinstance(headers.get("id"), str)
             or headers.get("eta")
             or headers.get("expires")
+            or task.lock_options().on_contention != "requeue"
         ):
             return None
-        options = task.lock_options()
-        if options.on_contention != "requeue":
+    except Exception:  # not a message this look-ahead understands: leave it in its turn
+        return None
+    return envelope_lock_key(app, envelope, accept)
+
+
+def envelope_lock_key(app: Any, envelope: Any, accept: Any = None) -> bytes | None:
+    """The lock key the task of a broker envelope (as kombu decodes it) takes: its
+    arguments decoded and its ``lock_key`` rendered; None if it is not a ``LockedTask``'s
+    message (task protocol 2, with a task id) or cannot be decoded or rendered here."""
+    try:
+        headers, properties = envelope["headers"], envelope["properties"]
+        task = app.tasks.get(headers.get("task"))
+        if not isinstance(task, LockedTask) or not isinstance(headers.get("id"), str):
             return None
         body = envelope["body"]
         if properties.get("body_encoding") == "base64":
             body = base64.b64decode(body)
         if headers.get("compression"):
             body = compression.decompress(body, headers["compression"])  # type: ignore[no-untyped-call]
+        if accept is None:
+            accept = serialization.prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
         args, kwargs, _embed = serialization.loads(  # type: ignore[no-untyped-call]
             body, envelope["content-type"], envelope["content-encoding"], accept=accept
         )
-        name = task.lock_name(args, kwargs)
-    except Exception:  # not a message this look-ahead understands: leave it in its turn
+        return LockKeys.for_name(task.lock_name(args, kwargs), task.lock_options().prefix).lock
+    except Exception:
         return None
-    return LockKeys.for_name(name, options.prefix).lock
 
 
 def LockKeysFor(name: str, prefix: str) -> bytes:
@@ -1170,7 +1205,7 @@ def _park_fallback(app: Any) -> bool:
     settings = settings_for(app)
     if settings.park_fallback == "auto":
         return not settings.url_source.startswith("broker_url") and (
-            settings.url != app.conf.get("broker_url")
+            settings.url != (getattr(app.conf, "broker_url", None) or app.conf.get("broker_url"))
         )
     return bool(settings.park_fallback)
 
@@ -1184,7 +1219,7 @@ def _loads(text: str) -> dict[str, Any]:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _kept_hold_marker(lock: AnyTaskLock, retry_owner: str) -> tuple[Any, bytes]:
@@ -1351,8 +1386,7 @@ class LockedRequest(Request):  # type: ignore[misc]
                 keys, args = lock.handoff_args(owner, mode, done_ttl)
                 reply = scripts_for(lock.client).handoff(keys=keys, args=args)
                 code = int(reply[0])
-                handed = reply[1] if len(reply) > 1 else None
-                task.publish_handed_over(None if handed is None else _text(handed))
+                task.publish_handed_over(lock.handed(reply))
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
@@ -1383,12 +1417,28 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
         # worker here, before it takes a single task.
         log.critical("celery_redislock: %s", exc)
         raise SystemExit(f"celery_redislock: {exc}") from exc
+    if settings.signing_key_source != "redislock_signing_key" and not _has_password(app):
+        log.warning(
+            "redislock: redislock_signing_key is not set and the broker URL carries no "
+            "password: parked messages are signed with a key derived from that URL, which "
+            "anyone who knows it can derive. Set redislock_signing_key to a secret, the same "
+            "on every worker (docs/security.md)"
+        )
     if settings.urls:
         nodes = ", ".join(url.split("@")[-1] for url in settings.urls)
         log.info("redislock: quorum locks over %d masters: %s", len(settings.urls), nodes)
     else:
         where = settings.url.split("@")[-1]
         log.info("redislock: locks in %s (from %s)", where, settings.url_source)
+
+
+def _has_password(app: Any) -> bool:
+    urls = app.conf.broker_url
+    urls = urls if isinstance(urls, (list, tuple)) else str(urls or "").split(";")
+    try:
+        return bool(urls) and all(urllib.parse.urlsplit(str(url)).password for url in urls)
+    except ValueError:
+        return False
 
 
 celery_signals.worker_init.connect(_check_settings_at_worker_start, weak=False)
@@ -1433,6 +1483,12 @@ class Sweeper(threading.Thread):
             registry = prefix + "parked"
             members: list[bytes] = list(client.zrange(registry, 0, -1))  # type: ignore[arg-type]
             for lock_key in members:
+                name = name_from_lock_key(lock_key, prefix)
+                if name is None or LockKeys.for_name(name, prefix).lock != lock_key:
+                    # Anyone who may write the registry may have written it: no lock's keys.
+                    client.zrem(registry, lock_key)
+                    _report_refused(self.app, lock_key, None, "not a lock key of this prefix")
+                    continue
                 try:
                     published += self._sweep_lock(client, scripts, registry, lock_key)
                 except Exception:  # one bad lock does not stop the pass
@@ -1453,43 +1509,223 @@ class Sweeper(threading.Thread):
         stale = lease_ms(max(self.ttl / 2, MIN_SECONDS), "stale")
         args = [lease_ms(self.ttl, "redislock_ttl"), stale, QUEUE_REACH]
         reply = scripts.sweep(keys=keys, args=args)
-        if int(reply[0]) != 1:
+        handed = _handed(lock_key, reply) if int(reply[0]) == 1 else None
+        if handed is None:
             return 0
         log.warning(
-            "redislock: sweeper hands %r to parked task %s (holder or hand-over lost)",
+            "redislock: sweeper hands %r to parked task %r (holder or hand-over lost)",
             lock_key,
-            _text(reply[2]),
+            _text(handed.task_id),
         )
-        if reply[1] is not None:  # a parked signature (an envelope is pushed back already)
-            publish_to_handoff_queue(self.app, _text(reply[1]))
-        return 1
+        return deliver_handed_over(self.app, handed, args[0])
 
 
 _sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()
 
 
-#: First character of a parked broker envelope (a parked signature is JSON: "{...").
+#: First character of a parked broker envelope (a parked signature's is signing.SIGNED).
 ENVELOPE = "E"
 #: Start of the delivery-tag placeholder of a parked envelope, and so of the delivery tag
 #: of every envelope a hand-over (or the sweeper) pushed back.
 TAG_PREFIX = "rltag"
 
 
-def envelope_entry(queue_list: str, envelope: dict[str, Any]) -> str:
+def envelope_entry(queue_list: str, envelope: dict[str, Any], lock_key: bytes, key: bytes) -> str:
     """A parked broker envelope: ``E<queue list>\\n<tag placeholder>\\n<envelope JSON>``.
 
     The envelope is the broker's own message (Redis transport), with a placeholder for
-    its delivery tag: whoever hands the lock over pushes it back to the head of
-    ``queue_list`` with a new tag (``handoff.lua``, or the sweeper's ``sweep.lua``).
+    its delivery tag, signed with ``key`` for ``lock_key`` and ``queue_list``
+    (:func:`signing.sign_envelope`): whoever hands the lock over pushes it back to the head
+    of ``queue_list`` with a new tag (``handoff.lua``, or the worker).
+    ``envelope["headers"]`` and ``envelope["properties"]`` must be the caller's own copies.
     """
     placeholder = TAG_PREFIX + secrets.token_hex(8)  # letters and digits, unique
     envelope["properties"]["delivery_tag"] = placeholder
+    signing.sign_envelope(key, envelope, lock_key, queue_list)
     return f"{ENVELOPE}{queue_list}\n{placeholder}\n{_dumps(envelope)}"
 
 
-def publish_to_handoff_queue(app: Any, message: str) -> None:
-    """Publish a parked task's message to ``<its queue>.redislock``."""
-    signature = app.signature(_loads(message))
+def push_targets(app: Any) -> tuple[str, str]:
+    """Where a hand-over script may push a parked envelope itself (handoff.lua's ARGV[10]
+    and ARGV[11]): the first-read lists of the queues this worker consumes (as
+    :class:`parking.Parker` names them) and this app's ``LockedTask`` names, one a line.
+    An envelope for another list or task comes back to the worker, which checks it."""
+    queues = app.amqp.queues
+    names = sorted(queues.consume_from or queues)
+    tasks = app.tasks
+    marker = (tuple(names), len(tasks))
+    found = _push_targets.get(app)
+    if found is None or found[0] != marker:
+        options = app.conf.broker_transport_options or {}
+        prefix = str(options.get("global_keyprefix") or "")
+        first = (options.get("priority_steps") or [0])[0]
+        after = f"{_PRIORITY_SEP}{first}" if first else ""  # kombu's _q_for_pri
+        lists = "\n".join(prefix + name + after for name in names if "\n" not in name)
+        locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
+        found = _push_targets[app] = (marker, (lists, "\n".join(locked)))
+    return found[1]
+
+
+_push_targets: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[str, str]]]
+_push_targets = weakref.WeakKeyDictionary()
+#: kombu's Redis transport: between a queue's name and its priority step in a list's name.
+_PRIORITY_SEP = "\x06\x16"
+#: Refused parked messages one delivery gets past at most (each refusal hands the lock on
+#: to the next parked task, whose message is checked in turn); the sweeper does the rest.
+MAX_REFUSALS = 100
+
+
+def deliver_handed_over(app: Any, handed: _Handed | None, lease: int) -> int:
+    """Check the message of the parked task a lock was handed to, then send it: 1 if sent.
+
+    Everything in it was read back from Redis, where anyone who may write the lock keys
+    may have written it. It is sent only if a worker holding this app's signing key parked
+    it, for this task id, under this lock, and (when the task is registered here) if its
+    task is a ``LockedTask`` whose arguments take that lock. A parked signature is then
+    published to ``<its queue>.redislock``, an envelope pushed to the read end of its queue
+    list. Anything else is refused: not sent, reported (:func:`refuse_handed_over`), and its
+    parked record removed, the lock handed on to the next parked task (``lease`` ms), whose
+    message is checked in turn. Redis and publishing errors propagate.
+    """
+    for _ in range(MAX_REFUSALS):
+        if handed is None:
+            return 0
+        try:
+            send = _checked(app, handed)
+        except signing.Refused as exc:
+            handed = refuse_handed_over(app, handed.lock_key, handed.task_id, str(exc), lease)
+            continue
+        send()
+        return 1
+    if handed is not None:
+        log.warning(
+            "redislock: refused %d parked messages in a row under %r; the sweeper goes on",
+            MAX_REFUSALS,
+            _text(handed.lock_key),
+        )
+    return 0
+
+
+def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
+    """How to send a handed-over task's message, once it is checked; raises Refused."""
+    key = settings_for(app).signing_key
+    message = handed.message
+    try:
+        if message[:1] == signing.SIGNED.encode():
+            signature = signing.open_signature(key, handed.lock_key, handed.task_id, message)
+            options = signature.get("options") or {}
+            run = run_owner(
+                str(options.get("task_id")),
+                options.get("retries"),
+                options.get("replaced_task_nesting"),
+            )
+            if run != handed.task_id.decode():
+                raise signing.Refused("its run is not the one it was parked as")
+            _check_parked_under(app, signature.get("task"), handed.lock_key, signature)
+            return functools.partial(publish_to_handoff_queue, app, signature)
+        if message[:1] == ENVELOPE.encode():
+            queue_list, pushed = _checked_envelope(app, key, handed)
+            return functools.partial(client_for(app).rpush, queue_list, pushed)
+    except signing.Refused:
+        raise
+    except Exception as exc:  # undecodable: no worker parked it
+        raise signing.Refused(f"not a parked message ({type(exc).__name__}: {exc})") from None
+    raise signing.Refused("not a signed parked message")
+
+
+def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes]:
+    head, placeholder, text = handed.message[1:].split(b"\n", 2)
+    envelope = kombu_json.loads(text)  # type: ignore[no-untyped-call]
+    if not isinstance(envelope, dict):
+        raise signing.Refused("not a broker envelope")
+    lock, queue_list = signing.check_envelope(key, envelope)
+    if lock.encode() != handed.lock_key:
+        raise signing.Refused(f"it was signed for another lock ({lock!r})")
+    if queue_list.encode() != head:
+        raise signing.Refused(f"it was signed for another queue list ({queue_list!r})")
+    if request_owner(envelope["headers"]) != handed.task_id.decode():
+        raise signing.Refused("its run is not the one it was parked as")
+    tag = envelope["properties"].get("delivery_tag")
+    once = text.count(placeholder) == 1  # where the tag goes, exactly
+    if tag != placeholder.decode() or not tag.startswith(TAG_PREFIX) or not once:
+        raise signing.Refused("its delivery tag is not its placeholder")
+    _check_parked_under(app, envelope["headers"].get("task"), handed.lock_key, envelope)
+    return head, text.replace(placeholder, placeholder + b"h" + handed.tag, 1)
+
+
+def _check_parked_under(app: Any, name: Any, lock_key: bytes, message: dict[str, Any]) -> None:
+    """Refuse a message whose task is known here and is not a ``LockedTask`` whose
+    arguments take ``lock_key`` (a task not registered in this worker is vouched for by
+    its signature alone)."""
+    task = app.tasks.get(name) if isinstance(name, str) else None
+    if task is None:
+        return
+    if not isinstance(task, LockedTask):
+        raise signing.Refused(f"{name!r} is not a LockedTask")
+    if "headers" in message:  # a broker envelope
+        rendered = envelope_lock_key(app, message)
+    else:  # a signature
+        lock_name = task.lock_name(message.get("args"), message.get("kwargs"))
+        rendered = LockKeys.for_name(lock_name, task.lock_options().prefix).lock
+    if rendered != lock_key:
+        raise signing.Refused("its arguments do not take the lock it was parked under")
+
+
+def refuse_handed_over(
+    app: Any, lock_key: bytes, task_id: bytes, reason: str, lease: int
+) -> _Handed | None:
+    """Report a parked message that must not be sent, and take its hand-over back: the
+    lock goes to the next parked task (returned, to be checked and sent in turn), and the
+    refused task's parked records are removed, so the sweeper never sends it again."""
+    _report_refused(app, lock_key, task_id, reason)
+    client = client_for(app)
+    keys = [
+        lock_key,
+        lock_key + b":released",
+        lock_key + b":fence",
+        lock_key + b":parked",
+        lock_key + b":parked:messages",
+        lock_key + b":done:" + task_id,
+        lock_key + b":parked:dispatched",
+        lock_key + b":waiters",
+        lock_key + b":claims",
+    ]
+    args = [task_id, "unstarted", lease, 0, "", "", "", "", "", *push_targets(app)]
+    return _handed(lock_key, scripts_for(client).handoff(keys=keys, args=args))
+
+
+def _report_refused(app: Any, key: bytes, task_id: bytes | None, reason: str) -> None:
+    shown_key, shown_id = _text(key), None if task_id is None else _text(task_id)
+    log.error(
+        "redislock: refused the parked message of task %r under %r: %s. It is not sent or "
+        "run. Whoever may write the lock keys wrote it without the workers' signing key, or "
+        "a worker with another redislock_signing_key parked it (docs/security.md)",
+        shown_id,
+        shown_key,
+        reason,
+    )
+    signals.parked_rejected.send(app, key=shown_key, task_id=shown_id, reason=reason)
+    try:  # now: the worker's main process (the sweeper, a fetch) flushes no other way
+        metrics.flush_to_redis(client_for(app), settings_for(app).defaults.prefix, force=True)
+    except Exception:  # stats are best effort
+        log.debug("redislock: could not flush stats", exc_info=True)
+
+
+def _handed(lock_key: bytes, reply: list[Any]) -> _Handed | None:
+    """The parked task a hand-over or sweep script's ``reply`` says to check and send."""
+    if len(reply) < 3 or reply[1] is None:
+        return None
+    tag = reply[3] if len(reply) > 3 else b""
+    return _Handed(lock_key, _bytes(reply[2]), _bytes(reply[1]), _tag(tag))
+
+
+def _tag(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def publish_to_handoff_queue(app: Any, message: dict[str, Any]) -> None:
+    """Publish a parked task's signature to ``<its queue>.redislock``."""
+    signature = app.signature(message)
     options = dict(signature.options)
     # A re-built request carries its queue, or (sent through a named exchange) its routing
     # key, which for Celery's direct exchanges is the queue's name.

@@ -55,6 +55,8 @@ if os.environ.get("REDISLOCK_TEST_LOCK_TIMEOUT"):  # a lock Redis that may stop 
     }
 if os.environ.get("REDISLOCK_TEST_QUORUM"):  # locks on a quorum of masters
     app.conf.redislock_urls = os.environ["REDISLOCK_TEST_QUORUM"].split(",")
+if os.environ.get("REDISLOCK_TEST_SIGNING_KEY"):  # a worker with another signing key
+    app.conf.redislock_signing_key = os.environ["REDISLOCK_TEST_SIGNING_KEY"]
 
 _r: redis.Redis | None = None
 

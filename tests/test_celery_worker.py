@@ -325,13 +325,13 @@ def test_groups_and_chords_over_one_key_run_each_member_once_in_turn(
     from celery import chord, group
 
     amounts = list(range(1, 9))
-    grouped = group(ca.settle.s(901, a, 0.01) for a in amounts).delay()
+    grouped = group(ca.settle.s(9101, a, 0.01) for a in amounts).delay()
     assert sorted(grouped.get(timeout=60))[-1] == sum(amounts)
-    body = chord((ca.settle.s(902, a, 0.01) for a in amounts), ca.biggest.s()).delay()
+    body = chord((ca.settle.s(9102, a, 0.01) for a in amounts), ca.biggest.s()).delay()
     assert body.get(timeout=60) == sum(amounts)  # the body ran after every member
-    assert int(r.get("balance:901")) == int(r.get("balance:902")) == sum(amounts)
-    for account in ("901", "902"):
+    assert int(r.get("balance:9101")) == int(r.get("balance:9102")) == sum(amounts)
+    for account in ("9101", "9102"):
         spans = sorted((e, x) for k, _, e, x in sections(r, "settle") if k == account)
         assert len(spans) == len(amounts)  # every member seen once
         assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))  # none overlapped
-    assert not r.keys("redislock:{account:90*}")
+    assert not r.keys("redislock:{account:910*}")

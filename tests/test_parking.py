@@ -25,6 +25,7 @@ from celery_redislock.task import (
     _lookahead_denied,
     _next_queued,
     _Pull,
+    push_targets,
 )
 from celery_redislock.testing import RedisServer
 
@@ -37,8 +38,11 @@ CHAIN = "redislock:lookahead:%s"
 
 
 def _release_as(r: redis.Redis, name: str, owner: str) -> list[Any]:
-    """The holder's release (what a finishing task runs): hand over to the first parked."""
+    """The holder's release (what a finishing task runs): hand over to the first parked,
+    pushing a parked envelope back to its queue (as a worker consuming every queue the
+    test app has sent to)."""
     lock = TaskLock(r, f"job:{name}", task_id=owner, options=ca.hold_for.lock_options())
+    lock.push_to = ("\n".join(ca.app.amqp.queues), push_targets(ca.app)[1])
     keys, args = lock.handoff_args(owner, "one", None)
     return list(scripts_for(r).handoff(keys=keys, args=args))
 
@@ -301,6 +305,8 @@ def test_a_prioritised_message_under_a_key_prefix_comes_back_to_the_first_read_l
         assert r.llen(f"pfx:{queue}\x06\x169") == 1  # where kombu put it
         _fetch(queue, app=app, parker=Parker(job, app, revoked=set()))
         lock = TaskLock(r, "job:pri", task_id="holder", options=job.lock_options())
+        app.amqp.queues.select(queue)  # as a worker consuming it (celery worker -Q)
+        lock.push_to = push_targets(app)  # (what task_lock sets: its lists are "pfx:...")
         keys, args = lock.handoff_args("holder", "one", None)
         assert scripts_for(r).handoff(keys=keys, args=args)[2].decode() == sent.id
         assert r.llen(f"pfx:{queue}") == 1  # the first-read list
@@ -459,8 +465,9 @@ def test_the_look_ahead_gives_way_to_parked_tasks_and_to_tasks_that_went_meanwhi
     assert isinstance(parked.park('{"parked": 1}', keep_for=60), int)  # the holder's pttl
     assert r.llen(PARKED % "miss") == 1
     assert _next_queued(ca.app, lock, queue, 64, 60) is None  # a task is parked: no search
-    message = lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
-    assert message == '{"parked": 1}' and lock.pulled is None
+    handed = lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+    assert handed is not None and handed.message == b'{"parked": 1}'  # to check, then send
+    assert handed.task_id == b"parked" and lock.pulled is None
     assert r.hget("redislock:{job:miss}", "parked") == b"0"
     assert r.llen(queue) == 1 and r.lindex(queue, 0) == pull.raw  # left in its turn
     r.delete("redislock:{job:miss}")

@@ -120,3 +120,17 @@ def test_quorum_urls_exclude_a_single_url_and_are_used() -> None:
     assert settings.url_source == "redislock_urls"
     with pytest.raises(LockConfigurationError, match="redislock_node_timeout"):
         LockSettings.from_conf({"redislock_urls": ["redis://a:1"], "redislock_node_timeout": 0})
+
+
+def test_a_broker_from_the_environment_is_the_locks_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CELERY_BROKER_URL (or `celery -b`) sets the broker without `broker_url` in the
+    conf; the locks' URL used to fail with "the broker (None) is not Redis"."""
+    from celery import Celery
+
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/3")
+    app = Celery("env-broker")
+    settings = LockSettings.from_conf(app.conf)
+    assert settings.url == "redis://127.0.0.1:1/3"
+    assert settings.url_source.startswith("broker_url")

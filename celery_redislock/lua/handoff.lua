@@ -28,10 +28,17 @@
 -- ARGV[9]  how many messages from the read end of KEYS[10] to look for it in (LPOS MAXLEN:
 --          a message fetched meanwhile costs no scan of a long backlog; a lock user without
 --          LPOS looks with LREM alone, which scans the whole list when it is gone)
+--          (ARGV[5..9] are "" without look-ahead)
+-- ARGV[10] the queue lists a parked envelope may be pushed to from here, one a line (the
+--          releasing worker's; an entry names its own list, and whoever may write the lock
+--          keys may have written it: see envelope.lua's pushable)
+-- ARGV[11] the task names it may be for, one a line (the releasing worker's LockedTasks)
 -- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it,
 --                                  -3 "unstarted": this task does not hold it at count 0)
 --          {0}                     released; nobody parked: waiters notified
---          {0, message, task id}   released and handed over: publish message now
+--          {0, message, task id, token}  released and handed over: check the message (a parked
+--                                  signature, or an envelope not pushed from here) and send it
+--                                  now (an envelope with delivery tag "<placeholder>h<token>")
 --          {0, nil, task id}       released and handed over to a parked broker envelope: it is
 --                                  back at the head of its queue list already (see park.lua)
 --          {0, nil, task id, 1}    released and handed to the look-ahead's queued task: its
@@ -85,12 +92,12 @@ if next_id then
   -- hold count 0: handed over, not yet started; the task's own acquire makes it 1
   redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
   redis.call('pexpire', KEYS[1], lease)
-  if string.sub(message, 1, 1) == 'E' then  -- a broker envelope (envelope.lua)
+  if string.sub(message, 1, 1) == 'E' and pushable(message, KEYS[1], next_id, ARGV[10] or '', ARGV[11] or '') then
     local queue_list, envelope = pushed_envelope(message, token)
     redis.call('rpush', queue_list, envelope)  -- next for BRPOP
     return {code, false, next_id}
   end
-  return {code, message, next_id}
+  return {code, message, next_id, token}
 end
 -- Nobody parked: hand the lock to the first blocked waiter still in line, or wake waiters.
 local t = redis.call('time')
