@@ -387,6 +387,8 @@ class RenewalScheduler(_SchedulerBase):
         """After a pass raised ``error``: renew each hold alone; one that raises is lost."""
         log.error("redislock: renewing %d holds raised %r; renewing each alone", len(holds), error)
         for hold in holds:
+            if id(hold) not in self._holds:
+                continue  # released (or dropped) meanwhile
             try:
                 self._renew([hold])
             except Exception as exc:
@@ -477,6 +479,8 @@ class AsyncRenewalScheduler(_SchedulerBase):
         """See :meth:`RenewalScheduler._renew_one_by_one`."""
         log.error("redislock: renewing %d holds raised %r; renewing each alone", len(holds), error)
         for hold in holds:
+            if id(hold) not in self._holds:
+                continue  # released (or dropped) meanwhile
             try:
                 await self._renew([hold])
             except Exception as exc:
