@@ -43,37 +43,79 @@ GRANT_MS = 2000
 
 # --------------------------------------------------------------------- validation
 
+#: The longest duration any argument or setting of this package accepts, in seconds
+#: (365 days): leases (``ttl``, ``lease=``, ``extend(ttl)``, ``lock_hold``, the done
+#: marker's ``done_ttl``), timeouts, waits, back-offs and delays alike. It keeps every
+#: value far inside what the layers below take: Redis's ``PEXPIRE`` (about 2**63 ms from
+#: now), Lua's exact integers (2**53), and ``threading.TIMEOUT_MAX`` (about 292 years on
+#: POSIX) for the waits a timeout turns into. ``None`` still means "no limit" where a
+#: timeout allows it.
+MAX_SECONDS = 365 * 24 * 3600
+#: :data:`MAX_SECONDS` in milliseconds: the Lua scripts refuse any duration above it
+#: (``lua/args.lua`` is loaded with this value).
+MAX_MS = MAX_SECONDS * 1000
+#: The shortest lease (and every other duration that must not be zero): 1 ms.
+#: ``PEXPIRE`` with 0 or less deletes the key.
+MIN_SECONDS = 0.001
+
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _in_range(value: object, low: float) -> bool:
+    """Whether ``value`` is an int or float from ``low`` to :data:`MAX_SECONDS`.
+
+    Compared as it is, never converted first: ``float()`` of a huge int overflows.
+    """
+    if not _is_number(value):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return low <= value <= MAX_SECONDS  # type: ignore[operator]
+
+
+def duration_error(
+    argument: str, value: object, low: float = MIN_SECONDS, *, alternative: str = ""
+) -> LockConfigurationError:
+    """The one message for a bad duration: it names the argument and the allowed range
+    (and the ``alternative`` it may also be, such as ``"None (no limit)"``)."""
+    allowed = f"{alternative} or a number" if alternative else "a number"
+    return LockConfigurationError(
+        f"{argument} must be {allowed} between {low:g} and {MAX_SECONDS} seconds (365 days), "
+        f"got {value!r}"
+    )
+
+
+def seconds(value: object, argument: str, *, low: float = MIN_SECONDS) -> float:
+    """Validate a duration in seconds: a number from ``low`` (0.001 unless given; 0 where
+    zero means "none") to :data:`MAX_SECONDS`."""
+    if not _in_range(value, low):
+        raise duration_error(argument, value, low)
+    return float(value)  # type: ignore[arg-type]
+
+
 def lease_ms(value: object, argument: str) -> int:
-    """Convert a lease in seconds to whole milliseconds, rejecting what Redis would misread.
+    """Convert a lease in seconds to whole milliseconds, from 1 to :data:`MAX_MS`.
 
     ``PEXPIRE`` with 0 or a negative value deletes the key, so anything that does not
-    come out as at least one millisecond is refused here (and again in Lua).
+    come out as at least one millisecond is refused here (and again in Lua), and so is
+    anything above :data:`MAX_SECONDS`.
     """
-    if not _is_number(value) or math.isnan(value) or math.isinf(value):  # type: ignore[arg-type]
-        raise LockConfigurationError(
-            f"{argument} must be a finite number of seconds (int or float), got {value!r}"
-        )
+    if not _in_range(value, 0.0):
+        raise duration_error(argument, value)
     millis = round(float(value) * 1000)  # type: ignore[arg-type]
     if millis < 1:
-        raise LockConfigurationError(
-            f"{argument} must be at least 0.001 seconds (1 ms), got {value!r}"
-        )
+        raise duration_error(argument, value)
     return millis
 
 
 def optional_seconds(value: object, argument: str) -> float | None:
-    """Validate a timeout-like value: None (no limit) or a finite number >= 0."""
+    """Validate a timeout: None (no limit) or a number from 0 to :data:`MAX_SECONDS`."""
     if value is None:
         return None
-    if not _is_number(value) or math.isnan(value) or math.isinf(value) or value < 0:  # type: ignore[arg-type,operator]
-        raise LockConfigurationError(
-            f"{argument} must be None or a finite number of seconds >= 0, got {value!r}"
-        )
+    if not _in_range(value, 0.0):
+        raise duration_error(argument, value, 0.0, alternative="None (no limit)")
     return float(value)  # type: ignore[arg-type]
 
 
@@ -82,9 +124,9 @@ def acquire_arguments(
 ) -> tuple[float | None, int | None]:
     """Check ``acquire()``'s arguments as strictly as the constructor's, before any I/O.
 
-    ``blocking`` must be a bool (``"no"`` is not False), ``timeout`` None or a finite
-    number of seconds >= 0, ``lease`` None or a lease like ``ttl``. Returns (timeout in
-    seconds or None, lease in milliseconds or None).
+    ``blocking`` must be a bool (``"no"`` is not False), ``timeout`` None or a number of
+    seconds from 0 to :data:`MAX_SECONDS`, ``lease`` None or a lease like ``ttl``.
+    Returns (timeout in seconds or None, lease in milliseconds or None).
     """
     if not isinstance(blocking, bool):
         raise LockConfigurationError(f"blocking must be True or False, got {blocking!r}")
@@ -104,12 +146,21 @@ def validate_owner(owner: object) -> str | None:
 
 
 def validate_prefix(prefix: object) -> str:
-    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix or not _encodes(prefix):
         raise LockConfigurationError(
-            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag), "
-            f"got {prefix!r}"
+            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag) "
+            f"that encodes as UTF-8, got {prefix!r}"
         )
     return prefix
+
+
+def _encodes(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------- key layout
@@ -143,7 +194,12 @@ class LockKeys:
     @classmethod
     def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys:
         if isinstance(name, str):
-            raw = name.encode("utf-8")
+            try:
+                raw = name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise LockConfigurationError(
+                    f"name must be bytes or a str that encodes as UTF-8, got {name!r}"
+                ) from None
         elif isinstance(name, bytes):
             raw = name
         else:
@@ -387,6 +443,7 @@ class LeaseLost(LossSignal):
         self._event: threading.Event | None = None  # made on first wait(): most holds never wait
 
     def wait(self, timeout: float | None = None) -> bool:
+        timeout = optional_seconds(timeout, "timeout")
         with self._events_mutex:
             if self._event is None:
                 self._event = threading.Event()
@@ -408,6 +465,7 @@ class AsyncLeaseLost(LossSignal):
         self._events: list[asyncio.Event] = []
 
     async def wait(self, timeout: float | None = None) -> bool:
+        timeout = optional_seconds(timeout, "timeout")
         if self._flag:
             return True
         event = asyncio.Event()
@@ -541,15 +599,36 @@ class Hold:
         return True
 
 
+def hold_problem(hold: object, now: float) -> str | None:
+    """Why the watchdog cannot renew ``hold`` (None: it can).
+
+    Every hold made through a lock passes (its lease was validated); this guards the
+    watchdog against one that did not, so that it drops that hold alone instead of
+    failing the others renewed with it.
+    """
+    lease = getattr(hold, "lease", None)
+    if not isinstance(lease, int) or isinstance(lease, bool) or not 1 <= lease <= MAX_MS:
+        return f"its lease {lease!r} is not a whole number of milliseconds from 1 to {MAX_MS}"
+    for field in ("next_due", "deadline"):
+        value = getattr(hold, field, None)
+        if not _is_number(value) or not -math.inf < value <= now + MAX_SECONDS:  # type: ignore[operator]
+            return f"its {field} {value!r} is not a time within {MAX_SECONDS} s"
+    keys, owner = getattr(hold, "keys", None), getattr(hold, "owner", None)
+    if not isinstance(getattr(keys, "lock", None), bytes) or not isinstance(owner, str):
+        return f"its key or owner is not usable ({keys!r}, {owner!r})"
+    return None
+
+
 LOSS_TEXT = {
     "expired": "its lease expired in Redis before it was renewed",
     "stolen": "its lease expired and another owner now holds the lock",
     "unreachable": "Redis could not be reached to renew it before the lease's validity deadline",
     "deadline": "the lease's local validity deadline passed without a renewal",
     "released": "it was force-released",
+    "unrenewable": "the watchdog could not renew it (its lease was out of range, or renewing "
+    "it raised an unexpected error; logged) and stopped renewing it",
     "abandoned": "the thread or asyncio task that owned it ended without releasing it, so it "
-    "was no "
-    "longer renewed and expires with its lease",
+    "was no longer renewed and expires with its lease",
 }
 
 

@@ -39,6 +39,7 @@ from ._core import (
     OwnerRunning,
     decode_acquire,
     lease_ms,
+    seconds,
     thread_owner,
     validate_prefix,
     wait_bound,
@@ -162,22 +163,14 @@ class _QuorumBase:
         nodes = validate_nodes(clients)
         check_distinct(nodes, "clients")
         ttl = self._lease / 1000.0  # type: ignore[attr-defined]
-        timeout = NODE_TIMEOUT if node_timeout is None else node_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise LockConfigurationError(
-                f"node_timeout must be a positive number of seconds, got {node_timeout!r}"
-            )
+        timeout = seconds(NODE_TIMEOUT if node_timeout is None else node_timeout, "node_timeout")
         if timeout * 2 >= ttl:
             raise LockConfigurationError(
                 f"node_timeout ({timeout}s) must be well below ttl ({ttl}s): an attempt that "
                 f"takes longer than the lease can never be valid (use at most ttl / 10)"
             )
-        if isinstance(retry_delay, bool) or not isinstance(retry_delay, (int, float)):
-            raise LockConfigurationError(f"retry_delay must be seconds >= 0, got {retry_delay!r}")
-        if retry_delay < 0:
-            raise LockConfigurationError(f"retry_delay must be seconds >= 0, got {retry_delay!r}")
-        self.node_timeout = float(timeout)
-        self.retry_delay = float(retry_delay)
+        self.node_timeout = timeout
+        self.retry_delay = seconds(retry_delay, "retry_delay", low=0.0)
         self.quorum = quorum_of(len(nodes))
         self._fast = [_bounded(c, self.node_timeout, asyncio_client=asyncio_client) for c in nodes]
         # The caller's clients (for waiting and renewal); a URL's client is the private one.

@@ -2,6 +2,7 @@
 
 This module does not import Celery: it reads any mapping (``app.conf`` is one), so the
 same rules check task attributes at decoration time and app settings at worker start.
+Every duration is a number of seconds of at most ``_core.MAX_SECONDS`` (365 days).
 
 Settings (task attributes of the same meaning override them per task):
 
@@ -41,12 +42,11 @@ Settings (task attributes of the same meaning override them per task):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._core import DEFAULT_PREFIX, lease_ms, validate_prefix
+from ._core import DEFAULT_PREFIX, duration_error, lease_ms, seconds, validate_prefix
 from ._errors import LockConfigurationError
 from ._nodes import check_distinct
 
@@ -56,14 +56,20 @@ EXHAUSTED_ACTIONS = ("fail", "drop")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
-def _seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):  # type: ignore[arg-type,operator]
-        return float(value)  # type: ignore[arg-type]
-    bound = ">= 0" if allow_zero else "> 0"
-    raise LockConfigurationError(
-        f"{name} must be a finite number of seconds {bound}, got {value!r}"
-    )
+def _lease(value: object, name: str) -> float:
+    """A duration Redis keeps a key for (``ttl``, ``done_ttl``): 1 ms to 365 days."""
+    lease_ms(value, name)
+    return float(value)  # type: ignore[arg-type]
+
+
+def _hold(value: object, name: str) -> float:
+    """``lock_hold``: 0 (release at once) or a lease."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    try:
+        return _lease(value, name)
+    except LockConfigurationError:
+        raise duration_error(name, value, alternative="0 (release at once)") from None
 
 
 def _choice(value: object, name: str, allowed: tuple[str, ...]) -> str:
@@ -102,7 +108,7 @@ def _lookahead(value: object, name: str) -> int:
 def _backoff(value: object, name: str) -> tuple[float, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise LockConfigurationError(f"{name} must be a (base, cap) pair of seconds, got {value!r}")
-    base, cap = _seconds(value[0], f"{name}[0]"), _seconds(value[1], f"{name}[1]")
+    base, cap = seconds(value[0], f"{name}[0]"), seconds(value[1], f"{name}[1]")
     if cap < base:
         raise LockConfigurationError(f"{name}: cap ({cap}) must be >= base ({base})")
     return base, cap
@@ -131,14 +137,14 @@ class LockOptions:
 
 #: option name -> (task attribute, setting name, validator)
 _FIELDS: dict[str, tuple[str, str, Any]] = {
-    "ttl": ("lock_ttl", "redislock_ttl", lambda v, n: (lease_ms(v, n), float(v))[1]),
+    "ttl": ("lock_ttl", "redislock_ttl", _lease),
     "prefix": ("lock_prefix", "redislock_prefix", lambda v, n: _prefix(v, n)),
     "on_contention": (
         "on_contention",
         "redislock_on_contention",
         lambda v, n: _choice(v, n, CONTENTION_POLICIES),
     ),
-    "wait": ("lock_wait", "redislock_wait", lambda v, n: _seconds(v, n, allow_zero=True)),
+    "wait": ("lock_wait", "redislock_wait", lambda v, n: seconds(v, n, low=0.0)),
     "wait_fallback": (
         "lock_wait_fallback",
         "redislock_wait_fallback",
@@ -152,9 +158,9 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
         lambda v, n: _choice(v, n, EXHAUSTED_ACTIONS),
     ),
     "release_on_retry": ("lock_release_on_retry", "redislock_release_on_retry", _bool),
-    "done_ttl": ("lock_done_ttl", "redislock_done_ttl", _seconds),
+    "done_ttl": ("lock_done_ttl", "redislock_done_ttl", _lease),
     "lookahead": ("lock_lookahead", "redislock_lookahead", _lookahead),
-    "hold": ("lock_hold", None, lambda v, n: _seconds(v, n, allow_zero=True)),  # type: ignore[dict-item]
+    "hold": ("lock_hold", None, _hold),  # type: ignore[dict-item]
 }
 
 
@@ -202,7 +208,10 @@ class LockSettings:
         """Read and validate ``redislock_*`` from a Celery ``app.conf`` (or any mapping)."""
         urls = _urls(conf)
         url, source = (urls[0], "redislock_urls") if urls else _url(conf)
-        node_timeout = _seconds(conf.get("redislock_node_timeout", 0.25), "redislock_node_timeout")
+        node_timeout = conf.get("redislock_node_timeout")
+        node_timeout = (
+            0.25 if node_timeout is None else seconds(node_timeout, "redislock_node_timeout")
+        )
         options = conf.get("redislock_redis_options") or {}
         if not isinstance(options, Mapping):
             raise LockConfigurationError(
@@ -228,12 +237,19 @@ class LockSettings:
             raise LockConfigurationError(
                 f"redislock_park_at_delivery must be True or False, got {at_delivery!r}"
             )
+        defaults = LockOptions(**values)
+        if urls and node_timeout * 2 >= defaults.ttl:
+            raise LockConfigurationError(
+                f"redislock_node_timeout ({node_timeout}s) must be well below redislock_ttl "
+                f"({defaults.ttl}s): a quorum attempt that takes longer than the lease can never "
+                f"be valid (use at most ttl / 10)"
+            )
         signing_key, key_source = _signing_key(conf)
         return cls(
             url=url,
             url_source=source,
             redis_options=dict(options),
-            defaults=LockOptions(**values),
+            defaults=defaults,
             park_fallback=fallback,
             park_at_delivery=at_delivery,
             urls=urls,

@@ -118,6 +118,8 @@ from kombu.utils import json as kombu_json
 from . import metrics, signals, signing
 from ._core import (
     LINE_MARGIN_MS,
+    MAX_SECONDS,
+    MIN_SECONDS,
     LockKeys,
     OwnerFinished,
     OwnerRunning,
@@ -801,7 +803,7 @@ class LockedTask(Task):  # type: ignore[misc]
     def _keep_for_retry(self, lock: AnyTaskLock, retry: Retry, options: LockOptions) -> None:
         """Keep the hold for the retried run: an unrenewed lease covering the retry delay."""
         delay = retry.when if isinstance(retry.when, (int, float)) else options.ttl
-        hold = max(0.0, float(delay)) + options.ttl
+        hold = min(max(0.0, float(delay)) + options.ttl, MAX_SECONDS)
         try:
             lock.finish(hold=hold, done_ttl=None)
             _mark_kept_hold(lock, self.request, hold)
@@ -941,7 +943,8 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _parking_lifetime(self, options: LockOptions) -> float:
         """How long a parked task's records are kept (extended by every parking)."""
-        return max(options.done_ttl, self._fallback_delay(options) * 4 + options.ttl)
+        lifetime = max(options.done_ttl, self._fallback_delay(options) * 4 + options.ttl)
+        return min(lifetime, MAX_SECONDS)
 
     def _requeue(
         self,
@@ -1507,7 +1510,8 @@ class Sweeper(threading.Thread):
             lock_key + b":parked:dispatched",
             registry,
         ]
-        args = [lease_ms(self.ttl, "redislock_ttl"), lease_ms(self.ttl / 2, "stale"), QUEUE_REACH]
+        stale = lease_ms(max(self.ttl / 2, MIN_SECONDS), "stale")
+        args = [lease_ms(self.ttl, "redislock_ttl"), stale, QUEUE_REACH]
         reply = scripts.sweep(keys=keys, args=args)
         handed = _handed(lock_key, reply) if int(reply[0]) == 1 else None
         if handed is None:

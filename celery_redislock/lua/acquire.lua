@@ -5,7 +5,7 @@
 -- KEYS[4]  claims: sorted set owner -> ms (server time) until which its place in line is kept
 -- KEYS[5]  optional: "done" marker of the owner (a finished task id); if it exists, take nothing
 -- ARGV[1]  owner id (never "__fence__")
--- ARGV[2]  lease in milliseconds (a positive integer)
+-- ARGV[2]  lease in milliseconds (a whole number from 1 to the longest duration: args.lua)
 -- ARGV[3]  optional: join the line when contended, keeping the place this many ms past the
 --          holder's lease (a blocked acquire passes it; a single try does not; "" = no)
 -- ARGV[4]  optional: "new-token" hands out a new token on re-entry too (the quorum lock's
@@ -32,10 +32,8 @@
 --                                  or how long to wait for the first in line to take a free lock
 --          {-1, 0}                 KEYS[5] exists: this owner already finished its work here
 --          {2, ms}                 "task": this owner holds it already (ms: its lease left)
-local lease = tonumber(ARGV[2])
-if not lease or lease <= 0 then
-  return redis.error_reply('ERR redislock: lease must be a positive number of milliseconds')
-end
+local lease = ms_arg(ARGV[2], 'lease')
+local margin = ARGV[3] and ARGV[3] ~= '' and ms_arg(ARGV[3], 'line margin', 0)
 if KEYS[5] and redis.call('exists', KEYS[5]) == 1 then
   return {-1, 0}
 end
@@ -55,8 +53,8 @@ local function now_ms()
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 local function join_line(wait_ms)
-  if ARGV[3] and ARGV[3] ~= '' then
-    local keep_ms = math.max(wait_ms, 0) + tonumber(ARGV[3])
+  if margin then
+    local keep_ms = math.max(wait_ms, 0) + margin
     if redis.call('zadd', KEYS[4], now_ms() + keep_ms, ARGV[1]) == 1 then
       redis.call('rpush', KEYS[3], ARGV[1])
     end

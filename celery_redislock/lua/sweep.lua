@@ -20,9 +20,11 @@
 --                                     handoff.lua's, or "<token>s<ms>" for a re-send at <ms>, the
 --                                     time the dispatched hash records, so that the next pass
 --                                     recognises either while it waits there)
+local lease = ms_arg(ARGV[1], 'lease')
+local stale_ms = ms_arg(ARGV[2], 'hand-over staleness')
+local reach = whole_arg(ARGV[3] or '1000', 'queue reach', 1, 2147483647)
 local now = redis.call('time')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
-local reach = math.max(tonumber(ARGV[3]) or 1000, 1)
 -- The worker checks what it sends (whoever may write the lock keys may have written it):
 -- not pushed from here (the sweeper is no hot path).
 local function send(message, task_id, tag)
@@ -39,7 +41,7 @@ if redis.call('exists', KEYS[1]) == 0 then
       redis.call('hset', KEYS[7], next_id, now_ms)
       local token = redis.call('incr', KEYS[3])
       redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
-      redis.call('pexpire', KEYS[1], ARGV[1])
+      redis.call('pexpire', KEYS[1], lease)
       return send(message, next_id, token)
     end
   end
@@ -67,10 +69,10 @@ local dispatched = redis.call('hgetall', KEYS[7])
 for i = 1, #dispatched, 2 do
   local task_id = dispatched[i]
   if redis.call('hget', KEYS[1], task_id) == '0' then
-    if now_ms - tonumber(dispatched[i + 1]) > tonumber(ARGV[2]) then
+    if now_ms - tonumber(dispatched[i + 1]) > stale_ms then
       local message = redis.call('hget', KEYS[5], task_id)
       if message then  -- (its record gone: nothing to send; the hand-over's lease runs out)
-        redis.call('pexpire', KEYS[1], ARGV[1])  -- the hand-over's lease, renewed either way
+        redis.call('pexpire', KEYS[1], lease)  -- the hand-over's lease, renewed either way
         local token = redis.call('hget', KEYS[1], '__fence__') or '0'
         if not still_queued(message, token, dispatched[i + 1]) then
           redis.call('hset', KEYS[7], task_id, now_ms)  -- the time a re-sent copy's tag names
