@@ -115,8 +115,8 @@ def test_a_stalled_redis_bounds_acquire_and_release_by_the_socket_timeout(
 
     with paused(server):
         elapsed, error = took(mine.release)
-    assert isinstance(error, redis.exceptions.TimeoutError) and elapsed < 0.5 + SLACK
-    mine.release()  # the hold was kept: the release can be retried
+    # The last hold's release returns (it is retried in the background), within one command.
+    assert error is None and elapsed < 0.5 + SLACK
 
     assert holder.acquire(blocking=False)
     waiter = RedisLock(client, "stall", owner="waiter", ttl=30)
@@ -138,10 +138,8 @@ async def test_a_stalled_redis_bounds_the_async_lock_by_the_socket_timeout(
             started = time.monotonic()
             with pytest.raises(redis.exceptions.TimeoutError):
                 await AsyncRedisLock(client, "free", ttl=30).acquire(timeout=1)
-            with pytest.raises(redis.exceptions.TimeoutError):
-                await lock.release()
+            await lock.release()  # returns: retried in the background
             assert time.monotonic() - started < 2 * (0.5 + SLACK)
-        await lock.release()
     finally:
         await client.aclose()
 
