@@ -397,6 +397,15 @@ class LockBase(Generic[Signal]):
         signals.lock_release_failed.send(self, name=self.name, owner=hold.owner, error=exc)
         return what
 
+    def _inner_unconfirmed(self, hold: Hold) -> None:
+        """The release of an inner (re-entered) hold could not reach Redis: whether Redis
+        counted it is unknown, so the count this object would give back is unknown too.
+        Stop renewing the hold at once (its lease ends it: it is never left renewed for
+        ever by holds nobody releases) and report it lost ("unreachable"); the caller's
+        error propagates."""
+        self._forget(hold)
+        hold.mark_lost("unreachable")
+
     def _forget(self, hold: Hold) -> None:
         if self._holds.get(hold.owner) is hold:
             del self._holds[hold.owner]

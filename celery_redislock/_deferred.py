@@ -31,6 +31,14 @@ FIRST_DELAY = 0.2
 MAX_DELAY = 5.0
 
 
+def _retry_release_args(owner: str, token: int) -> list[str]:
+    """release.lua's ARGV for the retry of a lock's last-hold release: one hold, of the
+    holding with this fencing token only. The release being retried may have landed (its
+    reply lost) and the owner may have taken the lock afresh since: that new holding has
+    a newer token, and the retry leaves it alone."""
+    return [owner, "one", "", "", "", str(token)]
+
+
 def _delay(attempt: int) -> float:
     return float(min(MAX_DELAY, FIRST_DELAY * 2 ** min(attempt, 10)))
 

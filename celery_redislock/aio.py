@@ -47,7 +47,7 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
-from ._deferred import UNREACHABLE, defer_async
+from ._deferred import UNREACHABLE, _retry_release_args, defer_async
 from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
 from ._scripts import run_async, scripts_for
 from ._waiting import async_subscribers_of, async_waiter_for
@@ -433,13 +433,19 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                 await run_async(self.client, self._scripts.release, self._release_keys, [owner])
             )
         except UNREACHABLE as exc:
-            if hold is None or hold.count > 1 or hold.pid != os.getpid():
-                raise  # not this object's last hold: still held and renewed; retry it
+            if hold is None or hold.pid != os.getpid():
+                raise
+            if hold.count > 1:
+                self._inner_unconfirmed(hold)
+                raise
             what = self._unconfirmed(hold, exc)
+            retry_args = _retry_release_args(owner, hold.token)
             defer_async(
                 what,
-                lambda: run_async(self.client, self._scripts.release, self._release_keys, [owner]),
-                until=hold.deadline,  # past it the owner may hold the lock afresh
+                lambda: run_async(
+                    self.client, self._scripts.release, self._release_keys, retry_args
+                ),
+                until=hold.deadline,
             )
             return
         finally:

@@ -39,7 +39,7 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
-from ._deferred import UNREACHABLE, deferred_releases
+from ._deferred import UNREACHABLE, _retry_release_args, deferred_releases
 from ._renewal import RenewalScheduler, require_replicas, scheduler_for
 from ._scripts import run, scripts_for
 from ._waiting import waiter_for
@@ -293,13 +293,17 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         try:
             code = int(run(self.client, self._scripts.release, self._release_keys, (owner,)))
         except UNREACHABLE as exc:
-            if hold is None or hold.count > 1 or hold.pid != os.getpid():
-                raise  # not this object's last hold: still held and renewed; retry it
+            if hold is None or hold.pid != os.getpid():
+                raise
+            if hold.count > 1:
+                self._inner_unconfirmed(hold)
+                raise
             what = self._unconfirmed(hold, exc)
+            retry_args = _retry_release_args(owner, hold.token)
             deferred_releases().add(
                 what,
-                lambda: run(self.client, self._scripts.release, self._release_keys, (owner,)),
-                until=hold.deadline,  # past it the owner may hold the lock afresh
+                lambda: run(self.client, self._scripts.release, self._release_keys, retry_args),
+                until=hold.deadline,
             )
             return
         finally:

@@ -390,28 +390,61 @@ def test_an_outage_past_the_lease_leaves_nothing_renewed(
     assert not client.exists(lock.keys.lock)
 
 
-def test_an_inner_release_that_fails_keeps_the_hold_renewed_and_retryable(
+def test_an_inner_release_that_fails_stops_renewing_and_reports_the_hold_lost(
     redis_server_factory,  # type: ignore[no-untyped-def]
 ) -> None:
+    """``with lock: with lock:`` whose inner release cannot reach Redis: the error leaves
+    both blocks, and the outer release gives back one hold. Whether the inner release
+    landed is unknown, so the hold used to stay renewed for ever by a count nobody would
+    give back. Now the hold stops renewing at once and is reported lost ("unreachable");
+    its lease ends whatever is left of it."""
     server = redis_server_factory()
     client = server.client(socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
-    lock = RedisLock(client, "job", ttl=60)
-    lock.acquire()
-    lock.acquire()  # re-entered: the next release is not the last
-    server.signal(19)
-    try:
-        with pytest.raises(redis.exceptions.TimeoutError):
-            lock.release()
-        assert lock.hold_count == 2 and len(lock._scheduler()) == 1
-    finally:
-        server.signal(18)
-    time.sleep(0.1)
-    # The first release may or may not have run once the server resumed.
-    count = int(client.hget(lock.keys.lock, lock._current_owner()) or 0)
-    assert count in (1, 2)
-    for _ in range(count):
-        lock.release()
+    lock = RedisLock(client, "job", ttl=1.0)
+    with pytest.raises(redis.exceptions.TimeoutError):
+        with lock:
+            with lock:
+                server.signal(19)  # SIGSTOP: the inner release gets no answer
+                try:
+                    pass
+                finally:
+                    threading.Timer(0.5, lambda: server.signal(18)).start()  # SIGCONT
+    assert lock.lost and lock.lost.reason == "unreachable"
+    assert len(lock._scheduler()) == 0  # not renewed
+    deadline = time.monotonic() + 3.0
+    while client.exists(lock.keys.lock) and time.monotonic() < deadline:
+        assert client.pttl(lock.keys.lock) <= 1000  # never renewed
+        time.sleep(0.05)
     assert not client.exists(lock.keys.lock)
+
+
+def test_a_background_release_never_touches_the_owners_next_holding(
+    redis_server: RedisServer,
+) -> None:
+    """The release's reply is lost after it landed; the owner takes the lock again at
+    once. The retry of the first release used to give back that new holding (same owner):
+    another owner got in while this one still believed it held the lock."""
+    from celery_redislock._deferred import deferred_releases
+    from celery_redislock.testing import FaultProxy
+
+    with FaultProxy(redis_server) as proxy:
+        client = redis.Redis(
+            host="127.0.0.1", port=proxy.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0)
+        )
+        direct = redis_server.client()
+        lock = RedisLock(client, "job:again", ttl=5)
+        lock.acquire()
+        first = lock.token
+        proxy.inject("drop_reply", "release")
+        lock.release()  # landed; its reply lost: retried in the background
+        assert lock.acquire(blocking=False)  # the same owner, afresh
+        assert lock.token != first
+        assert deferred_releases().wait_idle(5.0)
+        assert direct.hget(lock.keys.lock, lock._current_owner()) == b"1"
+        lock.ensure_held()
+        lock.release()
+        client.close()
+        direct.close()
 
 
 @pytest.mark.parametrize(

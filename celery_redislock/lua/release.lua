@@ -23,7 +23,10 @@
 -- ARGV[3]  with "hold": milliseconds to keep the lock (1 to the longest duration); with "leave":
 --          "<subscriber>:<wait>" of the leaving waiter (a direct grant to it is passed on)
 -- ARGV[4]  with KEYS[6]: lifetime of the done marker in milliseconds
--- ARGV[5]  optional: ms a waiter granted the lock has to take it (default 2000)
+-- ARGV[5]  optional: ms a waiter granted the lock has to take it (default, or "": 2000)
+-- ARGV[6]  optional: the fencing token of the holding to give back: another holding of the
+--          same owner (the release being retried landed, and the owner took the lock
+--          afresh) is left alone (-2)
 -- returns  n >= 0  holds the owner still has (0: given back; lock handed over, deleted or
 --                  left to expire)
 --          -1      the lock key is gone (the lease expired)
@@ -32,7 +35,7 @@
 local mode = ARGV[2] or 'one'
 local hold_ms = mode == 'hold' and ms_arg(ARGV[3], 'hold')
 local done_ms = KEYS[6] and ARGV[4] and ms_arg(ARGV[4], 'done marker lifetime')
-local grant_ms = ms_arg(ARGV[5] or '2000', 'grant lease')
+local grant_ms = ms_arg((ARGV[5] ~= '' and ARGV[5]) or '2000', 'grant lease')
 local wake_key = KEYS[4] .. ':wake'
 if mode == 'leave' then
   redis.call('lrem', KEYS[4], 0, ARGV[1])
@@ -58,6 +61,9 @@ else
   local count = redis.call('hget', KEYS[1], ARGV[1])
   if not count then
     return redis.call('exists', KEYS[1]) == 0 and -1 or -2
+  end
+  if ARGV[6] and ARGV[6] ~= '' and redis.call('hget', KEYS[1], '__fence__') ~= ARGV[6] then
+    return -2
   end
   if mode == 'one' and tonumber(count) > 1 then
     return redis.call('hincrby', KEYS[1], ARGV[1], -1)
