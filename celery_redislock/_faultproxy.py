@@ -134,7 +134,8 @@ class Fault:
         self.fired = threading.Event()
         #: When it fired (monotonic).
         self.fired_at: float | None = None
-        #: Set when a delay or stall ended (at once for the other actions).
+        #: Set once a delayed or stalled command was sent on (or its connection closed
+        #: first), at once for the other actions.
         self.over = threading.Event()
         self._resume = threading.Event()
 
@@ -286,8 +287,10 @@ class _Connection:
         if fault.action in ("delay", "stall"):
             until = None if fault.seconds is None else time.monotonic() + fault.seconds
             self._hold(until, fault._resume if fault.action == "stall" else None)
-            fault.over.set()
-        return not self.proxy._stopping.is_set() and not self.closed.is_set()
+        if self.proxy._stopping.is_set() or self.closed.is_set():
+            fault.over.set()  # its connection is gone: it is never sent on
+            return False
+        return True
 
     def _requests(self) -> None:
         buf = b""
@@ -323,6 +326,8 @@ class _Connection:
                             self.expect.append(cut)
                     self.upstream.sendall(raw)
                     self.proxy._forwarded(command)
+                    if fault is not None:
+                        fault.over.set()  # a delayed or stalled command has been sent on
                     if cut:  # nothing more runs on this connection: wait for the cut
                         self.closed.wait(_REPLY_WAIT)
                         self.close()
@@ -347,16 +352,20 @@ class _Connection:
                     except _Incomplete:
                         break
                     raw, buf = buf[:end], buf[end:]
-                    if not self._reply(value):
+                    forward, fault = self._reply(value)
+                    if not forward:
                         return
                     self._gate()
                     self.client.sendall(raw)
+                    if fault is not None:
+                        fault.over.set()
         except OSError:
             pass
         self.close()
 
-    def _reply(self, value: Any) -> bool:
-        """Decide one reply or push: False when the connection was cut instead."""
+    def _reply(self, value: Any) -> tuple[bool, Fault | None]:
+        """Decide one reply or push: (False, _) when the connection was cut instead;
+        the fault applied to a pushed message, if any."""
         pushed = isinstance(value, list) and value[:1] == ["__push__"]
         items = value[1:] if pushed else value
         is_message = (
@@ -371,15 +380,17 @@ class _Connection:
                 cut = self.expect.popleft()
         if cut:
             self.close()
-            return False
+            return False, None
+        fault = None
         if is_message:
             message = self.proxy._command(
                 [b"MESSAGE", *[bytes(i) for i in items[1:] if isinstance(i, bytes)]], self.ident
             )
-            if not self._apply(self.proxy._match(message)):
-                return False
+            fault = self.proxy._match(message)
+            if not self._apply(fault):
+                return False, fault
             self.proxy._forwarded(message)
-        return not self.closed.is_set()
+        return not self.closed.is_set(), fault
 
 
 class FaultProxy:
