@@ -59,7 +59,7 @@ STALL = 0.45
 #: A partition shorter than the lease (the hold can survive it).
 SHORT_PARTITION = 0.25
 #: A partition longer than the lease (the hold cannot).
-LONG_PARTITION = 1.0
+LONG_PARTITION = 1.2
 #: Scheduling slack on a loaded 2-core machine.
 SLACK = 0.6
 #: How often a holder checks that it still holds the lock.
@@ -67,6 +67,10 @@ STEP = 0.01
 NETWORK = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 ISSUE_1 = "issue 15 #1: a release that fails on a connection error keeps renewing"
+ISSUE_LATE = (
+    "issue 15: a renewal hanging on a blackholed connection at the validity deadline "
+    "delays lock.lost until its socket timeout, after another owner got in"
+)
 ISSUE_RETRY = (
     "issue 15: redis-py re-sends a script whose reply was lost (its default retry); "
     "release and acquire are not idempotent"
@@ -103,16 +107,17 @@ class Record:
     def of(self, owner: str) -> list[Section]:
         return [s for s in self.sections if s.owner == owner]
 
-    def check(self, **expected: int) -> None:
+    def check(self, tolerance: float = 0.0, **expected: int) -> None:
         """Each owner had the expected number of sections; none overlapped another
-        owner's; tokens increase in the order sections started."""
+        owner's (by more than ``tolerance`` seconds); tokens increase in the order
+        sections started."""
         seen = {o: len(self.of(o)) for o in {s.owner for s in self.sections} | set(expected)}
         assert seen == {o: expected.get(o, 0) for o in seen}, self.sections
         ordered = sorted(self.sections, key=lambda s: s.start)
         for i, first in enumerate(ordered):
             for second in ordered[i + 1 :]:
                 if first.owner != second.owner:
-                    assert second.start >= first.last_ok, (
+                    assert second.start >= first.last_ok - tolerance, (
                         f"{second.owner} entered {first.last_ok - second.start:.3f}s before "
                         f"{first.owner} last acted under the lock: {ordered}"
                     )
@@ -120,16 +125,20 @@ class Record:
         assert tokens == sorted(set(tokens)), f"tokens out of order: {ordered}"
 
 
-def work(lock: Any, section: Section, seconds: float) -> bool:
+def work(lock: Any, section: Section, seconds: float, *, local_check: bool = True) -> bool:
     """Hold ``lock`` for ``seconds``, checking ``lost`` and ``ensure_held()`` every STEP:
-    the section ends at the first sign of loss. False if it ended so."""
+    the section ends at the first sign of loss. False if it ended so.
+
+    ``local_check=False``: watch ``lock.lost`` alone (code that relies on the watchdog's
+    report, as a callback or a flag, rather than on the local deadline check)."""
     end = time.monotonic() + seconds
     while True:
         if lock.lost:
             section.told = f"lost ({lock.lost.reason})"
             return False
         try:
-            lock.ensure_held()
+            if local_check:
+                lock.ensure_held()
         except LockLostError as exc:
             section.told = f"LockLostError ({exc.reason})"
             return False
@@ -417,11 +426,25 @@ def test_closing_the_proxy_leaves_no_thread_behind(server: RedisServer) -> None:
     assert after == before == set()
 
 
+def test_the_record_catches_an_overlap_a_missing_section_and_a_stale_token() -> None:
+    record = Record()
+    a = record.open("A", 2)
+    b = record.open("B", 1)
+    a.last_ok = b.start + 0.01  # A acted after B entered
+    with pytest.raises(AssertionError, match="B entered"):
+        record.check(A=1, B=1)
+    with pytest.raises(AssertionError):
+        record.check(A=1, B=2)
+    a.last_ok = a.start
+    with pytest.raises(AssertionError, match="tokens out of order"):
+        record.check(A=1, B=1)
+
+
 # ----------------------------------------------------------------------- the walk
 #
-# Each case: (step, fault, redis-py retries on), and what A's call must do. The
-# default client retries a command that failed on a connection error (redis-py 5.1+:
-# 3 retries, 6.0+: 10, with backoff), re-sending a script that may have run already.
+# Each case: (step, fault, redis-py retries on). redis-py's default client re-sends a
+# command that failed on a connection error (8.1: up to 10 times, with backoff): a
+# script that may have run already. ``retry=None`` turns that off.
 
 
 def case(step: str, action: str, retry: bool = False, *, xfail: str | None = None) -> Any:
@@ -596,27 +619,41 @@ RENEWAL_CASES = [
     case("renewal", "stall"),
     case("renewal", "refuse"),
     case("renewal", "refuse-long"),
-    case("renewal", "blackhole-long"),
+    case("renewal", "blackhole-long", xfail=ISSUE_LATE),
 ]
+#: A's report of a loss comes from its watchdog thread, at the validity deadline; the
+#: lease's drift allowance (1% + 2 ms: 11 ms here) is all that separates the deadline
+#: from the key's expiry in Redis, so the report may trail B's entry by a thread's
+#: scheduling delay.
+REPORT_TOLERANCE = 0.05
 
 
 @pytest.mark.parametrize(("step", "action", "retry"), RENEWAL_CASES)
 def test_watchdog_renewal(walk: Walk, step: str, action: str, retry: bool) -> None:
-    """A holds while its watchdog's second renewal meets the fault; B waits. A short
+    """A holds while its watchdog's first renewal meets the fault; B waits. A short
     fault costs nothing; a partition past the lease is a loss A is told of before B
-    gets in."""
-    a = walk.lock(walk.client(retry), owner="A", ttl=RENEW_TTL)
+    gets in: by ``ensure_held()`` when Redis refuses connections, and by ``lock.lost``
+    alone when the network swallows packets (the renewal in flight at the deadline
+    hangs; A's socket timeout is then the watchdog's own cap, 1 s)."""
+    long = action.endswith("-long")
+    blackhole = action == "blackhole-long"
+    client = walk.client(retry)
+    if blackhole:
+        client = walk.proxy.client(socket_timeout=1.0, retry=None)
+        walk._clients.append(client)
+    a = walk.lock(client, owner="A", ttl=RENEW_TTL)
     assert a.acquire()
     section = walk.record.open("A", a.token)
     b = walk.contender()
-    long = action.endswith("-long")
     kind = action.removesuffix("-long")
-    fault = walk.inject(kind, "renew", nth=2, seconds=LONG_PARTITION if long else None)
-    kept = work(a, section, 1.3)  # past the deadline the second renewal was to move
+    fault = walk.inject(kind, "renew", seconds=LONG_PARTITION if long else None)
+    # Past the deadline the first renewal was to move (or until told).
+    kept = work(a, section, 2.0 if long else 1.0, local_check=not blackhole)
     assert fault.fired.is_set()
     if long:
         assert not kept and section.told is not None
-        assert walk.lost("A", wait=1.0) in (["unreachable"], ["deadline"]), walk.losses
+        reasons = walk.lost("A", wait=1.0)
+        assert len(reasons) == 1 and (blackhole or reasons[0] in ("unreachable", "deadline"))
         _finish_fault(fault)
         with pytest.raises(LockLostError):
             a.release()
@@ -626,7 +663,7 @@ def test_watchdog_renewal(walk: Walk, step: str, action: str, retry: bool) -> No
         assert walk.lost("A") == []
     assert b.join() is not None
     walk.gone("A", by=_finish_fault(fault) + RENEW_TTL + SLACK)
-    walk.record.check(A=1, B=1)
+    walk.record.check(A=1, B=1, tolerance=REPORT_TOLERANCE if blackhole else 0.0)
 
 
 EXTEND_CASES = [
@@ -819,7 +856,7 @@ async def _async_walk(walk: Walk, client: Any, step: str, action: str) -> None:
         outcome = await _aattempt(a.acquire(blocking=False))
         assert isinstance(outcome, NETWORK)
         b = walk.contender()
-        settled = _finish_fault(fault)
+        settled = await asyncio.to_thread(_finish_fault, fault)
         assert await asyncio.to_thread(b.join) is not None
         walk.record.check(B=1)
     elif step == "wake-up":
@@ -845,7 +882,7 @@ async def _async_walk(walk: Walk, client: Any, step: str, action: str) -> None:
         holder.release()
         section = await waiting
         assert section.start - released <= TTL + SLACK
-        settled = _finish_fault(fault)
+        settled = await asyncio.to_thread(_finish_fault, fault)
         owner = owners[0]
         walk.record.check(A=1, B=1)
     elif step == "renewal":
@@ -856,10 +893,9 @@ async def _async_walk(walk: Walk, client: Any, step: str, action: str) -> None:
         assert not await awork(a, section, 4 * TTL)
         await asyncio.sleep(0.05)  # lock.lost is set a moment before the callbacks run
         assert walk.lost("A") in (["unreachable"], ["deadline"]), walk.losses
-        settled = _finish_fault(fault)
+        settled = await asyncio.to_thread(_finish_fault, fault)
         assert await asyncio.to_thread(b.join) is not None
         walk.record.check(A=1, B=1)
-        settled += LONG_PARTITION
     else:  # release
         assert await a.acquire()
         section = walk.record.open("A", a.token)
@@ -869,7 +905,7 @@ async def _async_walk(walk: Walk, client: Any, step: str, action: str) -> None:
         fault = walk.inject(action, "release")
         outcome = await _aattempt(a.release())
         assert isinstance(outcome, NETWORK)
-        settled = _finish_fault(fault)
+        settled = await asyncio.to_thread(_finish_fault, fault)
         await asyncio.to_thread(walk.gone, "A", settled + TTL + SLACK)
         assert await asyncio.to_thread(b.join) is not None
         await asyncio.sleep(TTL / 2)
