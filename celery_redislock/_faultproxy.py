@@ -30,6 +30,10 @@ taking the :class:`Command`.
 It counts every command it forwarded (:meth:`FaultProxy.count`), so a test can assert
 which steps happened. :meth:`FaultProxy.close` stops every thread and closes every
 socket it opened.
+
+A script's first ``EVALSHA`` on a server that has not cached it is answered NOSCRIPT
+and sent again after ``SCRIPT LOAD``: both count as matching commands. Load the scripts
+first (``SCRIPT LOAD``) where the count matters.
 """
 
 from __future__ import annotations
