@@ -380,7 +380,7 @@ class _Connection:
             cut = False
             if self.pubsub and self.cut_next_push:
                 cut, self.cut_next_push = True, False
-            elif self.expect and not is_message:
+            elif self.expect and not pushed and not is_message:  # a command's reply
                 cut = self.expect.popleft()
         if cut:
             self.close()

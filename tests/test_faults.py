@@ -400,8 +400,15 @@ def test_a_stall_holds_the_connection_until_resumed(walk: Walk) -> None:
     assert job.join() == b"v" and fault.over.is_set()
 
 
-def test_a_pushed_message_can_be_dropped(walk: Walk) -> None:
-    subscriber = walk.client().pubsub()
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_pushed_message_can_be_dropped(walk: Walk, protocol: int) -> None:
+    client = walk.proxy.client(retry=None, protocol=protocol)
+    walk._clients.append(client)
+    walk.inject("drop_reply", "GET")
+    with pytest.raises(redis.exceptions.ConnectionError):
+        client.get("k")  # the reply was matched to its command, and cut
+    assert client.get("k") is None
+    subscriber = client.pubsub()
     subscriber.subscribe("ch")
     assert subscriber.get_message(timeout=1)["type"] == "subscribe"  # type: ignore[index]
     fault = walk.inject("drop", "message")
