@@ -216,7 +216,7 @@ class Walk:
         #: (owner, reason, when) of every loss reported to A's locks.
         self.losses: list[tuple[str, str, float]] = []
         self._clients: list[Any] = [self.admin]
-        self._locks: list[Any] = []
+        self.locks: list[Any] = []
         self._jobs: list[Job] = []
 
     def client(self, retry: bool = False) -> redis.Redis:
@@ -239,13 +239,18 @@ class Walk:
             client, NAME, **kwargs
         )
         lock.on_lost(lambda _lock, error: self.losses.append((error.owner, error.reason, now())))
-        self._locks.append(lock)
+        self.locks.append(lock)
         return lock
 
     def inject(self, action: str, on: Any, *, nth: int = 1, seconds: float | None = None) -> Fault:
         if seconds is None:
             seconds = {"delay": DELAY, "stall": STALL, "refuse": SHORT_PARTITION}.get(action)
         return self.proxy.inject(action, on, nth=nth, seconds=seconds)
+
+    def keep(self, thing: Any) -> Any:
+        """Close this client, or this lock's renewals, at the end of the case."""
+        (self.locks if isinstance(thing, (RedisLock, RedLock)) else self._clients).append(thing)
+        return thing
 
     def spawn(self, fn: Callable[[], Any]) -> Job:
         job = Job(fn)
@@ -257,7 +262,7 @@ class Walk:
 
         def run() -> Section | None:
             lock = RedisLock(self.direct(), NAME, ttl=TTL, owner=owner)
-            self._locks.append(lock)
+            self.locks.append(lock)
             if not lock.acquire(timeout=timeout):
                 return None
             section = self.record.open(owner, lock.token)
@@ -298,8 +303,9 @@ class Walk:
             time.sleep(0.005)
 
     def close(self) -> None:
-        for lock in self._locks:
-            lock.close()  # a hold a bug keeps renewing must not outlive its case
+        for lock in self.locks:
+            if not isinstance(lock, AsyncRedisLock):  # closed in their event loop
+                lock.close()  # a hold a bug keeps renewing must not outlive its case
         for job in self._jobs:
             job.thread.join(15)
         for client in self._clients:
@@ -388,8 +394,7 @@ def test_each_fault_does_what_it_says(walk: Walk, action: str) -> None:
 
 def test_a_stall_holds_the_connection_until_resumed(walk: Walk) -> None:
     client = walk.client()
-    slow = walk.proxy.client(socket_timeout=5.0, retry=None)
-    walk._clients.append(slow)
+    slow = walk.keep(walk.proxy.client(socket_timeout=5.0, retry=None))
     fault = walk.inject("stall", "GET", seconds=None)
     job = walk.spawn(lambda: slow.get("k"))
     assert fault.fired.wait(5)
@@ -402,8 +407,7 @@ def test_a_stall_holds_the_connection_until_resumed(walk: Walk) -> None:
 
 @pytest.mark.parametrize("protocol", [2, 3])
 def test_a_pushed_message_can_be_dropped(walk: Walk, protocol: int) -> None:
-    client = walk.proxy.client(retry=None, protocol=protocol)
-    walk._clients.append(client)
+    client = walk.keep(walk.proxy.client(retry=None, protocol=protocol))
     walk.inject("drop_reply", "GET")
     with pytest.raises(redis.exceptions.ConnectionError):
         client.get("k")  # the reply was matched to its command, and cut
@@ -573,8 +577,7 @@ def test_blocked_acquire(walk: Walk, step: str, action: str, retry: bool) -> Non
     wake-up), except for the "grant" step, where an explicit owner takes the lock
     B's release handed it with one more acquire.
     """
-    holder = RedisLock(walk.direct(), NAME, ttl=2.0, owner="B", auto_renew=False)
-    walk._locks.append(holder)
+    holder = walk.keep(RedisLock(walk.direct(), NAME, ttl=2.0, owner="B", auto_renew=False))
     assert holder.acquire()
     b_section = walk.record.open("B", holder.token)
     explicit = step == "grant"
@@ -650,8 +653,7 @@ def test_watchdog_renewal(walk: Walk, step: str, action: str, retry: bool) -> No
     blackhole = action == "blackhole-long"
     client = walk.client(retry)
     if blackhole:
-        client = walk.proxy.client(socket_timeout=1.0, retry=None)
-        walk._clients.append(client)
+        client = walk.keep(walk.proxy.client(socket_timeout=1.0, retry=None))
     a = walk.lock(client, owner="A", ttl=RENEW_TTL)
     assert a.acquire()
     section = walk.record.open("A", a.token)
@@ -853,9 +855,9 @@ async def test_asyncio_lock(walk: Walk, step: str, action: str, retry: bool) -> 
     try:
         await _async_walk(walk, client, step, action)
     finally:
-        for lock in [x for x in walk._locks if isinstance(x, AsyncRedisLock)]:
-            lock.close()  # in its event loop
-            walk._locks.remove(lock)
+        for lock in walk.locks:
+            if isinstance(lock, AsyncRedisLock):
+                lock.close()  # in its event loop
         await aclose_background(client)
         await client.aclose()
 
@@ -872,8 +874,7 @@ async def _async_walk(walk: Walk, client: Any, step: str, action: str) -> None:
         assert await asyncio.to_thread(b.join) is not None
         walk.record.check(B=1)
     elif step == "wake-up":
-        holder = RedisLock(walk.direct(), NAME, ttl=2.0, owner="B", auto_renew=False)
-        walk._locks.append(holder)
+        holder = walk.keep(RedisLock(walk.direct(), NAME, ttl=2.0, owner="B", auto_renew=False))
         assert holder.acquire()
         b_section = walk.record.open("B", holder.token)
         fault = walk.inject(action, "message")
