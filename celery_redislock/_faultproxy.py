@@ -138,7 +138,7 @@ class Fault:
         self.fired = threading.Event()
         #: When it fired (monotonic).
         self.fired_at: float | None = None
-        #: Set once a delayed or stalled command was sent on (or its connection closed
+        #: Set as a delayed or stalled command is sent on (or when its connection closed
         #: first), at once for the other actions.
         self.over = threading.Event()
         self._resume = threading.Event()
@@ -328,10 +328,12 @@ class _Connection:
                             self.cut_next_push = True
                         elif not self.pubsub:
                             self.expect.append(cut)
-                    self.upstream.sendall(raw)
+                    # Recorded first: its reply can reach the client (which may then
+                    # ask) before this thread runs again.
                     self.proxy._forwarded(command)
                     if fault is not None:
-                        fault.over.set()  # a delayed or stalled command has been sent on
+                        fault.over.set()  # a delayed or stalled command is sent on
+                    self.upstream.sendall(raw)
                     if cut:  # nothing more runs on this connection: wait for the cut
                         self.closed.wait(_REPLY_WAIT)
                         self.close()
@@ -360,9 +362,9 @@ class _Connection:
                     if not forward:
                         return
                     self._gate()
-                    self.client.sendall(raw)
                     if fault is not None:
                         fault.over.set()
+                    self.client.sendall(raw)
         except OSError:
             pass
         self.close()

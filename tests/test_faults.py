@@ -401,7 +401,7 @@ def test_each_fault_does_what_it_says(walk: Walk, action: str) -> None:
 
 
 def test_a_stall_holds_the_connection_until_resumed(walk: Walk) -> None:
-    client = walk.client()
+    client = walk.keep(walk.proxy.client(retry=None))
     slow = walk.keep(walk.proxy.client(socket_timeout=5.0, retry=None))
     fault = walk.inject("stall", "GET", seconds=None)
     job = walk.spawn(lambda: slow.get("k"))
