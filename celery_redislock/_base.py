@@ -13,7 +13,7 @@ import time
 import weakref
 from typing import Any, Awaitable, Callable, Coroutine, Generic, TypeVar
 
-from . import signals
+from . import _deferred, signals
 from ._core import (
     DEFAULT_PREFIX,
     GRANT_MS,
@@ -305,6 +305,8 @@ class LockBase(Generic[Signal]):
             self._forget(hold)
             hold.mark_lost("expired")
             hold = None
+        if hold is None and (_deferred._deferred is not None or _deferred._async_tasks):
+            _deferred.cancel_deferred(self.keys.lock, owner)  # see DeferredReleases.cancel
         if hold is None:
             signal = self._signal_type()
             self._signals[owner] = signal
@@ -399,12 +401,14 @@ class LockBase(Generic[Signal]):
 
     def _inner_unconfirmed(self, hold: Hold) -> None:
         """The release of an inner (re-entered) hold could not reach Redis: whether Redis
-        counted it is unknown, so the count this object would give back is unknown too.
-        Stop renewing the hold at once (its lease ends it: it is never left renewed for
-        ever by holds nobody releases) and report it lost ("unreachable"); the caller's
-        error propagates."""
-        self._forget(hold)
-        hold.mark_lost("unreachable")
+        counted it is unknown. The hold is counted as given back here, and stops being
+        renewed at once: the remaining releases then give back what this object holds,
+        and a count Redis kept for the lost release ends with the lease (it is never
+        renewed for ever by a count nobody gives back). Work still done under the outer
+        hold is covered until its validity deadline (``ensure_held()`` says so after it).
+        The caller's error propagates."""
+        hold.count -= 1
+        self._unschedule(hold)
 
     def _forget(self, hold: Hold) -> None:
         if self._holds.get(hold.owner) is hold:

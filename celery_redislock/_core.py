@@ -622,8 +622,7 @@ def hold_problem(hold: object, now: float) -> str | None:
 LOSS_TEXT = {
     "expired": "its lease expired in Redis before it was renewed",
     "stolen": "its lease expired and another owner now holds the lock",
-    "unreachable": "Redis could not be reached to renew it before the lease's validity "
-    "deadline, or to confirm the release of an inner (re-entered) hold",
+    "unreachable": "Redis could not be reached to renew it before the lease's validity deadline",
     "deadline": "the lease's local validity deadline passed without a renewal",
     "released": "it was force-released",
     "unrenewable": "the watchdog could not renew it (its lease was out of range, or renewing "

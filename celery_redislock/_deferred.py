@@ -50,6 +50,8 @@ class _Item:
     what: str = field(compare=False)
     attempt_fn: Callable[[], object] = field(compare=False)
     attempts: int = field(default=0, compare=False)
+    #: (lock key, owner): a new acquire of that owner on that lock cancels the retry.
+    key: tuple[bytes, str] | None = field(default=None, compare=False)
 
 
 class DeferredReleases:
@@ -62,17 +64,36 @@ class DeferredReleases:
         self._thread: threading.Thread | None = None
         self._busy = 0
 
-    def add(self, what: str, attempt: Callable[[], object], until: float) -> None:
+    def add(
+        self,
+        what: str,
+        attempt: Callable[[], object],
+        until: float,
+        key: tuple[bytes, str] | None = None,
+    ) -> None:
         """Retry ``attempt()`` until it returns (or raises other than unreachable), or
-        until the monotonic time ``until``. ``what`` names it in logs."""
+        until the monotonic time ``until``. ``what`` names it in logs; ``key`` (lock key,
+        owner) lets :meth:`cancel` drop it."""
         with self._cond:
-            self._items.append(_Item(time.monotonic() + FIRST_DELAY, until, what, attempt))
+            item = _Item(time.monotonic() + FIRST_DELAY, until, what, attempt, key=key)
+            self._items.append(item)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="redislock-deferred-release", daemon=True
                 )
                 self._thread.start()
             self._cond.notify()
+
+    def cancel(self, lock_key: bytes, owner: str) -> None:
+        """The owner acquired the lock again: drop its pending release of it. The release
+        may have landed (the owner then holds the lock afresh, which a retry must not
+        give back), or may still land late (then it gives back the count it was meant
+        to, and the owner's new hold is the re-entry on top); if it never lands, the
+        count it kept ends with the lease. Cheap when nothing is pending."""
+        if not self._items:
+            return
+        with self._cond:
+            self._items = [i for i in self._items if i.key != (lock_key, owner)]
 
     def pending(self) -> int:
         """How many releases are still being retried (including one in progress)."""
@@ -141,6 +162,16 @@ _deferred: DeferredReleases | None = None
 _mutex = threading.Lock()
 
 
+def cancel_deferred(lock_key: bytes, owner: str) -> None:
+    """Drop this process's pending release of ``lock_key`` by ``owner`` (sync or asyncio),
+    if any: the owner just acquired it again."""
+    found = _deferred
+    if found is not None and found._items:
+        found.cancel(lock_key, owner)
+    if _async_tasks:
+        cancel_async(lock_key, owner)
+
+
 def deferred_releases() -> DeferredReleases:
     """This process's retrier (a new one after a fork: a child never retries its parent's)."""
     global _deferred
@@ -150,10 +181,24 @@ def deferred_releases() -> DeferredReleases:
         return _deferred
 
 
-_async_tasks: set[asyncio.Task[None]] = set()
+_async_tasks: dict[asyncio.Task[None], tuple[bytes, str] | None] = {}
 
 
-def defer_async(what: str, attempt: Callable[[], Awaitable[object]], until: float) -> None:
+def cancel_async(lock_key: bytes, owner: str) -> None:
+    """The asyncio counterpart of :meth:`DeferredReleases.cancel`."""
+    if not _async_tasks:
+        return
+    for task, key in list(_async_tasks.items()):
+        if key == (lock_key, owner):
+            task.cancel()
+
+
+def defer_async(
+    what: str,
+    attempt: Callable[[], Awaitable[object]],
+    until: float,
+    key: tuple[bytes, str] | None = None,
+) -> None:
     """The asyncio counterpart of :meth:`DeferredReleases.add`: a task on the running loop."""
 
     async def retry() -> None:
@@ -180,8 +225,8 @@ def defer_async(what: str, attempt: Callable[[], Awaitable[object]], until: floa
             return
 
     task = asyncio.get_running_loop().create_task(retry())
-    _async_tasks.add(task)
-    task.add_done_callback(_async_tasks.discard)
+    _async_tasks[task] = key
+    task.add_done_callback(lambda done: _async_tasks.pop(done, None))
 
 
 def pending_async() -> int:

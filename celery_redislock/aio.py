@@ -446,6 +446,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                     self.client, self._scripts.release, self._release_keys, retry_args
                 ),
                 until=hold.deadline,
+                key=(self.keys.lock, owner),
             )
             return
         finally:

@@ -304,6 +304,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                 what,
                 lambda: run(self.client, self._scripts.release, self._release_keys, retry_args),
                 until=hold.deadline,
+                key=(self.keys.lock, owner),
             )
             return
         finally:

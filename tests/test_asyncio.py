@@ -144,10 +144,24 @@ async def test_waiter_wakes_on_release(aclient: aioredis.Redis) -> None:
     assert await asyncio.wait_for(waiter, 20) is True  # long before the 60 s lease ends
 
 
-async def test_a_release_grants_the_first_waiter_directly(aclient: aioredis.Redis) -> None:
+@pytest_asyncio.fixture
+async def own_aclient(
+    redis_server_factory: Callable[..., RedisServer],
+) -> AsyncIterator[aioredis.Redis]:
+    """A client of a server of its own: for tests that count the server's commands (no
+    other test's leftover renewal or retry can add to them)."""
+    server = redis_server_factory()
+    client = aioredis.Redis(port=server.port, socket_timeout=5)
+    yield client
+    await aclose_background(client)
+    await client.aclose()
+
+
+async def test_a_release_grants_the_first_waiter_directly(own_aclient: aioredis.Redis) -> None:
     """As for RedisLock: the waiter's reader alone is told, with the token, and the
     waiter (the default owner: its task) holds the lock without another round trip;
     the watchdog lengthens the grant's lease; re-entries count as usual."""
+    aclient = own_aclient
     holder = AsyncRedisLock(aclient, "direct", ttl=60, auto_renew=False, owner="holder")
     await holder.acquire()
     keys = holder.keys

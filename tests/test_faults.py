@@ -763,7 +763,6 @@ def test_release_of_the_last_hold(walk: Walk, step: str, action: str, retry: boo
     walk.record.check(A=1, B=1)
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE_DEFERRED)
 @pytest.mark.parametrize("action", ["drop_reply", "stall"])
 def test_a_release_retried_in_the_background_spares_the_owners_next_hold(
     walk: Walk, action: str
@@ -787,10 +786,10 @@ def test_a_release_retried_in_the_background_spares_the_owners_next_hold(
 
 
 INNER_RELEASE_CASES = [
-    case("inner-release", "drop", xfail=ISSUE_INNER),
+    case("inner-release", "drop"),
     case("inner-release", "drop_reply"),
     case("inner-release", "drop_reply", retry=True, xfail=ISSUE_RETRY),
-    case("inner-release", "stall", xfail=ISSUE_INNER),
+    case("inner-release", "stall"),
 ]
 
 
