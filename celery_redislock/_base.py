@@ -570,6 +570,18 @@ def warn_if_unbounded(client: Any, name: str | bytes) -> None:
             "'How long a call can take'). This is logged once per connection pool.",
             name,
         )
+    retry = kwargs.get("retry")
+    retries = getattr(retry, "_retries", 0) if retry is not None else 0
+    if isinstance(retries, int) and retries > 0:
+        log.warning(
+            "redislock: the Redis client of lock %r re-sends a command whose connection "
+            "failed (retry with %d retries). Lock scripts are not idempotent: a re-sent "
+            "release can give back two holds (an outer hold's too), a re-sent acquire can "
+            "take two. Give lock clients retry=Retry(NoBackoff(), 0) (see docs/concepts.md, "
+            "'A release that cannot reach Redis'). This is logged once per connection pool.",
+            name,
+            retries,
+        )
 
 
 class SyncContext:

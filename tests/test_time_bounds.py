@@ -153,3 +153,19 @@ def test_the_quorum_lock_is_bounded_by_node_timeout_even_on_unbounded_clients(
     with paused(servers[0]), paused(servers[1]), paused(servers[2]):
         elapsed, error = took(lambda: lock.acquire(timeout=1))
     assert isinstance(error, LockQuorumError) and elapsed < 0.3 + SLACK
+
+
+def test_a_client_that_re_sends_commands_is_logged_once(
+    redis_server_factory: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """redis-py's default client re-sends a command whose connection failed; the lock
+    scripts are not idempotent, so a lock built on such a client says so, once a pool."""
+    server = redis_server_factory()
+    resending = redis.Redis(port=server.port, socket_timeout=1)  # redis-py's default retry
+    single = redis.Redis(port=server.port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
+    with caplog.at_level("WARNING", logger="celery_redislock"):
+        RedisLock(resending, "a")
+        RedisLock(resending, "b")
+        RedisLock(single, "c")
+    found = [r for r in caplog.records if "re-sends a command" in r.getMessage()]
+    assert len(found) == 1 and "'a'" in found[0].getMessage()
