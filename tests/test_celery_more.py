@@ -297,3 +297,49 @@ def test_a_task_whose_release_cannot_reach_redis_still_succeeds_and_frees_the_lo
         assert not lr.exists(key)  # and nothing renews it back
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("fault", ["drop_reply", "stall"])
+def test_a_hand_over_whose_reply_is_lost_runs_every_task_once(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path, fault: str
+) -> None:
+    """The task's life through the fault proxy: the locks' Redis sits behind a
+    FaultProxy, and the first release (``handoff``) of three tasks on one key loses its
+    reply (it ran: the lock went to the next parked task, whose message was in that
+    reply) or stalls past the client's timeout (it runs late). Every task still runs
+    exactly once, every result is a success, and the lock is free at the end."""
+    from celery_redislock.testing import FaultProxy
+
+    locks = redis_server_factory()
+    r = broker.client()
+    lr = locks.client()
+    with FaultProxy(locks) as proxy:
+        proc = worker(
+            broker.url,
+            tmp_path / "w.log",
+            env={
+                "REDISLOCK_TEST_TTL": "2",
+                "REDISLOCK_TEST_LOCK_URL": proxy.url,
+                "REDISLOCK_TEST_LOCK_TIMEOUT": "0.5",
+            },
+        )
+        try:
+            first = ca.hold_for.delay("handfault", 0.5)
+            wait_until(lambda: r.llen("started:handfault") == 1, timeout=30)
+            rest = [ca.hold_for.delay("handfault", 0.05) for _ in range(2)]
+            wait_until(lambda: lr.llen("redislock:{job:handfault}:parked") == 2, timeout=30)
+            injected = proxy.inject(fault, "handoff", seconds=1.5 if fault == "stall" else None)
+            results = [first, *rest]
+            for result in results:
+                assert result.get(timeout=60) is not None
+            assert injected.fired.is_set()  # the first release met the fault
+            assert "could not release" in proc.text()
+            started = [x.decode().split()[0] for x in r.lrange("started:handfault", 0, -1)]
+            assert sorted(started) == sorted(res.id for res in results)  # each ran once
+            wait_until(lambda: not lr.exists("redislock:{job:handfault}"), timeout=15)
+            time.sleep(2.0)  # late copies (sweeper, fallback) come and find the runs done
+            again = [x.decode().split()[0] for x in r.lrange("started:handfault", 0, -1)]
+            assert sorted(again) == sorted(started)
+            assert not lr.exists("redislock:{job:handfault}")
+        finally:
+            proc.stop()
