@@ -288,7 +288,7 @@ async def test_async_quorum_lock(nodes: list[RedisServer], three: list[redis.Red
             await lock.release()
         assert not await lock.locked()
 
-        holder = AsyncRedLock(clients, "a-wake", ttl=30, owner="holder")
+        holder = AsyncRedLock(clients, "a-wake", ttl=30, owner="holder", node_timeout=1.0)
         assert await holder.acquire(blocking=False)
         waiter = AsyncRedLock(clients, "a-wake", ttl=30, node_timeout=0.2, owner="w")
         task = asyncio.ensure_future(waiter.acquire(timeout=20))
