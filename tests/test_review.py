@@ -1,0 +1,106 @@
+"""Review findings (fresh-eyes attack on run owners, nested calls, deferred releases)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_redislock import LockLostError, RedisLock, _scripts
+from celery_redislock._deferred import deferred_releases
+from celery_redislock.task import LockedTask
+from celery_redislock.testing import FaultProxy, RedisServer
+
+
+@pytest.fixture
+def proxy(redis_server_factory: Any) -> Iterator[FaultProxy]:
+    server = redis_server_factory()
+    direct = server.client()
+    for name in _scripts.SCRIPT_NAMES:  # a NOSCRIPT round trip would take the fault
+        direct.script_load(_scripts.source(name))
+    direct.close()
+    with FaultProxy(server) as proxy:
+        yield proxy
+
+
+def _no_resend() -> Retry:
+    return Retry(NoBackoff(), 0)  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review: a deferred release retry (token-checked) of one object gives back the "
+    "hold of another object of the same owner and holding, when the first release landed",
+)
+def test_two_objects_of_one_owner_a_lost_release_reply_never_frees_the_other(
+    proxy: FaultProxy, redis_server_factory: Any
+) -> None:
+    """Two lock objects of one explicit owner on one key (the second re-enters the
+    first's holding). The second's release runs but its reply is lost: it is retried in
+    the background. The retry must not give back the first object's hold."""
+    client = proxy.client(retry=_no_resend())
+    outer = RedisLock(client, "k", owner="run-1", ttl=5.0)
+    inner = RedisLock(client, "k", owner="run-1", ttl=5.0)
+    assert outer.acquire()
+    assert inner.acquire()
+    proxy.inject("drop_reply", "release")
+    inner.release()  # ran on Redis (count 2 -> 1); its reply is lost
+    assert deferred_releases().wait_idle(10)
+    other = RedisLock(proxy.client(), "k", owner="B", ttl=5.0)
+    taken = other.acquire(blocking=False)
+    outer_holds = outer.locked()
+    if taken:
+        other.release()
+    with contextlib.suppress(LockLostError):
+        outer.release()
+    assert outer_holds and not taken, "B got the lock while the outer object still held it"
+
+
+@pytest.fixture
+def app(proxy: FaultProxy) -> Iterator[Celery]:
+    app = Celery("review", broker="memory://", backend="cache+memory://")
+    app.conf.update(
+        redislock_url=proxy.url,
+        redislock_wait=0.2,
+        redislock_redis_options={"retry": _no_resend()},
+        task_always_eager=True,
+    )
+    app.finalize()
+    yield app
+    app.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review: a nested call on the caller's key holds through its own RedisLock; its "
+    "release's background retry (reply lost) frees the caller's lock mid-body",
+)
+def test_a_nested_call_whose_release_reply_is_lost_keeps_the_callers_lock(
+    app: Celery, proxy: FaultProxy
+) -> None:
+    """A direct call nested in a run on the run's own key re-enters the caller's lock.
+    The nested release runs, its reply is lost: the background retry of it must not
+    give back the caller's hold while the caller's body still runs."""
+    seen: list[bool] = []
+
+    @app.task(shared=False, bind=True, base=LockedTask, lock_key="account:{account_id}")
+    def settle(self: Any, account_id: int, nested: bool) -> None:
+        if not nested:
+            return
+        proxy.inject("drop_reply", "release")
+        settle(account_id, False)
+        assert deferred_releases().wait_idle(10)
+        other = RedisLock(proxy.client(), f"account:{account_id}", owner="B", ttl=5.0)
+        taken = other.acquire(blocking=False)
+        if taken:
+            other.release()
+        seen.append(taken)
+
+    with contextlib.suppress(LockLostError):  # the caller's release finds its lock gone
+        settle.delay(7, True).get(disable_sync_subtasks=False)
+    assert seen == [False], "another owner got the lock while the caller's body ran"
