@@ -722,8 +722,10 @@ class LockedTask(Task):  # type: ignore[misc]
         try:
             result = self._run_body(lock, args, kwargs)
         except Retry as retry:
+            # The run is over (the retry is a run of its own, with another owner): it is
+            # marked done, so a late copy of this run's message does not run it again.
             if options.release_on_retry:
-                _finish_quietly(lock, self, options, hold=0.0, done=False, lookahead=lookahead)
+                _finish_quietly(lock, self, options, hold=0.0, lookahead=lookahead)
             else:
                 self._keep_for_retry(lock, retry, options)
             raise
@@ -805,7 +807,7 @@ class LockedTask(Task):  # type: ignore[misc]
         delay = retry.when if isinstance(retry.when, (int, float)) else options.ttl
         hold = min(max(0.0, float(delay)) + options.ttl, MAX_SECONDS)
         try:
-            lock.finish(hold=hold, done_ttl=None)
+            lock.finish(hold=hold, done_ttl=options.done_ttl)
             _mark_kept_hold(lock, self.request, hold)
         except (LockNotOwnedError, *UNREACHABLE) as exc:
             if not isinstance(exc, LockNotOwnedError):

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -15,6 +16,10 @@ from celery_redislock import LockLostError, RedisLock, _scripts
 from celery_redislock._deferred import deferred_releases
 from celery_redislock.task import LockedTask
 from celery_redislock.testing import FaultProxy, RedisServer
+
+from . import celery_app as ca
+from ._celery import CeleryProcess, wait_until, worker
+from .conftest import empty
 
 
 @pytest.fixture
@@ -104,3 +109,53 @@ def test_a_nested_call_whose_release_reply_is_lost_keeps_the_callers_lock(
     with contextlib.suppress(LockLostError):  # the caller's release finds its lock gone
         settle.delay(7, True).get(disable_sync_subtasks=False)
     assert seen == [False], "another owner got the lock while the caller's body ran"
+
+
+# ---------------------------------------------------------------- with real workers
+
+
+@pytest.fixture(scope="module")
+def worker_broker(celery_broker: RedisServer) -> RedisServer:
+    return empty(celery_broker)
+
+
+@pytest.fixture(scope="module")
+def r(worker_broker: RedisServer) -> Iterator[redis.Redis]:
+    client = worker_broker.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def shared_worker(
+    worker_broker: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CeleryProcess]:
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    proc = worker(worker_broker.url, log, concurrency=2, env={"REDISLOCK_TEST_TTL": "30"})
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize(
+    ("task", "seen"), [("retry_once", ["0 True", "1 True"]), ("retry_keeping", ["0 1", "1 1"])]
+)
+def test_a_late_copy_of_a_run_that_retried_does_not_run_again(
+    r: redis.Redis, shared_worker: CeleryProcess, task: str, seen: list[str]
+) -> None:
+    """Run 0 ends with self.retry(); run 1 succeeds. A copy of run 0's message delivered
+    later (a visibility-timeout redelivery re-queued while run 0 ran) is a duplicate of a
+    finished run: its body must not run again (it did not before runs had owners of
+    their own: the retry's success marked the task id done)."""
+    name = f"late-copy-{task}"
+    first = getattr(ca, task).delay(name)
+    assert first.get(timeout=30) == "done"
+    getattr(ca, task).apply_async((name,), task_id=first.id)  # the same message again
+    wait_until(
+        lambda: (
+            f"[{first.id}] already finished" in shared_worker.text()
+            or r.llen(f"attempts:{name}") > 2
+        ),
+        timeout=30,
+    )
+    attempts = [a.decode() for a in r.lrange(f"attempts:{name}", 0, -1)]
+    assert attempts == seen
