@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from redis.retry import Retry
 
 from celery_redislock import LockLostError, RedisLock, _scripts
 from celery_redislock._deferred import deferred_releases
-from celery_redislock.task import LockedTask
+from celery_redislock.task import LockedTask, TaskLock, _finish_quietly, task_lock
 from celery_redislock.testing import FaultProxy, RedisServer
 
 from . import celery_app as ca
@@ -109,6 +110,46 @@ def test_a_nested_call_whose_release_reply_is_lost_keeps_the_callers_lock(
     with contextlib.suppress(LockLostError):  # the caller's release finds its lock gone
         settle.delay(7, True).get(disable_sync_subtasks=False)
     assert seen == [False], "another owner got the lock while the caller's body ran"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review: a task's release retried in the background (handoff.lua, no token) "
+    "gives back a later holding of the same run (a copy of its message that took the lock "
+    "after the lease ran out)",
+)
+def test_a_task_release_retried_late_spares_a_later_holding_of_the_same_run(
+    app: Celery, proxy: FaultProxy, redis_server_factory: Any
+) -> None:
+    """Run X's release cannot reach Redis (its worker is cut off): its hold stops renewing
+    and the release is retried in the background (for up to max(60 s, 2 x ttl)). The
+    lease runs out; another copy of run X's message (no done marker: the release never
+    landed) takes the lock in another worker and runs. When X's worker reaches Redis
+    again, its retried release must not give back that copy's holding: C would get in
+    beside it."""
+
+    @app.task(shared=False, bind=True, base=LockedTask, lock_key="job:{name}", lock_ttl=1.0)
+    def job(self: Any, name: str) -> None: ...
+
+    options = job.lock_options()
+    first = task_lock(app, "job:x", task_id="run-x", options=options)
+    assert isinstance(first, TaskLock) and first.take()
+    proxy.partition()  # this worker is cut off from Redis
+    _finish_quietly(first, job, options, hold=0.0)
+    assert deferred_releases().pending() == 1
+    time.sleep(options.ttl + 0.3)  # the unrenewed lease runs out
+    direct = proxy._target.client()  # another worker, which reaches Redis
+    copy = TaskLock(direct, "job:x", task_id="run-x", options=options)
+    assert copy.take()  # the copy of run X runs
+    proxy.heal()
+    assert deferred_releases().wait_idle(10)
+    other = RedisLock(direct, "job:x", owner="C", ttl=5.0)
+    taken = other.acquire(blocking=False)
+    if taken:
+        other.release()
+    with contextlib.suppress(LockLostError):
+        copy.finish(hold=0.0, done_ttl=None)
+    assert not taken, "C got the lock while the copy of run X held it"
 
 
 # ---------------------------------------------------------------- with real workers
