@@ -38,11 +38,6 @@ def _no_resend() -> Retry:
     return Retry(NoBackoff(), 0)  # type: ignore[no-untyped-call]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review: a deferred release retry (token-checked) of one object gives back the "
-    "hold of another object of the same owner and holding, when the first release landed",
-)
 def test_two_objects_of_one_owner_a_lost_release_reply_never_frees_the_other(
     proxy: FaultProxy, redis_server_factory: Any
 ) -> None:
@@ -81,11 +76,6 @@ def app(proxy: FaultProxy) -> Iterator[Celery]:
     app.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review: a nested call on the caller's key holds through its own RedisLock; its "
-    "release's background retry (reply lost) frees the caller's lock mid-body",
-)
 def test_a_nested_call_whose_release_reply_is_lost_keeps_the_callers_lock(
     app: Celery, proxy: FaultProxy
 ) -> None:
@@ -112,12 +102,6 @@ def test_a_nested_call_whose_release_reply_is_lost_keeps_the_callers_lock(
     assert seen == [False], "another owner got the lock while the caller's body ran"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review: a task's release retried in the background (handoff.lua, no token) "
-    "gives back a later holding of the same run (a copy of its message that took the lock "
-    "after the lease ran out)",
-)
 def test_a_task_release_retried_late_spares_a_later_holding_of_the_same_run(
     app: Celery, proxy: FaultProxy, redis_server_factory: Any
 ) -> None:
