@@ -45,15 +45,15 @@ def test_the_quick_soak_runs_both_parts_and_passes() -> None:
     assert code == 0, out[-6000:]
     assert "soak PASS: 0 violations" in out
     # Part A: every expected section seen, no stale write, no overlap, the faults happened.
-    assert rows["expected sections completed"] == "240 / 240", out[-6000:]
+    assert rows["expected sections completed"] == "150 / 150", out[-6000:]
     assert rows["stale writes accepted"] == "0"
     assert rows["overlaps of valid leases (intervals checked)"].startswith("0 (")
     acquired, tokens = rows["fenced acquisitions (acquired sections / tokens issued)"].split(" / ")
-    assert int(acquired) >= 240 and int(tokens) >= int(acquired)
+    assert int(acquired) >= 150 and int(tokens) >= int(acquired)
     faults = rows[
         "faults: sigkill / stop-brief / stop-past-lease / proxy-drop / redis-restart"
     ].split(" / ")
-    assert int(faults[-1]) == 1 and sum(map(int, faults)) > 3, faults
+    assert all(int(n) >= 1 for n in faults) and int(faults[-1]) == 1, faults
     # Part B: every settlement applied once, balances exact, the kills and the restart
     # happened, nothing left locked.
     applied = rows["task ids applied exactly once / lost / applied but never sent"]

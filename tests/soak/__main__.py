@@ -27,7 +27,7 @@ FULL = {
     "minutes": 25.0,
 }
 QUICK = {
-    "acquisitions": 240,
+    "acquisitions": 150,
     "processes": 3,
     "settlements": 60,
     "accounts": 4,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, defeat="no-lock" if args.defeat else "",
         )  # fmt: skip
         if args.quick:
-            locks.restarts, locks.downtime, locks.fault_gap = 1, (0.1, 0.4), (0.2, 0.6)
+            locks.restarts, locks.downtime, locks.fault_gap = 1, (0.1, 0.4), (0.5, 1.2)
         (log_root / "locks").mkdir(exist_ok=True)
         results.append(run_locks(locks, log_root / "locks", say))
     if "b" in args.part_list:

@@ -114,6 +114,7 @@ def run_locks(p: LockParams, log_dir: Path, say: Callable[[str], None]) -> PartR
     restarts: list[Fault] = []
     kinds = list(WEIGHTS)
     weights = [WEIGHTS[k] for k in kinds]
+    first_kinds = rng.sample(kinds, len(kinds))
     say(
         f"[A] {p.processes} processes x {items} sections (>= {total} fenced acquisitions), "
         f"ttl {p.ttl}s, AOF appendfsync always, {p.restarts} restart(s), seed {p.seed}"
@@ -143,7 +144,8 @@ def run_locks(p: LockParams, log_dir: Path, say: Callable[[str], None]) -> PartR
             if now >= next_report:
                 next_report = now + 10
                 say(_progress(swarm, started, total, fence_key, proxy))
-            time.sleep(min(rng.uniform(*p.fault_gap), max(0.01, stops.next_due() - now)))
+            gap = rng.uniform(*p.fault_gap) if not first_kinds else rng.uniform(0.05, 0.15)
+            time.sleep(min(gap, max(0.01, stops.next_due() - now)))
             stops.wake_due()
             done = _counter(swarm.admin)
             if restart_at and done is not None and done >= restart_at[0]:
@@ -158,19 +160,25 @@ def run_locks(p: LockParams, log_dir: Path, say: Callable[[str], None]) -> PartR
                 restarts.append(fault)
                 say(f"[A] redis-server restarted at {done}/{total} sections ({down:.2f}s down)")
                 continue
-            kind = rng.choices(kinds, weights)[0]
+            # Every kind once first (in a random order), so a short run sees each of them.
+            kind = first_kinds.pop() if first_kinds else rng.choices(kinds, weights)[0]
             if kind == "proxy-drop":
                 t0 = time.monotonic()
                 cut = proxy.drop()
                 swarm.faults.append(Fault(kind, t0, time.monotonic(), None, f"{cut} conns"))
                 continue
             pid = swarm.victim(rng)
+            if pid is not None and kind != "sigkill" and pid in stops.until:
+                running = sorted(set(swarm.members) - set(stops.until))  # stop another
+                pid = rng.choice(running) if running else None
             if pid is None:
+                if len(first_kinds) < len(kinds) and kind not in first_kinds:
+                    first_kinds.append(kind)  # not done yet: next time
                 continue
             if kind == "sigkill":
                 stops.wake(pid)  # a stopped process dies too; its pause ends here
                 swarm.kill(pid)
-            elif pid not in stops.until:
+            else:
                 span = (0.05, 0.3) if kind == "stop-brief" else (1.3, 2.2)
                 stops.stop(pid, p.ttl * rng.uniform(*span), kind)
         stops.wake_all()
