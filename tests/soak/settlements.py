@@ -12,9 +12,9 @@ Oracles, from the ledger in a separate, never-faulted redis-server:
 * every account's balance equals the sum of its settlements, and the sum of what the
   ledger says was applied to it;
 * every task id sent was applied exactly once (nothing lost);
-* a run that found its task applied already (``again``) is explained by a SIGKILL of
-  the applying process before it moved on to another task; anything else is a second
-  run of a finished task;
+* a run that found its task applied already (``again``) is explained by the death of
+  the applying process (SIGKILLed, or with its worker) before it moved on to another
+  task; anything else is a second run of a finished task;
 * no two runs of one task id overlapped in time;
 * per account, no two runs overlapped while both leases were valid (``ensure_held()``
   passed after the write, or the run was SIGKILLed with no Redis restart meanwhile),
@@ -22,6 +22,11 @@ Oracles, from the ledger in a separate, never-faulted redis-server:
 * tokens were applied in strictly increasing order per account;
 * at the end (after the broker's visibility timeout has had its chance to redeliver),
   no lock hash is left, no message queued or unacknowledged, no task parked.
+
+A worker whose main process exits (kombu can fail to reconnect after the restart) is
+restarted, as a supervisor would, after its orphaned pool processes are SIGKILLed; that
+is reported as a note, and a stall (no settlement applied for the visibility timeout +
+ttl + 60 s) or the ``--minutes`` bound ends the part with a violation.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import json
 import os
 import random
 import signal
-import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -80,6 +84,7 @@ class Run:
     held_before: bool | None = None
     held_after: bool | None = None
     t_kill: float | None = None  # the SIGKILL of its process that ended it
+    t_crash: float | None = None  # when the death of its worker was seen (it died by then)
 
 
 def _children(pid: int) -> list[int]:
@@ -157,6 +162,8 @@ class Workers:
         self.all: list[CeleryProcess] = list(self.procs)
         #: (worker, exit status, the log's last CRITICAL/ERROR line, when) per death.
         self.deaths: list[tuple[str, int | None, str, float]] = []
+        #: Pool process -> index of its worker, as last seen.
+        self.pool_of: dict[int, int] = {}
 
     def _new(self, index: int, gen: int) -> CeleryProcess:
         args = [
@@ -176,11 +183,21 @@ class Workers:
             proc.wait_for_log("ready.", timeout=90)
 
     def children(self) -> list[int]:
-        return [c for proc in self.procs for c in _children(proc.pid)]
+        """The pool processes of the running workers (each remembered as its worker's)."""
+        found = []
+        for index, proc in enumerate(self.procs):
+            for pid in _children(proc.pid):
+                self.pool_of[pid] = index
+                found.append(pid)
+        return found
 
-    def restart_dead(self, kills: list[tuple[int, float]]) -> list[str]:
-        """Restart every worker whose main process exited; what happened, one line each."""
+    def restart_dead(self, crashes: list[tuple[int, float]]) -> list[str]:
+        """Restart every worker whose main process exited; what happened, one line each.
+
+        Its pool processes, dead with it or SIGKILLed now if orphaned, go to ``crashes``.
+        """
         notes = []
+        self.children()
         for index, proc in enumerate(self.procs):
             assert proc.process is not None
             code = proc.process.poll()
@@ -190,7 +207,11 @@ class Workers:
             for pid in orphans:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                kills.append((pid, time.monotonic()))
+            now = time.monotonic()
+            pool = {pid for pid, i in self.pool_of.items() if i == index} | set(orphans)
+            crashes += [(pid, now) for pid in sorted(pool)]
+            for pid in pool:
+                self.pool_of.pop(pid, None)
             lines = [x for x in proc.text().splitlines() if "CRITICAL/" in x or "ERROR/" in x]
             why = lines[-1][:300] if lines else "(nothing logged)"
             self.deaths.append((f"soak{index}", code, why, time.monotonic()))
@@ -228,7 +249,8 @@ def run_settlements(p: SettleParams, log_dir: Path, say: Callable[[str], None]) 
     ledger = ledger_server.client()
     broker = broker_server.client(socket_timeout=5, socket_connect_timeout=2)
     workers = Workers(p, broker_server.url, ledger_server.url, log_dir)
-    kills: list[tuple[int, float]] = []
+    kills: list[tuple[int, float]] = []  # pool processes the soak SIGKILLed
+    crashes: list[tuple[int, float]] = []  # pool processes of a worker that died
     restarts: list[tuple[float, float]] = []
     sent: dict[str, tuple[int, int]] = {}
     end_state: dict[str, Any] = {}
@@ -270,7 +292,7 @@ def run_settlements(p: SettleParams, log_dir: Path, say: Callable[[str], None]) 
                     f"{p.settlements}; state: {_state_text(broker)}"
                 )
                 break
-            for note in workers.restart_dead(kills):
+            for note in workers.restart_dead(crashes):
                 say(f"[B] {note}")
                 result.notes.append(note)
             if restart_at and applied >= restart_at[0]:
@@ -328,7 +350,9 @@ def run_settlements(p: SettleParams, log_dir: Path, say: Callable[[str], None]) 
         soak_app.app.close()
     try:
         result.elapsed = time.monotonic() - started
-        _analyse(p, result, ledger, soak_app, sent, kills, restarts, end_state, quiet, complete)
+        _analyse(
+            p, result, ledger, soak_app, sent, kills, crashes, restarts, end_state, quiet, complete
+        )
         logs = [proc.text() for proc in workers.all]
         result.rows += _log_rows(logs, metas)
         result.rows.append(
@@ -466,6 +490,7 @@ def _analyse(
     soak_app: Any,
     sent: dict[str, tuple[int, int]],
     kills: list[tuple[int, float]],
+    crashes: list[tuple[int, float]],
     restarts: list[tuple[float, float]],
     end_state: dict[str, Any],
     quiet: bool,
@@ -499,21 +524,29 @@ def _analyse(
     kills_by_pid: dict[int, list[float]] = defaultdict(list)
     for pid, t in kills:
         kills_by_pid[pid].append(t)
+    crashes_by_pid: dict[int, list[float]] = defaultdict(list)
+    for pid, t in crashes:
+        crashes_by_pid[pid].append(t)
     runs_by_pid: dict[int, list[Run]] = defaultdict(list)
     for run in runs:
         runs_by_pid[run.pid].append(run)
     vanished = []
+    crashed_runs = 0
     for run in runs:
         if run.t_end is None:
             after = [t for t in kills_by_pid.get(run.pid, []) if t >= run.t_enter]
             if after:
                 run.t_kill = min(after)
+            elif any(t >= run.t_enter for t in crashes_by_pid.get(run.pid, [])):
+                run.t_crash = min(t for t in crashes_by_pid[run.pid] if t >= run.t_enter)
+                crashed_runs += 1  # died with its worker: exactly when is unknown
             else:
                 vanished.append(run)
     for run in vanished[:10]:
         v.append(
             f"run of {run.id} (pid {run.pid}, account {run.account}, token {run.token}) "
-            f"started and never ended, and its process was not SIGKILLed by the soak"
+            f"started and never ended, and its process was neither SIGKILLed by the soak "
+            f"nor part of a worker that died"
         )
     if len(vanished) > 10:
         v.append(f"... {len(vanished) - 10} more runs vanished")
@@ -544,13 +577,16 @@ def _analyse(
 
     # "again": a second run of an applied task, explained by a SIGKILL of the applier?
     agains = [r for r in runs if r.outcome == "again"]
-    explained = 0
+    explained = by_crash = 0
     for run in agains:
         first = applied.get(run.id)
         if first is None:
             continue
         if _killed_before_moving_on(first, kills_by_pid, runs_by_pid):
             explained += 1
+            continue
+        if _killed_before_moving_on(first, crashes_by_pid, runs_by_pid):
+            by_crash += 1
             continue
         around = [
             f"restart {t0 - first['t_write']:+.2f}s..{t1 - first['t_write']:+.2f}s"
@@ -559,7 +595,7 @@ def _analyse(
         v.append(
             f"task {run.id} (account {run.account}) ran again in pid {run.pid} (token "
             f"{run.token}) after pid {first['pid']} had applied it (token {first['token']}) "
-            f"and was not killed before its next task; relative to that write: "
+            f"and neither died nor was killed before its next task; relative to that write: "
             f"{', '.join(around) or 'no restart'}"
         )
 
@@ -571,7 +607,7 @@ def _analyse(
     for task_id, group in by_id.items():
         group.sort(key=lambda r: r.t_enter)
         for a, b in zip(group, group[1:]):
-            end = a.t_end if a.t_end is not None else a.t_kill
+            end = next((t for t in (a.t_end, a.t_kill, a.t_crash) if t is not None), None)
             if end is None or b.t_enter < end:
                 concurrent += 1
                 v.append(
@@ -660,10 +696,11 @@ def _analyse(
          slash(len(set(applied) & set(sent)), len(missing), len(unknown))),
         ("accounts with an exact balance", slash(p.accounts - len(wrong), p.accounts)),
         ("runs started (start records)", slash(len(runs))),
-        ("runs: applied / again (task applied before) / stale (fenced off) / SIGKILLed mid-run",
-         slash(outcomes["applied"], outcomes["again"], outcomes["stale"], killed_runs)),
-        ("again runs explained by a SIGKILL of the applying process",
-         slash(explained, len(agains))),
+        ("runs: applied / again (applied before) / stale / SIGKILLed / died with their worker",
+         slash(outcomes["applied"], outcomes["again"], outcomes["stale"], killed_runs,
+               crashed_runs)),
+        ("again runs after a SIGKILL of the applier / its worker's death / of all",
+         slash(explained, by_crash, len(agains))),
         ("two runs of one task id at once", slash(concurrent)),
         ("overlaps of valid leases on an account (intervals checked)", f"{overlaps} ({checked})"),
         ("writes fenced off while ensure_held() passed", slash(len(fenced_valid))),
@@ -685,7 +722,3 @@ def _killed_before_moving_on(
     next_starts = [r.t_enter for r in runs_by_pid.get(pid, []) if r.t_enter > t_write]
     moved_on = min(next_starts, default=float("inf"))
     return any(t_write <= t <= moved_on for t in kills_by_pid.get(pid, []))
-
-
-if __name__ == "__main__":  # pragma: no cover - run through tests/soak/__main__.py
-    sys.exit("run: python -m tests.soak --parts b")
