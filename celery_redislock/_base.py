@@ -6,12 +6,14 @@ each script reply live here; the subclasses only send the commands.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
-from typing import Any, Callable, Generic, TypeVar
+import weakref
+from typing import Any, Awaitable, Callable, Coroutine, Generic, TypeVar
 
-from . import signals
+from . import _deferred, signals
 from ._core import (
     DEFAULT_PREFIX,
     GRANT_MS,
@@ -21,6 +23,7 @@ from ._core import (
     LockKeys,
     LossSignal,
     abandoned_waits,
+    acquire_arguments,
     lease_ms,
     loss_reason_from_release,
     lost_error,
@@ -100,6 +103,7 @@ class LockBase(Generic[Signal]):
             client, min_replicas, replica_timeout
         )
         self._replica_timeout_ms = round(self.replica_timeout * 1000)
+        warn_if_unbounded(client, self.name)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} ttl={self.ttl!r} owner={self.owner!r}>"
@@ -236,7 +240,13 @@ class LockBase(Generic[Signal]):
             abandoned_waits.add(self.keys.lock, owner, grant_name, until)
 
     def _take_grant(
-        self, owner: str, token: int, sent_at: float, lease: int, started: float
+        self,
+        owner: str,
+        token: int,
+        sent_at: float,
+        lease: int,
+        started: float,
+        owner_task: Any = None,
     ) -> bool:
         """Count a direct grant as acquired, if its short lease can still be trusted.
 
@@ -250,7 +260,7 @@ class LockBase(Generic[Signal]):
         if deadline - time.monotonic() < grant_ms / 2000.0 or self._live_hold(owner):
             return False
         hold, is_new = self._record_acquired(
-            owner, AcquireReply(True, token, 1), sent_at, lease, True, started
+            owner, AcquireReply(True, token, 1), sent_at, lease, True, started, owner_task
         )
         hold.deadline = deadline
         hold.next_due = sent_at + grant_ms / 3000.0  # full lease well before the grant's ends
@@ -262,10 +272,14 @@ class LockBase(Generic[Signal]):
         """This lock's watchdog (sync: a thread's scheduler; asyncio: the loop's)."""
         raise NotImplementedError
 
-    def _acquire_args(self, lease: float | None) -> tuple[int, bool]:
-        if lease is None:
-            return self._lease, self.auto_renew
-        return lease_ms(lease, "lease"), False
+    def _acquire_args(
+        self, blocking: object, timeout: object, lease: object
+    ) -> tuple[float | None, int, bool]:
+        """Check acquire()'s arguments: (wait limit, lease in ms, renewed by the watchdog?)."""
+        wait_limit, lease_millis = acquire_arguments(blocking, timeout, lease)
+        if lease_millis is None:
+            return wait_limit, self._lease, self.auto_renew
+        return wait_limit, lease_millis, False
 
     def _record_acquired(
         self,
@@ -275,15 +289,24 @@ class LockBase(Generic[Signal]):
         lease: int,
         renew: bool,
         started: float | None = None,
+        owner_task: Any = None,
     ) -> tuple[Hold, bool]:
-        """Update the hold table; returns (hold, is_new) — a new hold needs the watchdog."""
+        """Update the hold table; returns (hold, is_new) — a new hold needs the watchdog.
+
+        ``owner_task``: the asyncio task a default owner names (the watchdog stops
+        renewing the hold once it is done).
+        """
         self._server_count = reply.hold_count
         hold = self._live_hold(owner)
-        if hold is not None and reply.hold_count == 1:
+        if hold is not None and reply.hold_count == 1 and reply.token != hold.token:
             # We thought we held it, but Redis handed out a fresh hold: ours had expired.
+            # (Count 1 with our token is a concurrent acquire of the same explicit owner
+            # whose reply came after a re-entry's: still our holding.)
             self._forget(hold)
             hold.mark_lost("expired")
             hold = None
+        if hold is None and (_deferred._deferred is not None or _deferred._async_tasks):
+            _deferred.cancel_deferred(self.keys.lock, owner)  # see DeferredReleases.cancel
         if hold is None:
             signal = self._signal_type()
             self._signals[owner] = signal
@@ -296,6 +319,7 @@ class LockBase(Generic[Signal]):
                 sent_at=sent_at,
                 lost=signal,
                 notify=self._report_lost,
+                owner_task=None if owner_task is None else weakref.ref(owner_task),
             )
             hold.count = 1
             self._holds[owner] = hold
@@ -359,6 +383,33 @@ class LockBase(Generic[Signal]):
             owner=owner,
         )
 
+    def _unconfirmed(self, hold: Hold, exc: BaseException) -> str:
+        """The release of this object's last hold could not reach Redis: stop renewing it
+        at once (its lease then ends it: never a lock renewed for ever) and report it.
+        Returns how to name it in logs; the caller retries it in the background."""
+        self._forget(hold)
+        self._signals.pop(hold.owner, None)
+        what = f"lock {self.name!r} (owner {hold.owner}, token {hold.token})"
+        log.warning(
+            "redislock: could not release %s: %r; it is no longer renewed, its lease ends "
+            "it at the latest, and the release is retried in the background",
+            what,
+            exc,
+        )
+        signals.lock_release_failed.send(self, name=self.name, owner=hold.owner, error=exc)
+        return what
+
+    def _inner_unconfirmed(self, hold: Hold) -> None:
+        """The release of an inner (re-entered) hold could not reach Redis: whether Redis
+        counted it is unknown. The hold is counted as given back here, and stops being
+        renewed at once: the remaining releases then give back what this object holds,
+        and a count Redis kept for the lost release ends with the lease (it is never
+        renewed for ever by a count nobody gives back). Work still done under the outer
+        hold is covered until its validity deadline (``ensure_held()`` says so after it).
+        The caller's error propagates."""
+        hold.count -= 1
+        self._unschedule(hold)
+
     def _forget(self, hold: Hold) -> None:
         if self._holds.get(hold.owner) is hold:
             del self._holds[hold.owner]
@@ -389,6 +440,9 @@ class LockBase(Generic[Signal]):
             signals.lock_contended.send(self, name=self.name, owner=owner)
 
     def _report_lost(self, hold: Hold, reason: str) -> None:
+        if reason == "abandoned":  # its owner (a task) is gone: nothing here will release it
+            self._forget(hold)
+            self._signals.pop(hold.owner, None)
         error = lost_error(self.name, hold.owner, reason)
         signals.lock_lost.send(self, name=self.name, owner=hold.owner, reason=reason)
         log.warning(
@@ -466,6 +520,70 @@ def validate_replicas(
     return min_replicas, timeout_ms / 1000.0
 
 
+#: Connection pools already checked by :func:`warn_if_unbounded` (each is checked once).
+_checked_pools: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_UNKNOWN = object()
+
+
+def _connection_default(connection_class: Any, option: str) -> Any:
+    """The default of ``option`` in ``connection_class``'s constructor (or ``_UNKNOWN``)."""
+    for klass in getattr(connection_class, "__mro__", ()):
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        try:
+            parameter = inspect.signature(init).parameters.get(option)
+        except (TypeError, ValueError):
+            return _UNKNOWN
+        if parameter is not None:
+            return parameter.default
+    return _UNKNOWN
+
+
+def warn_if_unbounded(client: Any, name: str | bytes) -> None:
+    """Log once per connection pool when its connections have no ``socket_timeout``.
+
+    Nothing else bounds a command that reached a Redis which stopped answering: the
+    lock's own timeouts bound its waits, not a command in flight (see
+    docs/guarantees.md, "How long a call can take").
+    """
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if pool is None or not isinstance(kwargs, dict):
+        return  # a cluster client, or one this cannot inspect
+    try:
+        if pool in _checked_pools:
+            return
+        _checked_pools[pool] = True
+    except TypeError:  # not weak-referenceable: not checked
+        return
+    if "socket_timeout" in kwargs:
+        timeout = kwargs["socket_timeout"]
+    else:  # redis-py's own default, which differs between its versions
+        timeout = _connection_default(getattr(pool, "connection_class", None), "socket_timeout")
+    if timeout is None:
+        log.warning(
+            "redislock: the Redis client of lock %r has no socket_timeout: if that Redis stops "
+            "answering (paused, overloaded, a network that drops packets), lock calls wait "
+            "until it answers again, acquire(timeout=...) and asyncio timeouts included. Set "
+            "socket_timeout and socket_connect_timeout on the client (see docs/guarantees.md, "
+            "'How long a call can take'). This is logged once per connection pool.",
+            name,
+        )
+    retry = kwargs.get("retry")
+    retries = getattr(retry, "_retries", 0) if retry is not None else 0
+    if isinstance(retries, int) and retries > 0:
+        log.warning(
+            "redislock: the Redis client of lock %r re-sends a command whose connection "
+            "failed (retry with %d retries). Lock scripts are not idempotent: a re-sent "
+            "release can give back two holds (an outer hold's too), a re-sent acquire can "
+            "take two. Give lock clients retry=Retry(NoBackoff(), 0) (see docs/concepts.md, "
+            "'A release that cannot reach Redis'). This is logged once per connection pool.",
+            name,
+            retries,
+        )
+
+
 class SyncContext:
     """``with lock:`` for the blocking locks: acquire per the lock's defaults, release."""
 
@@ -491,24 +609,28 @@ class SyncContext:
 
 
 class AsyncContext:
-    """``async with lock:`` for the asyncio locks."""
+    """``async with lock:`` for the asyncio locks (owner resolved where entered and left,
+    as by ``acquire()`` and ``release()``)."""
 
     blocking: bool
     timeout: float | None
 
-    async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> Awaitable[bool]:
         raise NotImplementedError
 
-    async def release(self) -> None:
+    def release(self) -> Awaitable[None]:
         raise NotImplementedError
 
     def _timeout_error(self, timeout: float | None) -> LockTimeoutError:
         raise NotImplementedError
 
-    async def __aenter__(self: A) -> A:
-        if not await self.acquire(self.blocking, self.timeout):
+    def __aenter__(self: A) -> Coroutine[Any, Any, A]:
+        return self._entered(self.acquire(self.blocking, self.timeout))
+
+    async def _entered(self: A, acquiring: Awaitable[bool]) -> A:
+        if not await acquiring:
             raise self._timeout_error(self.timeout if self.blocking else None)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
+    def __aexit__(self, *exc: object) -> Awaitable[None]:
+        return self.release()

@@ -16,6 +16,7 @@ import random
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -42,38 +43,95 @@ GRANT_MS = 2000
 
 # --------------------------------------------------------------------- validation
 
+#: The longest duration any argument or setting of this package accepts, in seconds
+#: (365 days): leases (``ttl``, ``lease=``, ``extend(ttl)``, ``lock_hold``, the done
+#: marker's ``done_ttl``), timeouts, waits, back-offs and delays alike. It keeps every
+#: value far inside what the layers below take: Redis's ``PEXPIRE`` (about 2**63 ms from
+#: now), Lua's exact integers (2**53), and ``threading.TIMEOUT_MAX`` (about 292 years on
+#: POSIX) for the waits a timeout turns into. ``None`` still means "no limit" where a
+#: timeout allows it.
+MAX_SECONDS = 365 * 24 * 3600
+#: :data:`MAX_SECONDS` in milliseconds: the Lua scripts refuse any duration above it
+#: (``lua/args.lua`` is loaded with this value).
+MAX_MS = MAX_SECONDS * 1000
+#: The shortest lease (and every other duration that must not be zero): 1 ms.
+#: ``PEXPIRE`` with 0 or less deletes the key.
+MIN_SECONDS = 0.001
+
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _in_range(value: object, low: float) -> bool:
+    """Whether ``value`` is an int or float from ``low`` to :data:`MAX_SECONDS`.
+
+    Compared as it is, never converted first: ``float()`` of a huge int overflows.
+    """
+    if not _is_number(value):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return low <= value <= MAX_SECONDS  # type: ignore[operator]
+
+
+def duration_error(
+    argument: str, value: object, low: float = MIN_SECONDS, *, alternative: str = ""
+) -> LockConfigurationError:
+    """The one message for a bad duration: it names the argument and the allowed range
+    (and the ``alternative`` it may also be, such as ``"None (no limit)"``)."""
+    allowed = f"{alternative} or a number" if alternative else "a number"
+    return LockConfigurationError(
+        f"{argument} must be {allowed} between {low:g} and {MAX_SECONDS} seconds (365 days), "
+        f"got {value!r}"
+    )
+
+
+def seconds(value: object, argument: str, *, low: float = MIN_SECONDS) -> float:
+    """Validate a duration in seconds: a number from ``low`` (0.001 unless given; 0 where
+    zero means "none") to :data:`MAX_SECONDS`."""
+    if not _in_range(value, low):
+        raise duration_error(argument, value, low)
+    return float(value)  # type: ignore[arg-type]
+
+
 def lease_ms(value: object, argument: str) -> int:
-    """Convert a lease in seconds to whole milliseconds, rejecting what Redis would misread.
+    """Convert a lease in seconds to whole milliseconds, from 1 to :data:`MAX_MS`.
 
     ``PEXPIRE`` with 0 or a negative value deletes the key, so anything that does not
-    come out as at least one millisecond is refused here (and again in Lua).
+    come out as at least one millisecond is refused here (and again in Lua), and so is
+    anything above :data:`MAX_SECONDS`.
     """
-    if not _is_number(value) or math.isnan(value) or math.isinf(value):  # type: ignore[arg-type]
-        raise LockConfigurationError(
-            f"{argument} must be a finite number of seconds (int or float), got {value!r}"
-        )
+    if not _in_range(value, 0.0):
+        raise duration_error(argument, value)
     millis = round(float(value) * 1000)  # type: ignore[arg-type]
     if millis < 1:
-        raise LockConfigurationError(
-            f"{argument} must be at least 0.001 seconds (1 ms), got {value!r}"
-        )
+        raise duration_error(argument, value)
     return millis
 
 
 def optional_seconds(value: object, argument: str) -> float | None:
-    """Validate a timeout-like value: None (no limit) or a finite number >= 0."""
+    """Validate a timeout: None (no limit) or a number from 0 to :data:`MAX_SECONDS`."""
     if value is None:
         return None
-    if not _is_number(value) or math.isnan(value) or math.isinf(value) or value < 0:  # type: ignore[arg-type,operator]
-        raise LockConfigurationError(
-            f"{argument} must be None or a finite number of seconds >= 0, got {value!r}"
-        )
+    if not _in_range(value, 0.0):
+        raise duration_error(argument, value, 0.0, alternative="None (no limit)")
     return float(value)  # type: ignore[arg-type]
+
+
+def acquire_arguments(
+    blocking: object, timeout: object, lease: object
+) -> tuple[float | None, int | None]:
+    """Check ``acquire()``'s arguments as strictly as the constructor's, before any I/O.
+
+    ``blocking`` must be a bool (``"no"`` is not False), ``timeout`` None or a number of
+    seconds from 0 to :data:`MAX_SECONDS`, ``lease`` None or a lease like ``ttl``.
+    Returns (timeout in seconds or None, lease in milliseconds or None).
+    """
+    if not isinstance(blocking, bool):
+        raise LockConfigurationError(f"blocking must be True or False, got {blocking!r}")
+    wait_limit = optional_seconds(timeout, "timeout")
+    return wait_limit, None if lease is None else lease_ms(lease, "lease")
 
 
 def validate_owner(owner: object) -> str | None:
@@ -88,12 +146,21 @@ def validate_owner(owner: object) -> str | None:
 
 
 def validate_prefix(prefix: object) -> str:
-    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix or not _encodes(prefix):
         raise LockConfigurationError(
-            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag), "
-            f"got {prefix!r}"
+            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag) "
+            f"that encodes as UTF-8, got {prefix!r}"
         )
     return prefix
+
+
+def _encodes(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------- key layout
@@ -127,7 +194,12 @@ class LockKeys:
     @classmethod
     def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys:
         if isinstance(name, str):
-            raw = name.encode("utf-8")
+            try:
+                raw = name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise LockConfigurationError(
+                    f"name must be bytes or a str that encodes as UTF-8, got {name!r}"
+                ) from None
         elif isinstance(name, bytes):
             raw = name
         else:
@@ -255,6 +327,9 @@ class AcquireReply(NamedTuple):
     pttl: int = 0
     #: The owner's "done" marker exists: it already finished its work under this lock.
     finished: bool = False
+    #: A task run's attempt found its own owner holding the lock (another delivery of
+    #: the same run is running): nothing was changed.
+    running: bool = False
 
 
 def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
@@ -263,11 +338,18 @@ def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
         return AcquireReply(True, token=int(reply[1]), hold_count=int(reply[2]))
     if code == -1:
         return AcquireReply(False, finished=True)
+    if code in (2, 3):  # acquire.lua "task" / park.lua: this owner holds it already
+        return AcquireReply(False, pttl=int(reply[1]), running=True)
     return AcquireReply(False, pttl=int(reply[1]))
 
 
 class OwnerFinished(Exception):
     """Internal: the acquire script found the owner's "done" marker (a finished task)."""
+
+
+class OwnerRunning(Exception):
+    """Internal: a task run's attempt found its own owner holding the lock already
+    (another delivery of the same run); nothing was changed in Redis."""
 
 
 RELEASE_EXPIRED = -1
@@ -361,6 +443,7 @@ class LeaseLost(LossSignal):
         self._event: threading.Event | None = None  # made on first wait(): most holds never wait
 
     def wait(self, timeout: float | None = None) -> bool:
+        timeout = optional_seconds(timeout, "timeout")
         with self._events_mutex:
             if self._event is None:
                 self._event = threading.Event()
@@ -382,6 +465,7 @@ class AsyncLeaseLost(LossSignal):
         self._events: list[asyncio.Event] = []
 
     async def wait(self, timeout: float | None = None) -> bool:
+        timeout = optional_seconds(timeout, "timeout")
         if self._flag:
             return True
         event = asyncio.Event()
@@ -437,6 +521,7 @@ class Hold:
         "next_due",
         "notify",
         "owner",
+        "owner_task",
         "pid",
         "releasing",
         "renew",
@@ -454,9 +539,13 @@ class Hold:
         sent_at: float,
         lost: LossSignal,
         notify: Callable[[Hold, str], None],
+        owner_task: weakref.ref[Any] | None = None,
     ) -> None:
         self.keys = keys
         self.owner = owner
+        #: The asyncio task a default owner names (weakly): once it is done, nobody can
+        #: release the hold, so the watchdog stops renewing it (see :meth:`abandoned`).
+        self.owner_task = owner_task
         self.count = 0
         self.token = token
         self.lease = lease
@@ -480,6 +569,21 @@ class Hold:
         self.next_due = sent_at + self.renew_interval
         self.failures = 0
 
+    def abandoned(self) -> bool:
+        """Whether the asyncio task or thread that owns this hold has ended (no release is
+        under way): nobody can release it any more."""
+        if self.owner_task is None or self.releasing:
+            return False
+        owner = self.owner_task()
+        if owner is None:
+            return True
+        try:
+            if isinstance(owner, threading.Thread):
+                return not owner.is_alive()
+            return bool(owner.done())
+        except Exception:  # never let one owner's oddity stop the watchdog
+            return False
+
     def past_deadline(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.deadline
 
@@ -495,12 +599,36 @@ class Hold:
         return True
 
 
+def hold_problem(hold: object, now: float) -> str | None:
+    """Why the watchdog cannot renew ``hold`` (None: it can).
+
+    Every hold made through a lock passes (its lease was validated); this guards the
+    watchdog against one that did not, so that it drops that hold alone instead of
+    failing the others renewed with it.
+    """
+    lease = getattr(hold, "lease", None)
+    if not isinstance(lease, int) or isinstance(lease, bool) or not 1 <= lease <= MAX_MS:
+        return f"its lease {lease!r} is not a whole number of milliseconds from 1 to {MAX_MS}"
+    for field in ("next_due", "deadline"):
+        value = getattr(hold, field, None)
+        if not _is_number(value) or not -math.inf < value <= now + MAX_SECONDS:  # type: ignore[operator]
+            return f"its {field} {value!r} is not a time within {MAX_SECONDS} s"
+    keys, owner = getattr(hold, "keys", None), getattr(hold, "owner", None)
+    if not isinstance(getattr(keys, "lock", None), bytes) or not isinstance(owner, str):
+        return f"its key or owner is not usable ({keys!r}, {owner!r})"
+    return None
+
+
 LOSS_TEXT = {
     "expired": "its lease expired in Redis before it was renewed",
     "stolen": "its lease expired and another owner now holds the lock",
     "unreachable": "Redis could not be reached to renew it before the lease's validity deadline",
     "deadline": "the lease's local validity deadline passed without a renewal",
     "released": "it was force-released",
+    "unrenewable": "the watchdog could not renew it (its lease was out of range, or renewing "
+    "it raised an unexpected error; logged) and stopped renewing it",
+    "abandoned": "the thread or asyncio task that owned it ended without releasing it, so it "
+    "was no longer renewed and expires with its lease",
 }
 
 

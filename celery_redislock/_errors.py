@@ -89,8 +89,10 @@ class LockLostError(LockNotOwnedError):
 
     ``reason`` says why: ``"expired"`` (the key is gone: it timed out, Redis lost it, or
     an operator force-released it), ``"stolen"`` (another owner holds it now),
-    ``"unreachable"`` (Redis could not be reached before the local validity deadline) or
-    ``"deadline"`` (the local validity deadline passed without a renewal).
+    ``"unreachable"`` (Redis could not be reached before the local validity deadline),
+    ``"deadline"`` (the local validity deadline passed without a renewal) or
+    ``"unrenewable"`` (the watchdog could not renew this hold at all, and dropped it
+    alone: a lease out of range, or an unexpected error; logged).
     """
 
     def __init__(

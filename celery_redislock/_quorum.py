@@ -33,34 +33,19 @@ def quorum_of(nodes: int) -> int:
     return nodes // 2 + 1
 
 
-def node_label(client: Any) -> str:
-    """``host:port`` of a redis-py client (for error messages)."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", {}) if pool is not None else {}
-    if "path" in kwargs:
-        return f"unix:{kwargs['path']}"
-    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-
-
 def validate_nodes(clients: object) -> list[Any]:
-    """The node list: a non-empty sequence of distinct clients or ``redis://`` URLs."""
+    """The node list: a non-empty sequence of clients or ``redis://`` URLs (that no two
+    reach one server is :func:`celery_redislock._nodes.check_distinct`'s to check)."""
     if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence) or not clients:
         raise LockConfigurationError(
             f"clients must be a non-empty list of redis-py clients or redis:// URLs, one per "
             f"independent Redis master (an odd number, 3 or 5, is recommended), got {clients!r}"
         )
-    labels: set[str] = set()
     for node in clients:
         if node is None or isinstance(node, bytes):
             raise LockConfigurationError(
                 f"clients must hold redis-py clients or redis:// URLs, got {node!r}"
             )
-        label = node if isinstance(node, str) else node_label(node)
-        if label in labels and not label.startswith("?"):
-            raise LockConfigurationError(
-                f"clients lists {label} twice: a quorum needs independent Redis masters"
-            )
-        labels.add(label)
     return list(clients)
 
 
@@ -145,6 +130,8 @@ class QuorumAcquire:
     #: Some nodes granted it, not a majority: a split vote (retry after a random delay).
     split: bool = False
     finished: bool = False
+    #: A node found the owner holding it already (a task run's other delivery).
+    running: bool = False
 
     def reply(self) -> AcquireReply:
         return AcquireReply(True, token=self.token, hold_count=self.hold_count)
@@ -178,6 +165,8 @@ def tally_acquire(replies: Sequence[Any], decode: Callable[[Any], AcquireReply])
             outcome.hold_count = max(outcome.hold_count, reply.hold_count)
         elif reply.finished:
             outcome.finished = True
+        elif reply.running:
+            outcome.running = True
         else:
             waits.append(reply.pttl)
     positive = [w for w in waits if w > 0]
@@ -282,6 +271,7 @@ class HoldGroup:
             sent_at=sent_at,
             lost=self._signal_type(),
             notify=self._part_lost,
+            owner_task=hold.owner_task,
         )
         part.group = self
         self.parts.append((node, part))

@@ -11,7 +11,11 @@ Outcomes per hold:
 * renewed: the local validity deadline moves to ``sent_at + lease - drift``;
 * Redis says the key is gone or belongs to someone else: the hold is **lost**;
 * the call fails (network): retried with jittered backoff until the hold's validity
-  deadline; past it the hold is **lost** ("unreachable").
+  deadline; past it the hold is **lost** ("unreachable");
+* the asyncio task or thread that owns the hold has ended: not renewed, **lost** ("abandoned");
+* the hold cannot be renewed at all (a lease out of range, or an unexpected error while
+  scheduling or renewing it): that hold alone is **lost** ("unrenewable") and dropped.
+  The watchdog goes on renewing every other hold: no single hold stops it.
 
 A lost hold is dropped from the schedule and reported through its lock (warning log,
 ``lock.lost`` set, ``on_lost`` callbacks). The thread exits when nothing is held.
@@ -41,11 +45,13 @@ from redis.retry import Retry
 
 from . import signals
 from ._core import (
+    MAX_SECONDS,
     RENEW_OK,
     Hold,
     backoff,
     batched,
     cancel_and_wait,
+    hold_problem,
     loss_reason_from_renew,
     renew_args,
     wait_event,
@@ -62,6 +68,9 @@ BATCH = 100
 RENEW_SOCKET_TIMEOUT = 1.0
 #: With nothing held, the watchdog thread exits after this long.
 IDLE_EXIT = 1.0
+#: After an error no hold could be blamed for, the watchdog pauses this long (seconds)
+#: before it schedules again, rather than spin.
+ERROR_PAUSE = 0.5
 #: Longest WAIT a renewal pass sends for holds with ``min_replicas`` (ms): below the
 #: watchdog's socket timeout; an unacknowledged renewal is retried until the deadline.
 RENEW_WAIT_CAP_MS = 500
@@ -181,13 +190,48 @@ class _SchedulerBase:
             return None, []
         now = time.monotonic()
         first = min(h.next_due for h in self._holds.values())
+        if not first <= now + MAX_SECONDS:  # no hold made by a lock is due that late
+            raise ValueError(f"a hold is due at {first!r}, not within {MAX_SECONDS} s")
         if first > now:
             self._wake_at = first
             return first - now, []
         self._wake_at = now
         return 0.0, [h for h in self._holds.values() if h.next_due <= now + h.renew_interval / 2]
 
+    def _drop_unrenewable(self, holds: Sequence[Hold], error: BaseException | None = None) -> int:
+        """Drop the holds the watchdog cannot renew, each reported lost; returns how many.
+
+        With ``error`` (scheduling raised it), every hold is checked; without, only the
+        holds about to be renewed.
+        """
+        now = time.monotonic()
+        dropped = 0
+        for hold in list(holds):
+            problem = hold_problem(hold, now)
+            if problem is not None:
+                self._give_up(hold, problem if error is None else f"{problem} ({error!r})")
+                dropped += 1
+        if error is not None and not dropped:
+            log.error("redislock: the watchdog's schedule failed (%r); retrying", error)
+        return dropped
+
+    def _give_up(self, hold: Hold, why: str) -> None:
+        """Stop renewing ``hold`` and report it lost ("unrenewable")."""
+        self._holds.pop(id(hold), None)
+        log.error(
+            "redislock: the watchdog stops renewing %r (owner %s): %s",
+            getattr(getattr(hold, "keys", None), "lock", hold),
+            getattr(hold, "owner", None),
+            why,
+        )
+        try:
+            hold.mark_lost("unrenewable")
+        except Exception:
+            log.exception("redislock: reporting the loss of %r failed", hold)
+
     def _pipeline(self, holds: Sequence[Hold]) -> tuple[Any, list[Sequence[Hold]]]:
+        if self._drop_unrenewable(holds):
+            holds = [h for h in holds if id(h) in self._holds]
         pipe = self._client.pipeline(transaction=False)
         chunks: list[Sequence[Hold]] = []
         for group in _by_slot(self._client, holds):
@@ -234,6 +278,19 @@ class _SchedulerBase:
                     hold.mark_lost(loss_reason_from_renew(int(code)))
         if renewed and signals.lock_renewed.receivers:
             signals.lock_renewed.send(self, count=renewed)
+
+    def _drop_abandoned(self, holds: Sequence[Hold]) -> list[Hold]:
+        """Stop renewing holds whose owning asyncio task or thread has ended (nobody can release
+        them: see ``Hold.abandoned``); they are lost, reason "abandoned", and expire
+        with their lease. Returns the others."""
+        kept = []
+        for hold in holds:
+            if hold.abandoned():
+                self._holds.pop(id(hold), None)
+                hold.mark_lost("abandoned")
+            else:
+                kept.append(hold)
+        return kept
 
     def _failed(self, holds: Sequence[Hold], exc: BaseException) -> None:
         now = time.monotonic()
@@ -293,25 +350,56 @@ class RenewalScheduler(_SchedulerBase):
     def _run(self) -> None:
         while True:
             with self._cond:
+                try:
+                    due = self._sleep_until_due()
+                except Exception as exc:  # a hold that cannot be scheduled: drop it alone
+                    if not self._drop_unrenewable(list(self._holds.values()), exc):
+                        self._cond.wait(ERROR_PAUSE)
+                    continue
+                if not due:
+                    self._thread = None
+                    if self._private:
+                        _disconnect(self._client)
+                    return
+            try:
+                self._renew(due)
+            except Exception as exc:  # not Redis's (those are retried): find the hold
+                self._renew_one_by_one(due, exc)
+
+    def _sleep_until_due(self) -> list[Hold]:
+        """Wait (holding ``_cond``) until holds are due; [] when idle long enough to exit."""
+        wait, due = self._next_wait()
+        while not due:
+            if wait is None:
+                # Linger briefly: a lock taken and released in a loop should
+                # not cost a thread start per acquisition.
+                self._wake_at = time.monotonic() + IDLE_EXIT
+                self._cond.wait(IDLE_EXIT)
                 wait, due = self._next_wait()
-                while not due:
-                    if wait is None:
-                        # Linger briefly: a lock taken and released in a loop should
-                        # not cost a thread start per acquisition.
-                        self._wake_at = time.monotonic() + IDLE_EXIT
-                        self._cond.wait(IDLE_EXIT)
-                        wait, due = self._next_wait()
-                        if wait is None:
-                            self._thread = None
-                            if self._private:
-                                _disconnect(self._client)
-                            return
-                        continue
-                    self._cond.wait(wait)
-                    wait, due = self._next_wait()
-            self._renew(due)
+                if wait is None:
+                    return []
+                continue
+            self._cond.wait(wait)
+            wait, due = self._next_wait()
+        return due
+
+    def _renew_one_by_one(self, holds: Sequence[Hold], error: BaseException) -> None:
+        """After a pass raised ``error``: renew each hold alone; one that raises is lost."""
+        log.error("redislock: renewing %d holds raised %r; renewing each alone", len(holds), error)
+        for hold in holds:
+            if id(hold) not in self._holds:
+                continue  # released (or dropped) meanwhile
+            try:
+                self._renew([hold])
+            except Exception as exc:
+                with self._cond:
+                    self._give_up(hold, f"renewing it raised {exc!r}")
 
     def _renew(self, holds: Sequence[Hold]) -> None:
+        with self._cond:
+            holds = self._drop_abandoned(holds)
+        if not holds:
+            return
         sent_at = time.monotonic()
         try:
             with self._cond:
@@ -362,7 +450,12 @@ class AsyncRenewalScheduler(_SchedulerBase):
     async def _run(self) -> None:
         try:
             while True:
-                wait, due = self._next_wait()
+                try:
+                    wait, due = self._next_wait()
+                except Exception as exc:  # a hold that cannot be scheduled: drop it alone
+                    if not self._drop_unrenewable(list(self._holds.values()), exc):
+                        await asyncio.sleep(ERROR_PAUSE)
+                    continue
                 if wait is None:
                     self._wake.clear()
                     self._wake_at = time.monotonic() + IDLE_EXIT
@@ -373,13 +466,30 @@ class AsyncRenewalScheduler(_SchedulerBase):
                     self._wake.clear()
                     await wait_event(self._wake, wait)
                     continue
-                await self._renew(due)
+                try:
+                    await self._renew(due)
+                except Exception as exc:  # not Redis's (those are retried): find the hold
+                    await self._renew_one_by_one(due, exc)
         finally:
             self._task = None
             if self._private:
                 await _disconnect(self._client)
 
+    async def _renew_one_by_one(self, holds: Sequence[Hold], error: BaseException) -> None:
+        """See :meth:`RenewalScheduler._renew_one_by_one`."""
+        log.error("redislock: renewing %d holds raised %r; renewing each alone", len(holds), error)
+        for hold in holds:
+            if id(hold) not in self._holds:
+                continue  # released (or dropped) meanwhile
+            try:
+                await self._renew([hold])
+            except Exception as exc:
+                self._give_up(hold, f"renewing it raised {exc!r}")
+
     async def _renew(self, holds: Sequence[Hold]) -> None:
+        holds = self._drop_abandoned(holds)
+        if not holds:
+            return
         sent_at = time.monotonic()
         try:
             pipe, chunks = self._pipeline(holds)

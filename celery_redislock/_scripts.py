@@ -19,9 +19,21 @@ from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError
 
+from ._core import MAX_MS
+
 SCRIPT_NAMES = ("acquire", "release", "renew", "fence", "park", "handoff", "sweep")
 #: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``).
-PRELUDES: dict[str, tuple[str, ...]] = {"handoff": ("envelope",), "sweep": ("envelope",)}
+#: ``args`` checks numeric arguments (every script taking a duration uses it).
+PRELUDES: dict[str, tuple[str, ...]] = {
+    "acquire": ("args",),
+    "release": ("args",),
+    "renew": ("args",),
+    "park": ("args",),
+    "handoff": ("args", "envelope"),
+    "sweep": ("args", "envelope"),
+}
+#: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
+MAX_MS_NAME = "MAX_MS"
 
 
 #: The publish call of the classic scripts, and its sharded (Redis Cluster) replacement.
@@ -30,7 +42,9 @@ SPUBLISH_CALL = "redis.call('spublish',"
 
 
 def _file(name: str) -> str:
-    return (resources.files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+    text = (resources.files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+    # The scripts' bound is _core's, written in here: one number, in one place.
+    return text.replace(MAX_MS_NAME, str(MAX_MS)) if name == "args" else text
 
 
 @functools.cache

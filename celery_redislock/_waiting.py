@@ -144,6 +144,7 @@ class _WaiterState:
         "_relocate",
         "_subscriber",
         "attempt",
+        "confirm_wait",
         "event",
         "granted",
         "kicked",
@@ -160,6 +161,9 @@ class _WaiterState:
         self._channel = None
         self._relocate = relocate
         self.event = event
+        #: How long entering waits for the subscription to be confirmed (at most the
+        #: acquire's remaining timeout: a short timeout must not wait a whole second).
+        self.confirm_wait = CONFIRM_WAIT
         self.owner = owner.encode()
         self.kicked = False
         self.recheck_at: float | None = None
@@ -240,7 +244,7 @@ class Waiter(_WaiterState):
 
     def __enter__(self) -> Waiter:
         self._channel = self._subscriber._register(self._name, self)
-        self._channel.confirmed.wait(CONFIRM_WAIT)
+        self._channel.confirmed.wait(self.confirm_wait)
         return self
 
     def __exit__(
@@ -540,10 +544,14 @@ def subscriber_for(client: Any, channel: bytes | None = None) -> Subscriber:
         return found
 
 
-def waiter_for(client: Any, channel: bytes, owner: str) -> Waiter:
-    """A waiter on ``channel`` for ``owner`` (it follows the channel's slot on a cluster)."""
+def waiter_for(client: Any, channel: bytes, owner: str, within: float | None = None) -> Waiter:
+    """A waiter on ``channel`` for ``owner`` (it follows the channel's slot on a cluster);
+    ``within``: the acquire's remaining timeout, which bounds the wait for confirmation."""
     relocate = (lambda: subscriber_for(client, channel)) if is_cluster(client) else None
-    return subscriber_for(client, channel).waiter(channel, owner, relocate)
+    waiter = subscriber_for(client, channel).waiter(channel, owner, relocate)
+    if within is not None:
+        waiter.confirm_wait = max(0.0, min(CONFIRM_WAIT, within))
+    return waiter
 
 
 def _after_fork_in_child() -> None:
@@ -585,7 +593,7 @@ class AsyncWaiter(_WaiterState):
     async def __aenter__(self) -> AsyncWaiter:
         try:
             self._channel = await self._subscriber._register(self._name, self)
-            await wait_event(self._channel.confirmed, CONFIRM_WAIT)
+            await wait_event(self._channel.confirmed, self.confirm_wait)
         except BaseException:
             self._subscriber._unregister(self._name, self)
             raise
@@ -800,15 +808,21 @@ def async_subscriber_for(
     return found
 
 
-def async_waiter_for(client: Any, channel: bytes, owner: str) -> AsyncWaiter:
-    """An asyncio waiter on ``channel`` for ``owner`` (follows the slot on a cluster)."""
+def async_waiter_for(
+    client: Any, channel: bytes, owner: str, within: float | None = None
+) -> AsyncWaiter:
+    """An asyncio waiter on ``channel`` for ``owner`` (follows the slot on a cluster);
+    ``within`` as :func:`waiter_for`'s."""
 
     def relocate() -> AsyncSubscriber:
         found = async_subscriber_for(client, channel)
         assert found is not None
         return found
 
-    return relocate().waiter(channel, owner, relocate if is_cluster(client) else None)
+    waiter = relocate().waiter(channel, owner, relocate if is_cluster(client) else None)
+    if within is not None:
+        waiter.confirm_wait = max(0.0, min(CONFIRM_WAIT, within))
+    return waiter
 
 
 def async_subscribers_of(client: Any) -> list[AsyncSubscriber]:

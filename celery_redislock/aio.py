@@ -5,7 +5,13 @@ Same methods, arguments, scripts, errors and guarantees as
 
 * the default owner is the calling **asyncio task** (tracked with a context
   variable), so two coroutines on one thread are different owners unless they pass
-  the same explicit ``owner=``;
+  the same explicit ``owner=``. ``acquire``, ``release``, ``extend`` and ``owned`` resolve
+  it when *called*, not when their coroutine runs: ``asyncio.wait_for(lock.acquire(),
+  5)`` (which runs the acquire in a task of its own before Python 3.12),
+  ``create_task``, ``gather`` and ``shield`` acquire for the task that called
+  ``acquire()``, and that task's ``release()`` matches. Acquires of one such owner on
+  one lock take turns (:class:`OwnerTurns`), and a hold whose task has ended is no
+  longer renewed (it is reported lost, reason ``"abandoned"``);
 * renewal runs as one asyncio task per connection pool per event loop, and waiters
   are woken by one reader task per pool per loop;
 * cancellation is safe: a cancelled ``acquire`` whose command already reached Redis
@@ -19,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import time
 import weakref
-from typing import Any, Awaitable, TypeVar
+from collections import deque
+from typing import Any, Awaitable, Callable, Coroutine, NamedTuple, TypeVar
 
 from redis.exceptions import NoScriptError, RedisError
 
@@ -34,12 +42,12 @@ from ._core import (
     decode_acquire,
     lease_ms,
     new_owner_suffix,
-    optional_seconds,
     process_id,
     thread_owner,
     validate_prefix,
     wait_bound,
 )
+from ._deferred import UNREACHABLE, _retry_release_args, defer_async
 from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
 from ._scripts import run_async, scripts_for
 from ._waiting import async_subscribers_of, async_waiter_for
@@ -58,16 +66,104 @@ def _scheduler(client: Any) -> AsyncRenewalScheduler:
 
 
 def task_owner() -> str:
-    """Owner id of the running asyncio task (child tasks get their own, not the parent's)."""
-    task = asyncio.current_task()
+    """Owner id of the calling asyncio task (child tasks get their own, not the
+    parent's), or of the calling thread outside any task."""
+    return caller(None).owner
+
+
+class Caller(NamedTuple):
+    """Who calls an owner-checked method: the owner id, and the asyncio task a default
+    owner names (None for an explicit owner, or a thread's owner outside any task)."""
+
+    owner: str
+    task: asyncio.Task[Any] | None
+
+
+def caller(explicit: str | None) -> Caller:
+    """Who calls now: ``explicit`` if given, else the calling asyncio task, or the
+    calling thread when no task is running (say, ``run_coroutine_threadsafe`` from a
+    thread: its acquire and its release then match)."""
+    if explicit is not None:
+        return Caller(explicit, None)
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop runs in this thread
+        task = None
     if task is None:
-        return thread_owner()
+        return Caller(thread_owner(), None)
     current = _task_owner.get()
     if current is not None and current[0]() is task:
-        return current[1]
+        return Caller(current[1], task)
     owner = f"{process_id()}:a{new_owner_suffix()}"
     _task_owner.set((weakref.ref(task), owner))
-    return owner
+    return Caller(owner, task)
+
+
+class OwnerTurns:
+    """Acquires of one default owner on one lock name take turns in this process.
+
+    A task runs one ``acquire`` at a time unless it hands them to other tasks
+    (``gather(lock.acquire(), lock.acquire())``, ``create_task``). One at a time keeps
+    what the acquire script and the hold table rely on: an owner waiting for a lock
+    does not hold it, and its acquires' replies are applied in the order Redis made
+    them. Turns are granted first come, first served; waiting for one costs no I/O.
+    """
+
+    def __init__(self) -> None:
+        #: (lock key, owner) -> acquires waiting for their turn; present while one runs.
+        self._lines: dict[tuple[bytes, str], deque[asyncio.Future[None]]] = {}
+
+    async def run(
+        self,
+        key: tuple[bytes, str],
+        blocking: bool,
+        wait_limit: float | None,
+        acquire: Callable[[float | None], Awaitable[bool]],
+    ) -> bool:
+        """Run ``acquire(remaining wait limit)`` in ``key``'s turn. False, with nothing
+        sent, if the turn does not come within ``wait_limit`` (``blocking=False``: if
+        another acquire of the owner is running)."""
+        started = time.monotonic()
+        if not await self._enter(key, wait_limit if blocking else 0.0):
+            return False
+        try:
+            if wait_limit is not None:
+                wait_limit = max(0.0, wait_limit - (time.monotonic() - started))
+            return await acquire(wait_limit)
+        finally:
+            self._leave(key)
+
+    async def _enter(self, key: tuple[bytes, str], timeout: float | None) -> bool:
+        line = self._lines.get(key)
+        if line is None:
+            self._lines[key] = deque()
+            return True
+        if timeout is not None and timeout <= 0:
+            return False
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        line.append(turn)
+        try:
+            done, _ = await asyncio.wait({turn}, timeout=timeout)
+        except BaseException:
+            if turn.done():  # granted as the cancellation came: pass it on
+                self._leave(key)
+            else:
+                line.remove(turn)
+            raise
+        if not done:
+            line.remove(turn)
+            return False
+        return True
+
+    def _leave(self, key: tuple[bytes, str]) -> None:
+        line = self._lines[key]
+        if line:
+            line.popleft().set_result(None)
+        else:
+            del self._lines[key]
+
+
+owner_turns = OwnerTurns()
 
 
 async def _to_completion(awaitable: Awaitable[T]) -> tuple[asyncio.Future[T], BaseException | None]:
@@ -159,22 +255,54 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         if hold.renew:
             _scheduler(self.client).remove(hold)
 
-    async def acquire(
+    def acquire(
         self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
+    ) -> Coroutine[Any, Any, bool]:
+        """Take the lock (or re-enter it); True on success. See :meth:`RedisLock.acquire`.
+
+        The arguments are checked and the owner resolved when ``acquire()`` is called,
+        in the calling task: the coroutine acquires for that task wherever it runs
+        (``wait_for``, ``create_task``, ``gather``, ``shield``). Concurrent acquires of
+        one default owner on this lock take turns (see :class:`OwnerTurns`).
+        """
+        wait_limit, lease_millis, renew = self._acquire_args(blocking, timeout, lease)
+        return self._acquire(caller(self.owner), blocking, wait_limit, lease_millis, renew)
+
+    async def _acquire(
+        self,
+        called: Caller,
+        blocking: bool,
+        wait_limit: float | None,
+        lease_millis: int,
+        renew: bool,
     ) -> bool:
-        """Take the lock (or re-enter it); True on success. See :meth:`RedisLock.acquire`."""
-        wait_limit = optional_seconds(timeout, "timeout")
-        lease_millis, renew = self._acquire_args(lease)
-        owner = self._current_owner()
+        owner, task = called
+
+        def attempt(limit: float | None) -> Awaitable[bool]:
+            return self._acquire_as(owner, task, blocking, limit, lease_millis, renew)
+
+        if self.owner is not None:  # an explicit owner may be shared: no turns
+            return await attempt(wait_limit)
+        return await owner_turns.run((self.keys.lock, owner), blocking, wait_limit, attempt)
+
+    async def _acquire_as(
+        self,
+        owner: str,
+        task: asyncio.Task[Any] | None,
+        blocking: bool,
+        wait_limit: float | None,
+        lease_millis: int,
+        renew: bool,
+    ) -> bool:
         started = time.monotonic()
-        if await self._try(owner, lease_millis, renew) is True:
+        if await self._try(owner, lease_millis, renew, owner_task=task) is True:
             return True
         self._contended(owner)
         if not blocking:
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
-        async with async_waiter_for(self.client, self.keys.channel, owner) as waiter:
+        async with async_waiter_for(self.client, self.keys.channel, owner, wait_limit) as waiter:
             direct = self._direct(renew) and waiter.direct
             pttl = 0  # the holder's lease at the last attempt (how long our place is kept)
             try:
@@ -182,7 +310,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                     sent_at = time.monotonic()
                     wake = waiter.next_wake_id() if direct else None
                     outcome = await self._try(
-                        owner, lease_millis, renew, started, line=True, wake=wake
+                        owner, lease_millis, renew, started, line=True, wake=wake, owner_task=task
                     )
                     if outcome is True:
                         acquired = True
@@ -194,7 +322,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                     await waiter.wait(wait_bound(outcome, remaining))
                     token = waiter.take_grant()
                     if token is not None and self._take_grant(
-                        owner, token, sent_at, lease_millis, started
+                        owner, token, sent_at, lease_millis, started, task
                     ):
                         acquired = True
                         return True
@@ -220,6 +348,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         *,
         line: bool = False,
         wake: bytes | None = None,
+        owner_task: asyncio.Task[Any] | None = None,
     ) -> bool | int:
         sent_at = time.monotonic()
         argv = self._with_wake(owner, self._acquire_argv(owner, lease, line), wake)
@@ -242,7 +371,9 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             connected = await self._connected_replicas() if cancelled is None else None
             error = self._replication_error(acks, "acquire", owner, connected)
             raise cancelled if cancelled is not None else error
-        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew, started)
+        hold, is_new = self._record_acquired(
+            owner, reply, sent_at, lease, renew, started, owner_task
+        )
         if is_new and renew:
             require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
             _scheduler(self.client).add(hold)
@@ -283,9 +414,13 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         except (RedisError, ValueError, TypeError):
             return None
 
-    async def release(self) -> None:
-        """Give back one hold of the calling owner. See :meth:`RedisLock.release`."""
-        owner = self._current_owner()
+    def release(self) -> Coroutine[Any, Any, None]:
+        """Give back one hold of the calling owner (resolved when called, as by
+        :meth:`acquire`). See :meth:`RedisLock.release`."""
+        return self._release_for(caller(self.owner))
+
+    async def _release_for(self, called: Caller) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         await to_completion(self._release(owner))
 
@@ -297,15 +432,34 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             code = int(
                 await run_async(self.client, self._scripts.release, self._release_keys, [owner])
             )
+        except UNREACHABLE as exc:
+            if hold is None or hold.pid != os.getpid():
+                raise
+            if hold.count > 1:
+                self._inner_unconfirmed(hold)
+                raise
+            what = self._unconfirmed(hold, exc)
+            retry_args = _retry_release_args(owner, hold.token)
+            defer_async(
+                what,
+                lambda: run_async(
+                    self.client, self._scripts.release, self._release_keys, retry_args
+                ),
+                until=hold.deadline,
+                key=(self.keys.lock, owner),
+            )
+            return
         finally:
             if hold is not None:
                 hold.releasing -= 1
         self._record_released(owner, code)
 
-    async def extend(self, ttl: float) -> None:
+    def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
         """Replace the calling owner's lease with ``ttl`` seconds. See :meth:`RedisLock.extend`."""
-        lease = lease_ms(ttl, "ttl")
-        owner = self._current_owner()
+        return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
+
+    async def _extend(self, called: Caller, lease: int) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
         if self.min_replicas:
@@ -323,9 +477,13 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         """Whether anyone holds the lock (server-side)."""
         return bool(await self.client.exists(self.keys.lock))
 
-    async def owned(self) -> bool:
+    def owned(self) -> Coroutine[Any, Any, bool]:
         """Whether the calling owner holds the lock (server-side)."""
-        return bool(await self.client.hexists(self.keys.lock, self._current_owner()))
+        return self._owned(caller(self.owner))
+
+    async def _owned(self, called: Caller) -> bool:
+        owner = called.owner
+        return bool(await self.client.hexists(self.keys.lock, owner))
 
     async def remaining(self) -> float | None:
         """Seconds left on the current lease, whoever holds it (None: not locked)."""

@@ -26,7 +26,7 @@ import inspect
 import time
 from typing import Any, Callable, TypeVar, cast
 
-from ._core import DEFAULT_PREFIX, lease_ms, optional_seconds, validate_prefix
+from ._core import DEFAULT_PREFIX, lease_ms, optional_seconds, seconds, validate_prefix
 from ._errors import LockConfigurationError, LockContendedError
 from .aio import AsyncRedisLock
 from .keys import KeyTemplate
@@ -76,7 +76,7 @@ def locked(
     """
     lease_ms(ttl, "ttl")
     optional_seconds(timeout, "timeout")
-    optional_seconds(retry_delay, "retry_delay")
+    seconds(retry_delay, "retry_delay", low=0.0)
     validate_prefix(prefix)
     if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
         raise LockConfigurationError(f"retries must be an int >= 0, got {retries!r}")

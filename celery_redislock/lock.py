@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -31,18 +32,27 @@ from ._core import (
     LeaseLost,
     LockKeys,
     OwnerFinished,
+    OwnerRunning,
     decode_acquire,
     lease_ms,
-    optional_seconds,
     thread_owner,
     validate_prefix,
     wait_bound,
 )
+from ._deferred import UNREACHABLE, _retry_release_args, deferred_releases
 from ._renewal import RenewalScheduler, require_replicas, scheduler_for
 from ._scripts import run, scripts_for
 from ._waiting import waiter_for
 
 log = logging.getLogger(__name__)
+
+
+def _owner_thread() -> threading.Thread | None:
+    """The calling thread, if the watchdog can tell when it ends: not a thread Python did
+    not start (a greenlet under gevent or eventlet, a foreign thread), whose "alive" is
+    not known."""
+    thread = threading.current_thread()
+    return None if isinstance(thread, threading._DummyThread) else thread
 
 
 class RedisLock(LockBase[LeaseLost], SyncContext):
@@ -145,8 +155,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         about 1 s after it (half the grant's lease, less the drift allowance) is taken
         with a round trip instead, as is any grant without direct grants.
         """
-        wait_limit = optional_seconds(timeout, "timeout")
-        lease_millis, renew = self._acquire_args(lease)
+        wait_limit, lease_millis, renew = self._acquire_args(blocking, timeout, lease)
         owner = self._current_owner()
         started = time.monotonic()
         if self._try(owner, lease_millis, renew) is True:
@@ -156,7 +165,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
-        with waiter_for(self.client, self.keys.channel, owner) as waiter:
+        with waiter_for(self.client, self.keys.channel, owner, wait_limit) as waiter:
             direct = self._direct(renew) and waiter.direct
             pttl = 0  # the holder's lease at the last attempt (how long our place is kept)
             try:
@@ -174,7 +183,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                     waiter.wait(wait_bound(outcome, remaining))
                     token = waiter.take_grant()
                     if token is not None and self._take_grant(
-                        owner, token, sent_at, lease_millis, started
+                        owner, token, sent_at, lease_millis, started, _owner_thread()
                     ):
                         acquired = True
                         return True
@@ -218,11 +227,16 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         if not reply.acquired:
             if reply.finished:
                 raise OwnerFinished(self.name)
+            if reply.running:
+                raise OwnerRunning(self.name)
             return reply.pttl
         if self.min_replicas and self._unreplicated(acks):
             self._give_back(owner)
             raise self._replication_error(acks, "acquire", owner, self._connected_replicas())
-        hold, is_new = self._record_acquired(owner, reply, sent_at, lease, renew, started)
+        thread = _owner_thread() if self.owner is None else None
+        hold, is_new = self._record_acquired(
+            owner, reply, sent_at, lease, renew, started, owner_task=thread
+        )
         if is_new and renew:
             require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
             self._scheduler().add(hold)
@@ -262,8 +276,14 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                 protected may have overlapped another holder's).
             LockNotOwnedError: the caller does not hold the lock; nothing changed.
             LockForkedError: the hold belongs to the parent of this forked process.
-            redis.exceptions.ConnectionError: Redis unreachable; the hold is kept
-                and the call can be retried.
+            redis.exceptions.ConnectionError: Redis unreachable while releasing an
+                inner (re-entered) hold: it is kept, still renewed, and the call can be
+                retried.
+
+        When Redis cannot be reached to release this object's *last* hold, the call
+        does not raise: the hold stops being renewed at once (its lease ends it at the
+        latest), ``lock_release_failed`` is sent, and the release is retried in the
+        background until Redis answers or the hold's validity deadline passes.
         """
         owner = self._current_owner()
         self._check_not_inherited(owner)
@@ -272,6 +292,21 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             hold.releasing += 1
         try:
             code = int(run(self.client, self._scripts.release, self._release_keys, (owner,)))
+        except UNREACHABLE as exc:
+            if hold is None or hold.pid != os.getpid():
+                raise
+            if hold.count > 1:
+                self._inner_unconfirmed(hold)
+                raise
+            what = self._unconfirmed(hold, exc)
+            retry_args = _retry_release_args(owner, hold.token)
+            deferred_releases().add(
+                what,
+                lambda: run(self.client, self._scripts.release, self._release_keys, retry_args),
+                until=hold.deadline,
+                key=(self.keys.lock, owner),
+            )
+            return
         finally:
             if hold is not None:
                 hold.releasing -= 1

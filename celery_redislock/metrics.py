@@ -21,7 +21,18 @@ from . import signals
 
 #: Upper bounds (seconds) of the wait-time histogram buckets; the last bucket is +inf.
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-COUNTERS = ("acquired", "contended", "released", "lost", "renewed", "parked", "requeued", "pulled")
+COUNTERS = (
+    "acquired",
+    "contended",
+    "released",
+    "lost",
+    "renewed",
+    "parked",
+    "requeued",
+    "pulled",
+    "release_failed",
+    "parked_rejected",
+)
 
 
 class LockStats:
@@ -81,6 +92,8 @@ _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.task_parked, _counter("parked")),
     (signals.task_requeued, _counter("requeued")),
     (signals.task_pulled, _counter("pulled")),
+    (signals.lock_release_failed, _counter("release_failed")),
+    (signals.parked_rejected, _counter("parked_rejected")),
 ]
 _enabled = False
 
@@ -166,6 +179,8 @@ def enable_prometheus(registry: Any = None) -> None:
         (signals.task_parked, "parked"),
         (signals.task_requeued, "requeued"),
         (signals.task_pulled, "pulled"),
+        (signals.lock_release_failed, "release_failed"),
+        (signals.parked_rejected, "parked_rejected"),
     ):
         signal.connect(lambda sender=None, _c=counters[name], **_: _c.inc())
     signals.lock_renewed.connect(lambda sender=None, count=1, **_: counters["renewed"].inc(count))

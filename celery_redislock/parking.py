@@ -16,6 +16,10 @@ Redis user may write, messages of task protocol 2 without ``eta`` or ``expires``
 ``redislock_urls``), no parked-task fallback copies, and ``redislock_park_at_delivery``
 left on. Everything else (and any error here) goes the usual way: the pool process takes
 the lock, or parks the task itself.
+
+A message whose delivery tag says a hand-over pushed it back is run only if its signature
+verifies (:func:`accept_handed_over`): a hand-over script pushes what it finds in Redis,
+where anyone who may write the lock keys may have written it.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from typing import Any
 import redis
 from celery.worker.strategy import default as default_strategy
 
-from . import signals
-from ._core import OwnerFinished
+from . import signals, signing
+from ._core import LockKeys, OwnerFinished, lease_ms, name_from_lock_key
 from .task import (
     LOOKAHEAD_HEADER,
     REQUEUE_HEADER,
@@ -37,8 +41,13 @@ from .task import (
     LockedTask,
     TaskLock,
     _park_fallback,
+    _report_refused,
     client_for,
+    deliver_handed_over,
     envelope_entry,
+    envelope_lock_key,
+    refuse_handed_over,
+    request_owner,
     settings_for,
 )
 
@@ -46,22 +55,74 @@ log = logging.getLogger(__name__)
 
 
 def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
-    """Celery's default strategy, with contended messages parked before dispatch."""
+    """Celery's default strategy, with contended messages parked before dispatch, and
+    messages a hand-over pushed run only if they verify."""
     handler = default_strategy(task, app, consumer, **kwargs)
     parker = Parker.for_consumer(task, app, consumer)
-    if parker is None:
-        return handler
     errors = consumer.connection_errors
 
     def task_message_handler(
         message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any
     ) -> Any:
-        if parker.park(message):
+        if (
+            str(message.delivery_tag).startswith(TAG_PREFIX)
+            and not accept_handed_over(task, app, message)
+        ) or (parker is not None and parker.park(message)):
             ack(log, errors)  # as Request.acknowledge does
             return None
         return handler(message, body, ack, reject, callbacks, **kw)
 
     return task_message_handler
+
+
+def accept_handed_over(task: Any, app: Any, message: Any) -> bool:
+    """Whether a message a hand-over pushed back (its delivery tag says so) may run.
+
+    A hand-over script pushes a parked envelope it read from Redis, so it runs only if a
+    worker holding the app's signing key parked it, under the lock its arguments take
+    (``signing.check_envelope``). A refused one is reported, and its hand-over taken back
+    (the lock goes to the next parked task): the caller acks it, so it never runs.
+    """
+    raw = getattr(message, "_raw", None)
+    try:
+        lock, _queue_list = signing.check_envelope(settings_for(app).signing_key, raw)
+        if envelope_lock_key(app, raw) == lock.encode():
+            return True
+        reason = "its arguments do not take the lock it was parked under"
+    except signing.Refused as exc:
+        reason = str(exc)
+    except Exception as exc:  # not a message any worker parked
+        reason = f"not a parked message ({type(exc).__name__}: {exc})"
+    try:
+        lock_key, task_id = _parked_as(app, raw)
+        if lock_key is None:
+            _report_refused(app, b"", task_id, reason)
+        else:
+            lease = lease_ms(task.lock_options().ttl, "lock_ttl")
+            handed = refuse_handed_over(app, lock_key, task_id, reason, lease)
+            deliver_handed_over(app, handed, lease)
+    except Exception:  # the sweeper hands the lock on when the hand-over's lease runs out
+        log.exception("redislock: could not take back the hand-over of a refused message")
+    return False
+
+
+def _parked_as(app: Any, raw: Any) -> tuple[bytes | None, bytes]:
+    """The lock key and task id a pushed message says it was parked as: a hand-over
+    script pushes an envelope only if they are the ones it handed the lock to
+    (envelope.lua's ``pushable``). No lock key if it names none of this app's locks."""
+    headers = raw.get("headers") if isinstance(raw, dict) else None
+    headers = headers if isinstance(headers, dict) else {}
+    parked = headers.get(signing.PARKED_HEADER)
+    task_id, lock = headers.get("id"), parked.get("lock") if isinstance(parked, dict) else None
+    task_id = request_owner(headers).encode() if isinstance(task_id, str) else b""
+    if not task_id or not isinstance(lock, str):
+        return None, task_id
+    prefixes = {t.lock_options().prefix for t in app.tasks.values() if isinstance(t, LockedTask)}
+    for prefix in prefixes:
+        name = name_from_lock_key(lock.encode(), prefix)
+        if name is not None and LockKeys.for_name(name, prefix).lock == lock.encode():
+            return lock.encode(), task_id
+    return None, task_id
 
 
 class Parker:
@@ -137,7 +198,7 @@ class Parker:
         queue_list = self._queue_list(message, raw)
         if queue_list is None:
             return False
-        if handed:  # pushed back by a hand-over or the sweeper: the lock is its own
+        if handed:  # pushed back by a hand-over (and verified): the lock is its own
             if options.lookahead and self.lookahead:
                 # Its release looks in the list for the next task of its lock.
                 message.headers[LOOKAHEAD_HEADER] = queue_list
@@ -148,10 +209,12 @@ class Parker:
         envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
         envelope["headers"][REQUEUE_HEADER] = count + 1
         client = client_for(self.app)
-        lock = TaskLock(client, name, task_id=task_id, options=options)
+        lock = TaskLock(client, name, task_id=request_owner(headers), options=options)
         keep_for = task._parking_lifetime(options)
+        key = settings_for(self.app).signing_key
+        entry = envelope_entry(queue_list, envelope, lock.keys.lock, key)
         try:
-            outcome = lock.park(envelope_entry(queue_list, envelope), keep_for, behind=True)
+            outcome = lock.park(entry, keep_for, behind=True)
         except OwnerFinished:
             return False  # the pool process logs the duplicate and ignores it
         if outcome is None or outcome is True:

@@ -21,7 +21,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -36,15 +36,17 @@ from ._core import (
     LeaseLost,
     LockKeys,
     OwnerFinished,
+    OwnerRunning,
     decode_acquire,
     lease_ms,
-    optional_seconds,
+    seconds,
     thread_owner,
     validate_prefix,
     wait_bound,
     wait_event,
 )
 from ._errors import LockConfigurationError, LockQuorumError
+from ._nodes import check_distinct, node_label
 from ._quorum import (
     Decided,
     HoldGroup,
@@ -57,7 +59,6 @@ from ._quorum import (
     decided_by,
     given_back,
     granted,
-    node_label,
     quorum_error,
     quorum_of,
     release_code,
@@ -69,7 +70,7 @@ from ._quorum import (
 from ._renewal import async_scheduler_for, scheduler_for
 from ._scripts import scripts_for
 from ._waiting import UNCONFIRMED_POLL, async_subscriber_for, subscriber_for
-from .aio import task_owner, to_completion
+from .aio import Caller, caller, owner_turns, task_owner, to_completion
 
 T = TypeVar("T")
 
@@ -160,23 +161,16 @@ class _QuorumBase:
     ) -> None:
         """Validate the nodes and options; open the private per-node clients."""
         nodes = validate_nodes(clients)
+        check_distinct(nodes, "clients")
         ttl = self._lease / 1000.0  # type: ignore[attr-defined]
-        timeout = NODE_TIMEOUT if node_timeout is None else node_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise LockConfigurationError(
-                f"node_timeout must be a positive number of seconds, got {node_timeout!r}"
-            )
+        timeout = seconds(NODE_TIMEOUT if node_timeout is None else node_timeout, "node_timeout")
         if timeout * 2 >= ttl:
             raise LockConfigurationError(
                 f"node_timeout ({timeout}s) must be well below ttl ({ttl}s): an attempt that "
                 f"takes longer than the lease can never be valid (use at most ttl / 10)"
             )
-        if isinstance(retry_delay, bool) or not isinstance(retry_delay, (int, float)):
-            raise LockConfigurationError(f"retry_delay must be seconds >= 0, got {retry_delay!r}")
-        if retry_delay < 0:
-            raise LockConfigurationError(f"retry_delay must be seconds >= 0, got {retry_delay!r}")
-        self.node_timeout = float(timeout)
-        self.retry_delay = float(retry_delay)
+        self.node_timeout = timeout
+        self.retry_delay = seconds(retry_delay, "retry_delay", low=0.0)
         self.quorum = quorum_of(len(nodes))
         self._fast = [_bounded(c, self.node_timeout, asyncio_client=asyncio_client) for c in nodes]
         # The caller's clients (for waiting and renewal); a URL's client is the private one.
@@ -431,8 +425,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         Same arguments as :meth:`RedisLock.acquire`. Raises :class:`LockQuorumError` when
         fewer than a majority of the nodes answer an attempt.
         """
-        wait_limit = optional_seconds(timeout, "timeout")
-        lease_millis, renew = self._acquire_args(lease)
+        wait_limit, lease_millis, renew = self._acquire_args(blocking, timeout, lease)
         owner = self._current_owner()
         started = time.monotonic()
         outcome = self._try(owner, lease_millis, renew)
@@ -494,6 +487,8 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         self._undo(owner, outcome, fresh, round_)
         if outcome.finished:
             raise OwnerFinished(self.name)
+        if outcome.running:
+            raise OwnerRunning(self.name)
         outcome.split = outcome.split and not acquired
         return outcome
 
@@ -713,15 +708,42 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
                 break
         return _node_failures_as_round(sources, self._labels)
 
-    async def acquire(
+    def acquire(
         self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
+    ) -> Coroutine[Any, Any, bool]:
+        """Take the lock on a majority of the nodes; see :meth:`RedLock.acquire`. The
+        owner is resolved when called, as by :meth:`AsyncRedisLock.acquire`."""
+        wait_limit, lease_millis, renew = self._acquire_args(blocking, timeout, lease)
+        return self._acquire(caller(self.owner), blocking, wait_limit, lease_millis, renew)
+
+    async def _acquire(
+        self,
+        called: Caller,
+        blocking: bool,
+        wait_limit: float | None,
+        lease_millis: int,
+        renew: bool,
     ) -> bool:
-        """Take the lock on a majority of the nodes; see :meth:`RedLock.acquire`."""
-        wait_limit = optional_seconds(timeout, "timeout")
-        lease_millis, renew = self._acquire_args(lease)
-        owner = self._current_owner()
+        owner, task = called
+
+        def attempt(limit: float | None) -> Awaitable[bool]:
+            return self._acquire_as(owner, task, blocking, limit, lease_millis, renew)
+
+        if self.owner is not None:  # an explicit owner may be shared: no turns
+            return await attempt(wait_limit)
+        return await owner_turns.run((self.keys.lock, owner), blocking, wait_limit, attempt)
+
+    async def _acquire_as(
+        self,
+        owner: str,
+        task: asyncio.Task[Any] | None,
+        blocking: bool,
+        wait_limit: float | None,
+        lease_millis: int,
+        renew: bool,
+    ) -> bool:
         started = time.monotonic()
-        outcome = await self._try(owner, lease_millis, renew)
+        outcome = await self._try(owner, lease_millis, renew, owner_task=task)
         if outcome is None:
             return True
         self._contended(owner)
@@ -741,14 +763,20 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
                 else:
                     await waiter.wait(wait_bound(outcome.pttl, remaining))
                 waiter.mark()
-                outcome = await self._try(owner, lease_millis, renew, started)
+                outcome = await self._try(owner, lease_millis, renew, started, owner_task=task)
                 if outcome is None:
                     return True
         finally:
             waiter.exit()
 
     async def _try(
-        self, owner: str, lease: int, renew: bool, started: float | None = None
+        self,
+        owner: str,
+        lease: int,
+        renew: bool,
+        started: float | None = None,
+        *,
+        owner_task: asyncio.Task[Any] | None = None,
     ) -> QuorumAcquire | None:
         """One attempt on every node: None if acquired, else what the nodes said."""
         running, within = self._still_undoing(owner)
@@ -782,7 +810,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             raise
         if acquired and attempt_valid(sent_at, lease):
             hold, is_new = self._record_acquired(
-                owner, outcome.reply(), sent_at, lease, renew, started
+                owner, outcome.reply(), sent_at, lease, renew, started, owner_task
             )
             if is_new and renew:
                 parts = self._start_group(hold, outcome, sent_at, AsyncLeaseLost)
@@ -794,6 +822,8 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         self._undo(owner, fresh, sources)
         if outcome.finished:
             raise OwnerFinished(self.name)
+        if outcome.running:
+            raise OwnerRunning(self.name)
         outcome.split = outcome.split and not acquired
         return outcome
 
@@ -825,10 +855,13 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
 
         self._track(owner, [_background(give_back())])
 
-    async def release(self) -> None:
+    def release(self) -> Coroutine[Any, Any, None]:
         """Give back one hold on every node; see :meth:`RedLock.release`. A cancelled
         release still completes (and is recorded) before the cancellation goes on."""
-        owner = self._current_owner()
+        return self._release_for(caller(self.owner))
+
+    async def _release_for(self, called: Caller) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         await to_completion(self._release(owner))
 
@@ -847,10 +880,12 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             self._ack_releasing(hold, -1)
         self._settle_release(owner, hold, round_, valid)
 
-    async def extend(self, ttl: float) -> None:
+    def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
         """Replace the calling owner's lease with ``ttl`` seconds; see :meth:`RedLock.extend`."""
-        lease = lease_ms(ttl, "ttl")
-        owner = self._current_owner()
+        return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
+
+    async def _extend(self, called: Caller, lease: int) -> None:
+        owner = called.owner
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
         keys = [self.keys.lock]
@@ -881,9 +916,12 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         round_ = await self._pttls()
         return sum(1 for i in round_.answered() if round_.replies[i] != -2) >= self.quorum
 
-    async def owned(self) -> bool:
+    def owned(self) -> Coroutine[Any, Any, bool]:
         """Whether a majority of the nodes shows the calling owner's hold."""
-        owner = self._current_owner()
+        return self._owned(caller(self.owner))
+
+    async def _owned(self, called: Caller) -> bool:
+        owner = called.owner
 
         async def one(i: int) -> bool:
             return bool(await self._fast[i].hexists(self.keys.lock, owner))

@@ -2,6 +2,7 @@
 
 This module does not import Celery: it reads any mapping (``app.conf`` is one), so the
 same rules check task attributes at decoration time and app settings at worker start.
+Every duration is a number of seconds of at most ``_core.MAX_SECONDS`` (365 days).
 
 Settings (task attributes of the same meaning override them per task):
 
@@ -34,17 +35,20 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_park_at_delivery`` (``True``) — park contended messages in the worker's main
   process before dispatch, where the broker is the locks' own Redis (``False``: pool
   processes park them, one round trip less per message in the main loop).
+* ``redislock_signing_key`` (derived from ``broker_url``) — the key the workers sign parked
+  messages with and check them against before sending them on or running them (a ``str``
+  or ``bytes`` of at least 16 bytes, the same on every worker). See docs/security.md.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._core import DEFAULT_PREFIX, lease_ms, validate_prefix
+from ._core import DEFAULT_PREFIX, duration_error, lease_ms, seconds, validate_prefix
 from ._errors import LockConfigurationError
+from ._nodes import check_distinct
 
 CONTENTION_POLICIES = ("requeue", "wait", "skip", "raise")
 WAIT_FALLBACKS = ("requeue", "raise")
@@ -52,14 +56,20 @@ EXHAUSTED_ACTIONS = ("fail", "drop")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
-def _seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):  # type: ignore[arg-type,operator]
-        return float(value)  # type: ignore[arg-type]
-    bound = ">= 0" if allow_zero else "> 0"
-    raise LockConfigurationError(
-        f"{name} must be a finite number of seconds {bound}, got {value!r}"
-    )
+def _lease(value: object, name: str) -> float:
+    """A duration Redis keeps a key for (``ttl``, ``done_ttl``): 1 ms to 365 days."""
+    lease_ms(value, name)
+    return float(value)  # type: ignore[arg-type]
+
+
+def _hold(value: object, name: str) -> float:
+    """``lock_hold``: 0 (release at once) or a lease."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    try:
+        return _lease(value, name)
+    except LockConfigurationError:
+        raise duration_error(name, value, alternative="0 (release at once)") from None
 
 
 def _choice(value: object, name: str, allowed: tuple[str, ...]) -> str:
@@ -98,7 +108,7 @@ def _lookahead(value: object, name: str) -> int:
 def _backoff(value: object, name: str) -> tuple[float, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise LockConfigurationError(f"{name} must be a (base, cap) pair of seconds, got {value!r}")
-    base, cap = _seconds(value[0], f"{name}[0]"), _seconds(value[1], f"{name}[1]")
+    base, cap = seconds(value[0], f"{name}[0]"), seconds(value[1], f"{name}[1]")
     if cap < base:
         raise LockConfigurationError(f"{name}: cap ({cap}) must be >= base ({base})")
     return base, cap
@@ -127,14 +137,14 @@ class LockOptions:
 
 #: option name -> (task attribute, setting name, validator)
 _FIELDS: dict[str, tuple[str, str, Any]] = {
-    "ttl": ("lock_ttl", "redislock_ttl", lambda v, n: (lease_ms(v, n), float(v))[1]),
+    "ttl": ("lock_ttl", "redislock_ttl", _lease),
     "prefix": ("lock_prefix", "redislock_prefix", lambda v, n: _prefix(v, n)),
     "on_contention": (
         "on_contention",
         "redislock_on_contention",
         lambda v, n: _choice(v, n, CONTENTION_POLICIES),
     ),
-    "wait": ("lock_wait", "redislock_wait", lambda v, n: _seconds(v, n, allow_zero=True)),
+    "wait": ("lock_wait", "redislock_wait", lambda v, n: seconds(v, n, low=0.0)),
     "wait_fallback": (
         "lock_wait_fallback",
         "redislock_wait_fallback",
@@ -148,9 +158,9 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
         lambda v, n: _choice(v, n, EXHAUSTED_ACTIONS),
     ),
     "release_on_retry": ("lock_release_on_retry", "redislock_release_on_retry", _bool),
-    "done_ttl": ("lock_done_ttl", "redislock_done_ttl", _seconds),
+    "done_ttl": ("lock_done_ttl", "redislock_done_ttl", _lease),
     "lookahead": ("lock_lookahead", "redislock_lookahead", _lookahead),
-    "hold": ("lock_hold", None, lambda v, n: _seconds(v, n, allow_zero=True)),  # type: ignore[dict-item]
+    "hold": ("lock_hold", None, _hold),  # type: ignore[dict-item]
 }
 
 
@@ -188,13 +198,20 @@ class LockSettings:
     #: With ``redislock_urls``: the quorum's nodes (empty: one Redis at ``url``).
     urls: tuple[str, ...] = ()
     node_timeout: float = 0.25
+    #: The key parked messages are signed with (``redislock_signing_key``, or derived
+    #: from the broker URL), and where it came from.
+    signing_key: bytes = field(default=b"", repr=False)
+    signing_key_source: str = "redislock_signing_key"
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> LockSettings:
         """Read and validate ``redislock_*`` from a Celery ``app.conf`` (or any mapping)."""
         urls = _urls(conf)
         url, source = (urls[0], "redislock_urls") if urls else _url(conf)
-        node_timeout = _seconds(conf.get("redislock_node_timeout", 0.25), "redislock_node_timeout")
+        node_timeout = conf.get("redislock_node_timeout")
+        node_timeout = (
+            0.25 if node_timeout is None else seconds(node_timeout, "redislock_node_timeout")
+        )
         options = conf.get("redislock_redis_options") or {}
         if not isinstance(options, Mapping):
             raise LockConfigurationError(
@@ -220,16 +237,49 @@ class LockSettings:
             raise LockConfigurationError(
                 f"redislock_park_at_delivery must be True or False, got {at_delivery!r}"
             )
+        defaults = LockOptions(**values)
+        if urls and node_timeout * 2 >= defaults.ttl:
+            raise LockConfigurationError(
+                f"redislock_node_timeout ({node_timeout}s) must be well below redislock_ttl "
+                f"({defaults.ttl}s): a quorum attempt that takes longer than the lease can never "
+                f"be valid (use at most ttl / 10)"
+            )
+        signing_key, key_source = _signing_key(conf)
         return cls(
             url=url,
             url_source=source,
             redis_options=dict(options),
-            defaults=LockOptions(**values),
+            defaults=defaults,
             park_fallback=fallback,
             park_at_delivery=at_delivery,
             urls=urls,
             node_timeout=node_timeout,
+            signing_key=signing_key,
+            signing_key_source=key_source,
         )
+
+
+#: The shortest ``redislock_signing_key`` accepted, in bytes.
+MIN_SIGNING_KEY = 16
+
+
+def _signing_key(conf: Mapping[str, Any]) -> tuple[bytes, str]:
+    """``redislock_signing_key`` as bytes, or the key derived from the broker URL."""
+    key = conf.get("redislock_signing_key")
+    if key is None:
+        # Celery's own property also reads CELERY_BROKER_URL (celery -b); a plain mapping has none.
+        broker = getattr(conf, "broker_url", None) or conf.get("broker_url") or ""
+        from .signing import derive_key  # (kombu's JSON; this module reads plain mappings)
+
+        return derive_key(str(broker)), "derived from broker_url"
+    raw = key.encode("utf-8") if isinstance(key, str) else key
+    if not isinstance(raw, bytes) or len(raw) < MIN_SIGNING_KEY:
+        shown = f"{len(raw)} bytes" if isinstance(raw, bytes) else repr(type(key).__name__)
+        raise LockConfigurationError(
+            f"redislock_signing_key must be a str or bytes of at least {MIN_SIGNING_KEY} bytes, "
+            f"the same on every worker (e.g. secrets.token_hex(32)), got {shown}"
+        )
+    return raw, "redislock_signing_key"
 
 
 def _urls(conf: Mapping[str, Any]) -> tuple[str, ...]:
@@ -240,17 +290,15 @@ def _urls(conf: Mapping[str, Any]) -> tuple[str, ...]:
     if isinstance(urls, str) or not isinstance(urls, (list, tuple)) or not urls:
         raise LockConfigurationError(
             f"redislock_urls must be a non-empty list of Redis URLs (starting with {allowed}), "
-            f"one per independent master (3 or 5 recommended), got {urls!r}"
+            f"one per independent master (3 or 5 recommended), got {_redacted(urls)!r}"
         )
     for url in urls:
         if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
             raise LockConfigurationError(
-                f"redislock_urls must hold Redis URLs starting with {allowed}, got {url!r}"
+                f"redislock_urls must hold Redis URLs starting with {allowed}, "
+                f"got {_redacted(url)!r}"
             )
-    if len(set(urls)) != len(urls):
-        raise LockConfigurationError(
-            f"redislock_urls lists a node twice: a quorum needs independent masters, got {urls!r}"
-        )
+    check_distinct(list(urls), "redislock_urls")
     if conf.get("redislock_url") is not None:
         raise LockConfigurationError(
             "set redislock_urls (a quorum of masters) or redislock_url (one Redis), not both"
@@ -264,10 +312,11 @@ def _url(conf: Mapping[str, Any]) -> tuple[str, str]:
         if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
             raise LockConfigurationError(
                 f"redislock_url must be a Redis URL starting with {', '.join(REDIS_SCHEMES)}, "
-                f"got {url!r}"
+                f"got {_redacted(url)!r}"
             )
         return url, "redislock_url"
-    broker = conf.get("broker_url")
+    # The attribute, not conf.get(): it also sees CELERY_BROKER_URL and `celery -b`.
+    broker = getattr(conf, "broker_url", None) or conf.get("broker_url")
     if isinstance(broker, str) and broker.startswith(REDIS_SCHEMES):
         return broker, "broker_url (redislock_url is not set; the broker is Redis)"
     shown = broker.split("@")[-1] if isinstance(broker, str) else broker
@@ -275,3 +324,15 @@ def _url(conf: Mapping[str, Any]) -> tuple[str, str]:
         f"redislock_url is not set and the broker ({shown!r}) is not Redis: set "
         f"app.conf.redislock_url = 'redis://host:6379/0'"
     )
+
+
+def _redacted(value: Any) -> Any:
+    """A URL (or a list of them) as an error may show it: without a password."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redacted(v) for v in value)
+    if isinstance(value, str) and "@" in value and "://" in value:
+        scheme, rest = value.split("://", 1)
+        credentials, host = rest.rsplit("@", 1)
+        user = credentials.split(":", 1)[0]
+        return f"{scheme}://{user + ':' if user else ''}***@{host}"
+    return value

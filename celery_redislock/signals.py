@@ -20,11 +20,18 @@ signal                 sent when                                keyword argument
 ``task_requeued``      a LockedTask was re-queued (countdown)   name, task_id, countdown
 ``task_pulled``        a release moved the next queued task     name, task_id (the one moved)
                        of its lock ahead, handing it the lock
+``lock_release_failed``  a release could not reach Redis: the  name, owner, error
+                       hold stopped renewing (its lease ends
+                       it); retried in the background
+``parked_rejected``    a worker refused a parked message read   key, task_id, reason
+                       back from Redis (its signature does not
+                       verify): it is not sent or run
 =====================  =======================================  ================================
 
-``sender`` is the lock object (the task for ``task_*``, the watchdog for
-``lock_renewed``). Receivers run synchronously in the thread that sent the signal —
-for ``lock_lost`` and ``lock_renewed`` that is the watchdog — so keep them short.
+``sender`` is the lock object (the task for ``task_*``, the Celery app for
+``parked_rejected``, the watchdog for ``lock_renewed``). Receivers run synchronously in
+the thread that sent the signal — for ``lock_lost`` and ``lock_renewed`` that is the
+watchdog — so keep them short.
 Exceptions in receivers are logged and never reach the lock. This module does not
 import Celery.
 """
@@ -91,14 +98,18 @@ lock_renewed = Signal("lock_renewed")
 task_parked = Signal("task_parked")
 task_requeued = Signal("task_requeued")
 task_pulled = Signal("task_pulled")
+lock_release_failed = Signal("lock_release_failed")
+parked_rejected = Signal("parked_rejected")
 
 __all__ = [
     "Signal",
     "lock_acquired",
     "lock_contended",
     "lock_lost",
+    "lock_release_failed",
     "lock_released",
     "lock_renewed",
+    "parked_rejected",
     "task_parked",
     "task_pulled",
     "task_requeued",

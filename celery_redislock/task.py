@@ -56,7 +56,19 @@ On contention (``on_contention``)
 
 Direct calls (``settle(7, 10)``) and eager mode (``task_always_eager``, ``.apply()``)
 never re-queue (that would recurse): they wait up to ``lock_wait`` for the lock, then
-raise ``LockContendedError`` (``"skip"`` returns None instead).
+raise ``LockContendedError`` (``"skip"`` returns None instead). A call made while a
+LockedTask's body runs in the same thread is a plain function call under the caller's
+ownership: it re-enters the caller's lock (docs/concepts.md, "Direct and nested calls").
+
+Runs
+====
+
+The lock's owner is the *run*: the task id, plus the run's generation (``retries``,
+``replaced_task_nesting``), see :func:`run_owner`. A redelivered message is the same run
+(its duplicate is recognised in one atomic step: the acquire script never re-enters a
+run's own hold); ``self.retry()`` and ``self.replace()`` start new runs that wait for the
+previous one. A release that cannot reach Redis does not fail the run: its hold stops
+renewing and the release is retried in the background.
 
 Lease lost mid-run
 ==================
@@ -79,15 +91,16 @@ with ``on_contention="skip"``, skips it.
 from __future__ import annotations
 
 import base64
+import contextvars
 import functools
 import hashlib
-import json
 import logging
 import os
 import random
 import secrets
 import threading
 import time
+import urllib.parse
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -102,8 +115,20 @@ from celery.worker.request import Request
 from kombu import compression, serialization
 from kombu.utils import json as kombu_json
 
-from . import metrics, signals
-from ._core import LockKeys, OwnerFinished, backoff, decode_acquire, lease_ms
+from . import metrics, signals, signing
+from ._core import (
+    LINE_MARGIN_MS,
+    MAX_SECONDS,
+    MIN_SECONDS,
+    LockKeys,
+    OwnerFinished,
+    OwnerRunning,
+    backoff,
+    decode_acquire,
+    lease_ms,
+    name_from_lock_key,
+)
+from ._deferred import UNREACHABLE, deferred_releases
 from ._errors import (
     LockConfigurationError,
     LockContendedError,
@@ -142,6 +167,17 @@ class _Pull(NamedTuple):
     reach: int = 0  # how far from the read end the release looks for it (handoff.lua)
 
 
+class _Handed(NamedTuple):
+    """A parked task a release (or the sweeper) just handed the lock to, whose message the
+    worker checks and sends: :func:`deliver_handed_over`. Everything but ``lock_key`` was
+    read back from Redis."""
+
+    lock_key: bytes
+    task_id: bytes
+    message: bytes  # a signed parked signature, or a parked broker envelope
+    tag: bytes = b""  # an envelope's delivery tag: "<placeholder>h<tag>"
+
+
 class _Call(NamedTuple):
     """One execution's particulars, passed between the contention steps."""
 
@@ -152,12 +188,51 @@ class _Call(NamedTuple):
     name: str
 
 
-class TaskLock(RedisLock):
-    """A :class:`RedisLock` owned by a task id, with the task's "done" marker beside it."""
+def _task_argv(owner: str, lease: int, line: Any, token: str, adopt: str | None) -> list[Any]:
+    """acquire.lua's ARGV for a task run: never a re-entry ("task"), or taking over the
+    hold an earlier run kept across ``self.retry()`` ("adopt")."""
+    if adopt is None:
+        return [owner, lease, line, token, "task"]
+    return [owner, lease, line, token, "adopt", "", adopt]
 
-    _keep_lease = False  # set during take(keep_lease=True)
+
+def run_owner(task_id: str, retries: Any = 0, nesting: Any = 0) -> str:
+    """The lock owner of one run of a task: its id, and the run's place among the runs
+    that share that id (``self.retry()`` sends the same id again with ``retries`` + 1,
+    ``self.replace()`` with ``replaced_task_nesting`` + 1). A redelivery of a message is
+    the same run (same owner: its duplicate is recognised); a retry or a replacement is
+    a new run that waits for the previous one like any other task, and is not taken for
+    a duplicate of it. The first run's owner is the task id itself."""
+    suffix = ""
+    for tag, value in (("n", nesting), ("r", retries)):
+        try:
+            number = int(value or 0)
+        except (TypeError, ValueError):
+            number = 0
+        if number > 0:
+            suffix += f"{tag}{number}"
+    return f"{task_id}~{suffix}" if suffix else task_id
+
+
+def request_owner(request: Any) -> str:
+    """:func:`run_owner` of a Celery request (or a message's headers, as a dict)."""
+    get = request.get if isinstance(request, dict) else functools.partial(getattr, request)
+    return run_owner(str(get("id", None)), get("retries", 0), get("replaced_task_nesting", 0))
+
+
+class TaskLock(RedisLock):
+    """A :class:`RedisLock` owned by one run of a task (:func:`run_owner`), with the run's
+    "done" marker beside it. A run never re-enters its lock: an attempt that finds its own
+    owner holding it (another delivery of the same run) raises ``OwnerRunning`` and
+    changes nothing."""
+
+    _adopt: str | None = None  # set during take(adopt=...)
     _direct_grants = False  # a hold count of 0 means "handed over, not started" here
     pulled: str | None = None  # the queued task the last finish() handed the lock to
+    #: The queue lists a hand-over may push a parked envelope to itself, and the task names
+    #: it may be for, one a line (handoff.lua's ARGV[10], ARGV[11]): ``task_lock`` sets the
+    #: app's. Other envelopes come back to the worker, which checks them first.
+    push_to: tuple[str, str] = ("", "")
 
     def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
         super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
@@ -170,28 +245,21 @@ class TaskLock(RedisLock):
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
 
-    def take(self, *, keep_lease: bool = False) -> bool:
-        """One attempt, renewed while held; raises OwnerFinished for a finished task id.
+    def take(self, *, adopt: str | None = None) -> bool:
+        """One attempt, renewed while held. Raises OwnerFinished (this run finished) or
+        OwnerRunning (another delivery of this run holds it; nothing changed).
 
-        ``keep_lease``: finding this task id's own hold (another delivery of the task) does
-        not lengthen its lease, so a copy checking again and again cannot keep a dead
-        delivery's lock alive. A lock handed to this task is taken up as usual.
+        ``adopt``: the owner of an earlier run of this task that kept the lock across
+        ``self.retry()``; its hold, if still there, becomes this run's.
         """
-        self._keep_lease = keep_lease
+        self._adopt = adopt
         try:
             return self._try(self._current_owner(), self._lease, True) is True
         finally:
-            self._keep_lease = False
+            self._adopt = None
 
     def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
-        argv = super()._acquire_argv(owner, lease, line)
-        if self._keep_lease:
-            argv = [owner, lease, argv[2] if line else "", "", "keep-lease"]
-        return argv
-
-    def drop_extra_hold(self) -> None:
-        """Give back the hold count this acquire added in Redis; the local hold stays."""
-        self._scripts.release(keys=self.keys.release_keys(), args=[self.owner])
+        return _task_argv(owner, lease, LINE_MARGIN_MS if line else "", "", self._adopt)
 
     def park(self, message: str, keep_for: float, *, behind: bool = False) -> bool | int | None:
         """Take the lock, or park ``message`` behind the holder: True, or the holder's pttl.
@@ -221,6 +289,8 @@ class TaskLock(RedisLock):
         reply = decode_acquire(raw)
         if reply.finished:
             raise OwnerFinished(self.name)
+        if reply.running:
+            raise OwnerRunning(self.name)
         if not reply.acquired:
             return reply.pttl
         hold, is_new = self._record_acquired(owner, reply, sent_at, self._lease, True)
@@ -247,7 +317,13 @@ class TaskLock(RedisLock):
         if pull is not None:
             keys += [pull.queue_list, self.registry, pull.chain]
             args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms, pull.reach]
-        return keys, args
+        else:
+            args += ["", "", "", "", ""]
+        return keys, [*args, *self.push_to]
+
+    def handed(self, reply: list[Any]) -> _Handed | None:
+        """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
+        return _handed(self.keys.lock, reply)
 
     def finish(
         self,
@@ -255,13 +331,14 @@ class TaskLock(RedisLock):
         hold: float,
         done_ttl: float | None,
         lookahead: Callable[[], _Pull | None] | None = None,
-    ) -> str | None:
+    ) -> _Handed | None:
         """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
 
         With ``done_ttl``, also mark the task id done so a later delivery of the same
-        message does not run again. Returns the message of the parked task the lock was
-        handed to (publish it), if any. Raises like :meth:`release` when the hold was
-        lost — after recording any hand-over on the exception's ``handed_to``.
+        message does not run again. Returns the parked task the lock was handed to whose
+        message the worker must check and send (:func:`deliver_handed_over`), if any.
+        Raises like :meth:`release` when the hold was lost — after recording any hand-over
+        on the exception's ``handed_to``.
 
         ``lookahead`` (a release without ``hold``): finds the next queued task of this
         lock, which the release hands the lock to when no task is parked or waiting;
@@ -283,8 +360,8 @@ class TaskLock(RedisLock):
                 handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull)
                 reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
                 code = int(reply[0])
-                message = _text(reply[1]) if len(reply) > 1 and reply[1] is not None else None
-                if len(reply) > 3:  # handed to the look-ahead's queued task
+                message = self.handed(reply)
+                if len(reply) > 3 and reply[1] is None:  # handed to the look-ahead's queued task
                     self.pulled = _text(reply[2])
             else:
                 keys = self.keys.release_keys()
@@ -311,7 +388,7 @@ class QuorumTaskLock(RedLock):
     is re-queued with a countdown (parked hand-over needs a single Redis).
     """
 
-    _keep_lease = False  # set during take(keep_lease=True)
+    _adopt: str | None = None  # set during take(adopt=...)
 
     def __init__(
         self,
@@ -335,20 +412,16 @@ class QuorumTaskLock(RedLock):
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
 
-    def take(self, *, keep_lease: bool = False) -> bool:
-        """One attempt on every node, renewed while held (OwnerFinished: task finished);
-        ``keep_lease`` as :meth:`TaskLock.take`."""
-        self._keep_lease = keep_lease
+    def take(self, *, adopt: str | None = None) -> bool:
+        """One attempt on every node, renewed while held; raises like :meth:`TaskLock.take`."""
+        self._adopt = adopt
         try:
             return self._try(self._current_owner(), self._lease, True) is None
         finally:
-            self._keep_lease = False
+            self._adopt = None
 
     def _attempt_argv(self, owner: str, lease: int, fresh: bool) -> list[Any]:
-        argv = super()._attempt_argv(owner, lease, fresh)
-        if self._keep_lease:
-            argv = [owner, lease, "", "new-token" if fresh else "", "keep-lease"]
-        return argv
+        return _task_argv(owner, lease, "", "new-token" if fresh else "", self._adopt)
 
     def _each_node(self, keys: list[bytes], args: list[Any]) -> int:
         owner = self._current_owner()
@@ -363,24 +436,11 @@ class QuorumTaskLock(RedLock):
         return super()._start_group(hold, outcome, sent_at, signal)
 
     def _undo_plan(self, owner: str, outcome: Any, fresh: bool) -> tuple[list[int], list[Any]]:
-        if self._keep_lease and outcome is not None and outcome.hold_count > 1:
-            # It re-entered the task id's hold: another delivery of the task holds it
-            # (there). Give back only the count this attempt is known to have added.
+        if outcome is not None and outcome.running:
+            # Another delivery of this run holds it (there): give back only what this
+            # attempt is known to have taken, never a hold that may be the other's.
             return sorted(outcome.granted), [owner, "one"]
-        # Otherwise as any fresh attempt: all of it, also where a grant may land late.
         return super()._undo_plan(owner, outcome, fresh)
-
-    def drop_extra_hold(self) -> None:
-        """Give back the hold count this acquire added, on the nodes that granted it (on
-        the others the task id's count may be another delivery's); the local hold stays."""
-        keys, args = self.keys.release_keys(), [self.owner]
-        for node in getattr(self, "_granted_by", range(len(self.clients))):
-            try:
-                self._node_scripts[node].release(keys=keys, args=args)
-            except redis.RedisError as exc:  # that node's count stays until its lease ends
-                log.warning(
-                    "redislock: could not give back on node %d of %r: %r", node, self.name, exc
-                )
 
     def release_all(self) -> int:
         """Every hold of the task id, on every node (its process died)."""
@@ -394,7 +454,7 @@ class QuorumTaskLock(RedLock):
         hold: float,
         done_ttl: float | None,
         lookahead: Callable[[], _Pull | None] | None = None,
-    ) -> str | None:
+    ) -> _Handed | None:
         """Give the hold back on every node (or keep it ``hold`` seconds), marking the task
         id done (``lookahead`` is unused: ``LockedTask._lookahead`` gives a quorum lock
         none). Raises :class:`LockLostError` like :meth:`TaskLock.finish`; when too few
@@ -445,7 +505,9 @@ def task_lock(app: Any, name: str, *, task_id: str, options: LockOptions) -> Any
             options=options,
             node_timeout=settings.node_timeout,
         )
-    return TaskLock(client_for(app), name, task_id=task_id, options=options)
+    lock = TaskLock(client_for(app), name, task_id=task_id, options=options)
+    lock.push_to = push_targets(app)
+    return lock
 
 
 # ------------------------------------------------------------------ per-app state
@@ -487,7 +549,11 @@ def quorum_clients_for(app: Any) -> list[redis.Redis]:
     found = _quorum_clients.get(app)
     if found is None or found[0] != os.getpid():
         settings = settings_for(app)
-        options: dict[str, Any] = {"health_check_interval": 30}
+        options: dict[str, Any] = {
+            "socket_timeout": 10.0,
+            "socket_connect_timeout": 10.0,
+            "health_check_interval": 30,
+        }
         options.update(settings.redis_options)
         clients = [redis.Redis.from_url(url, **options) for url in settings.urls]
         found = _quorum_clients[app] = (os.getpid(), clients)
@@ -555,8 +621,15 @@ class LockedTask(Task):  # type: ignore[misc]
         )
 
     @property
-    def lock(self) -> AnyTaskLock | None:
-        """The lock of the current execution (``bind=True`` tasks: ``self.lock``); None outside."""
+    def lock(self) -> Any:
+        """The lock of the current execution (``bind=True`` tasks: ``self.lock``); None outside.
+
+        Inside a direct call nested in a running task (see :meth:`__call__`), the nested
+        call's lock, and the caller's again once it returns.
+        """
+        current = _current_execution.get()
+        if current is not None and current[1] is self:
+            return current[2]
         return getattr(self.request, "redislock", None)
 
     def lock_options(self) -> LockOptions:
@@ -569,25 +642,45 @@ class LockedTask(Task):  # type: ignore[misc]
     # -- execution -------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task under its lock.
+
+        A call made while a LockedTask's body runs in the same thread (or asyncio task)
+        — ``settle(7, 10)`` inside another task's body, or an eager ``.delay()`` /
+        ``.apply()`` there — is a plain function call made under the caller's ownership:
+        on a lock the caller holds it re-enters (no wait, no duplicate check), on another
+        it waits up to ``lock_wait`` like any direct call, and ``self.lock`` inside it is
+        its own lock until it returns.
+        """
+        enclosing = _current_execution.get()
         request = self.request
-        if request.called_directly or request.is_eager:
-            return self._call_locally(args, kwargs)
+        if enclosing is not None or request.called_directly or request.is_eager:
+            return self._call_locally(args, kwargs, None if enclosing is None else enclosing[0])
         return self._call_in_worker(args, kwargs)
 
     def _call_in_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
         options = self.lock_options()
         name = self.lock_name(args, kwargs)  # a bad value fails the task here: nothing taken
-        lock = task_lock(self.app, name, task_id=request.id, options=options)
+        owner = request_owner(request)
+        lock = task_lock(self.app, name, task_id=owner, options=options)
         call = _Call(request, args, kwargs, options, name)
-        # A retry adopts the hold its previous attempt kept (lock_release_on_retry=False)
-        # only once: the first delivery of the retry message claims the marker.
-        adopting = bool(request.retries) and not options.release_on_retry
-        adopting = adopting and _claim_kept_hold(lock, request.retries)
+        # A retry adopts the hold its previous run kept (lock_release_on_retry=False) only
+        # once: the first delivery of the retry message claims the marker.
+        kept = None
+        if request.retries and not options.release_on_retry:
+            kept = _claim_kept_hold(lock, request)
         try:
-            # Another delivery of this task may hold the lock: looking must not lengthen
-            # its lease (a dead delivery's lease must run out), unless adopting.
-            outcome = lock.take(keep_lease=not adopting)
+            # One atomic attempt: taken (or handed to this run), held by another owner,
+            # held by this very run (another delivery of it: nothing is changed), or done.
+            if not lock.take(adopt=kept):
+                lock._contended(owner)
+                policy = options.on_contention
+                if policy == "wait" and self._wait_for(lock, options):
+                    pass
+                elif policy == "requeue" and isinstance(lock, TaskLock) and self._park(lock, call):
+                    pass  # the lock came free meanwhile
+                else:
+                    return self._contended(call, duplicate=False)
         except OwnerFinished:
             log.info(
                 "redislock: %s[%s] already finished under %r; duplicate delivery ignored",
@@ -596,23 +689,10 @@ class LockedTask(Task):  # type: ignore[misc]
                 name,
             )
             raise Ignore() from None
-        if outcome is not True:
-            lock._contended(request.id)
-            policy = options.on_contention
-            if policy == "wait" and self._wait_for(lock, options):
-                pass
-            elif policy == "requeue" and isinstance(lock, TaskLock) and self._park(lock, call):
-                pass  # the lock came free meanwhile
-            else:
-                return self._contended(call, duplicate=False)
-        if lock.server_hold_count > 1:  # whichever way it was taken
-            # Our own task id already held it: undo our extra hold in Redis only.
-            lock.drop_extra_hold()
-            if not adopting:
-                # Another delivery of this very task is running (or just died).
-                lock.close()
-                return self._contended(call, duplicate=True)
-            # else: the hold our previous attempt kept across self.retry(): adopt it.
+        except OwnerRunning:
+            # Another delivery of this very run holds the lock (running, or just died and
+            # its lease runs out): this copy comes back later, after the other's outcome.
+            return self._contended(call, duplicate=True)
         request.redislock = lock
         return self._run_holding(lock, options, args, kwargs)
 
@@ -621,6 +701,15 @@ class LockedTask(Task):  # type: ignore[misc]
             return lock.acquire(timeout=options.wait)
         except OwnerFinished:  # another delivery of this task finished meanwhile
             raise Ignore() from None
+
+    def _run_body(self, lock: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The task's body, with ``self.lock`` and nested calls seeing this execution."""
+        owner = lock._current_owner()
+        token = _current_execution.set((owner, self, lock))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _current_execution.reset(token)
 
     def _run_holding(
         self,
@@ -631,7 +720,7 @@ class LockedTask(Task):  # type: ignore[misc]
     ) -> Any:
         lookahead = self._lookahead(lock, options)
         try:
-            result = super().__call__(*args, **kwargs)
+            result = self._run_body(lock, args, kwargs)
         except Retry as retry:
             if options.release_on_retry:
                 _finish_quietly(lock, self, options, hold=0.0, done=False, lookahead=lookahead)
@@ -703,23 +792,24 @@ class LockedTask(Task):  # type: ignore[misc]
         **extra_options: Any,
     ) -> Any:
         """Celery's, without the worker's in-memory look-ahead header (a retry or a
-        re-queue must not carry it to another delivery)."""
+        re-queue must not carry it to another delivery) or a parked envelope's signature."""
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         headers = signature.options.get("headers")
-        if isinstance(headers, dict) and LOOKAHEAD_HEADER in headers:
-            signature.options["headers"] = {
-                k: v for k, v in headers.items() if k != LOOKAHEAD_HEADER
-            }
+        dropped = (LOOKAHEAD_HEADER, signing.PARKED_HEADER)
+        if isinstance(headers, dict) and any(name in headers for name in dropped):
+            signature.options["headers"] = {k: v for k, v in headers.items() if k not in dropped}
         return signature
 
     def _keep_for_retry(self, lock: AnyTaskLock, retry: Retry, options: LockOptions) -> None:
         """Keep the hold for the retried run: an unrenewed lease covering the retry delay."""
         delay = retry.when if isinstance(retry.when, (int, float)) else options.ttl
-        hold = max(0.0, float(delay)) + options.ttl
+        hold = min(max(0.0, float(delay)) + options.ttl, MAX_SECONDS)
         try:
             lock.finish(hold=hold, done_ttl=None)
-            _mark_kept_hold(lock, self.request.retries + 1, hold)
-        except LockNotOwnedError as exc:
+            _mark_kept_hold(lock, self.request, hold)
+        except (LockNotOwnedError, *UNREACHABLE) as exc:
+            if not isinstance(exc, LockNotOwnedError):
+                lock.close()  # not renewed: the lease ends it; the retry waits for that
             log.warning(
                 "redislock: %s[%s] could not keep %r for its retry: %s",
                 self.name,
@@ -803,7 +893,8 @@ class LockedTask(Task):  # type: ignore[misc]
         if settings_for(self.app).urls:
             return False  # no parking on a quorum
         lock_key = LockKeys.for_name(call.name, call.options.prefix).lock
-        return bool(client_for(self.app).hexists(lock_key + b":parked:messages", call.request.id))
+        owner = request_owner(call.request)
+        return bool(client_for(self.app).hexists(lock_key + b":parked:messages", owner))
 
     def _park(
         self,
@@ -824,6 +915,8 @@ class LockedTask(Task):  # type: ignore[misc]
             message = _dumps(dict(signature))
         except TypeError:
             return False
+        key = settings_for(self.app).signing_key
+        message = signing.sign_signature(key, lock.keys.lock, lock.owner or request.id, message)
         fallback = self._fallback_delay(options)
         try:
             outcome = lock.park(message, keep_for=self._parking_lifetime(options))
@@ -850,7 +943,8 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _parking_lifetime(self, options: LockOptions) -> float:
         """How long a parked task's records are kept (extended by every parking)."""
-        return max(options.done_ttl, self._fallback_delay(options) * 4 + options.ttl)
+        lifetime = max(options.done_ttl, self._fallback_delay(options) * 4 + options.ttl)
+        return min(lifetime, MAX_SECONDS)
 
     def _requeue(
         self,
@@ -879,24 +973,26 @@ class LockedTask(Task):  # type: ignore[misc]
         )
         raise Ignore()
 
-    def publish_handed_over(self, message: str | None) -> None:
-        """Publish the message of the parked task the lock was just handed to.
-
-        It goes to ``<its queue>.redislock``, which every worker consuming ``<its queue>``
-        also consumes: a task that already owns its lock does not wait behind the backlog
-        of the queue it was first sent to.
-        """
-        if message is None:
+    def publish_handed_over(self, handed: _Handed | None) -> None:
+        """Send the message of the parked task the lock was just handed to, if it verifies
+        (:func:`deliver_handed_over`); never raises."""
+        if handed is None:
             return
         try:
-            publish_to_handoff_queue(self.app, message)
+            deliver_handed_over(self.app, handed, lease_ms(self.lock_options().ttl, "lock_ttl"))
         except Exception:  # the sweeper (or its fallback copy) still runs it
             log.exception("redislock: could not publish the task the lock was handed to")
 
-    def _call_locally(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call_locally(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], enclosing: str | None = None
+    ) -> Any:
+        """A direct or eager call: wait up to ``lock_wait`` (never re-queue). Its owner is
+        ``enclosing`` (the owner of the LockedTask body this call is nested in), else the
+        eager request's task id, else the calling thread."""
         options = self.lock_options()
         name = self.lock_name(args, kwargs)
         request_id = self.request.id
+        owner = enclosing or request_id or None
         settings = settings_for(self.app)
         lock: RedisLock | RedLock
         if settings.urls:
@@ -904,17 +1000,13 @@ class LockedTask(Task):  # type: ignore[misc]
                 quorum_clients_for(self.app),
                 name,
                 ttl=options.ttl,
-                owner=request_id or None,
+                owner=owner,
                 prefix=options.prefix,
                 node_timeout=settings.node_timeout,
             )
         else:
             lock = RedisLock(
-                client_for(self.app),
-                name,
-                ttl=options.ttl,
-                owner=request_id or None,
-                prefix=options.prefix,
+                client_for(self.app), name, ttl=options.ttl, owner=owner, prefix=options.prefix
             )
         wait = 0.0 if options.on_contention in ("skip", "raise") else options.wait
         if not lock.acquire(timeout=wait):
@@ -929,11 +1021,18 @@ class LockedTask(Task):  # type: ignore[misc]
         previous = getattr(self.request, "redislock", None)
         self.request.redislock = lock
         try:
-            return super().__call__(*args, **kwargs)
+            return self._run_body(lock, args, kwargs)
         finally:
             self.request.redislock = previous
             lock.release()
 
+
+#: The LockedTask execution whose body runs in this context (thread, or asyncio task):
+#: (its lock owner, the task, its lock). A LockedTask called inside it is a plain function
+#: call under that owner (LockedTask.__call__).
+_current_execution: contextvars.ContextVar[tuple[str, Any, Any] | None] = contextvars.ContextVar(
+    "celery_redislock_task_execution", default=None
+)
 
 _rng = random.Random()
 
@@ -999,6 +1098,7 @@ def _search_queue(
     accept = serialization.prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
     chain = lookahead_chain(lock.prefix, queue_list)
     nothing = _Pull(queue_list, chain)
+    signing_key = settings_for(app).signing_key
     start = read = 0
     while start < limit and read < LOOKAHEAD_BYTES:
         end = min(start + LOOKAHEAD_CHUNK, limit)
@@ -1020,13 +1120,14 @@ def _search_queue(
                 if len(_lock_of) > LOOKAHEAD_CACHE:
                     del _lock_of[next(iter(_lock_of))]  # the oldest entry
             if lock_key == lock.keys.lock:
-                envelope = json.loads(raw)
+                envelope = kombu_json.loads(raw)  # type: ignore[no-untyped-call]
                 headers = envelope["headers"]
                 headers.pop(LOOKAHEAD_HEADER, None)
-                if headers["id"] != lock.owner:
-                    entry = envelope_entry(queue_list, envelope)
+                queued_owner = request_owner(headers)
+                if queued_owner != lock.owner:
+                    entry = envelope_entry(queue_list, envelope, lock.keys.lock, signing_key)
                     reach = position + 1 + QUEUE_REACH
-                    return _Pull(queue_list, chain, headers["id"], raw, entry, keep_ms, reach)
+                    return _Pull(queue_list, chain, queued_owner, raw, entry, keep_ms, reach)
         if len(raws) < end - start:
             return nothing  # the whole list was read
         start = end
@@ -1055,31 +1156,43 @@ def _lock_key_of(app: Any, raw: bytes, accept: Any) -> bytes | None:
     requeue mode and could be parked at delivery (task protocol 2, a task id, no ``eta``
     or ``expires``); else None."""
     try:
-        envelope = json.loads(raw)
-        headers, properties = envelope["headers"], envelope["properties"]
+        envelope = kombu_json.loads(raw)  # type: ignore[no-untyped-call]
+        headers = envelope["headers"]
         task = app.tasks.get(headers.get("task"))
         if (
             not isinstance(task, LockedTask)
-            or not isinstance(headers.get("id"), str)
             or headers.get("eta")
             or headers.get("expires")
+            or task.lock_options().on_contention != "requeue"
         ):
             return None
-        options = task.lock_options()
-        if options.on_contention != "requeue":
+    except Exception:  # not a message this look-ahead understands: leave it in its turn
+        return None
+    return envelope_lock_key(app, envelope, accept)
+
+
+def envelope_lock_key(app: Any, envelope: Any, accept: Any = None) -> bytes | None:
+    """The lock key the task of a broker envelope (as kombu decodes it) takes: its
+    arguments decoded and its ``lock_key`` rendered; None if it is not a ``LockedTask``'s
+    message (task protocol 2, with a task id) or cannot be decoded or rendered here."""
+    try:
+        headers, properties = envelope["headers"], envelope["properties"]
+        task = app.tasks.get(headers.get("task"))
+        if not isinstance(task, LockedTask) or not isinstance(headers.get("id"), str):
             return None
         body = envelope["body"]
         if properties.get("body_encoding") == "base64":
             body = base64.b64decode(body)
         if headers.get("compression"):
             body = compression.decompress(body, headers["compression"])  # type: ignore[no-untyped-call]
+        if accept is None:
+            accept = serialization.prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
         args, kwargs, _embed = serialization.loads(  # type: ignore[no-untyped-call]
             body, envelope["content-type"], envelope["content-encoding"], accept=accept
         )
-        name = task.lock_name(args, kwargs)
-    except Exception:  # not a message this look-ahead understands: leave it in its turn
+        return LockKeys.for_name(task.lock_name(args, kwargs), task.lock_options().prefix).lock
+    except Exception:
         return None
-    return LockKeys.for_name(name, options.prefix).lock
 
 
 def LockKeysFor(name: str, prefix: str) -> bytes:
@@ -1096,7 +1209,7 @@ def _park_fallback(app: Any) -> bool:
     settings = settings_for(app)
     if settings.park_fallback == "auto":
         return not settings.url_source.startswith("broker_url") and (
-            settings.url != app.conf.get("broker_url")
+            settings.url != (getattr(app.conf, "broker_url", None) or app.conf.get("broker_url"))
         )
     return bool(settings.park_fallback)
 
@@ -1110,32 +1223,42 @@ def _loads(text: str) -> dict[str, Any]:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _kept_hold_marker(lock: AnyTaskLock, retries: int) -> tuple[Any, bytes]:
-    """Where a hold kept across ``self.retry()`` is marked for the retry ``retries``: a key
-    beside the lock (on the first node of a quorum), deleted by the one delivery that
-    adopts the hold."""
+def _kept_hold_marker(lock: AnyTaskLock, retry_owner: str) -> tuple[Any, bytes]:
+    """Where a hold kept across ``self.retry()`` is marked for the retry's run (owner
+    ``retry_owner``): a key beside the lock (on the first node of a quorum), deleted by
+    the one delivery that adopts the hold."""
     client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
-    return client, lock.keys.lock + f":kept:{lock.owner}:{retries}".encode()
+    return client, lock.keys.lock + f":kept:{retry_owner}".encode()
 
 
-def _mark_kept_hold(lock: AnyTaskLock, retries: int, hold: float) -> None:
-    client, key = _kept_hold_marker(lock, retries)
+def _mark_kept_hold(lock: AnyTaskLock, request: Any, hold: float) -> None:
+    retry_owner = run_owner(request.id, (request.retries or 0) + 1, _nesting(request))
+    client, key = _kept_hold_marker(lock, retry_owner)
     try:
         client.set(key, b"1", px=lease_ms(hold, "kept hold"))
     except redis.RedisError as exc:  # the retry then waits for the kept hold to run out
         log.warning("redislock: could not mark %r kept for the retry: %r", lock.name, exc)
 
 
-def _claim_kept_hold(lock: AnyTaskLock, retries: int) -> bool:
-    client, key = _kept_hold_marker(lock, retries)
+def _claim_kept_hold(lock: AnyTaskLock, request: Any) -> str | None:
+    """The owner of the run whose kept hold this retry adopts, if it was kept for it."""
+    client, key = _kept_hold_marker(lock, lock.owner or "")
     try:
-        return bool(client.delete(key))
+        claimed = bool(client.delete(key))
     except redis.RedisError as exc:
         log.warning("redislock: could not claim the hold kept for %r: %r", lock.name, exc)
-        return False
+        return None
+    return run_owner(request.id, request.retries - 1, _nesting(request)) if claimed else None
+
+
+def _nesting(request: Any) -> int:
+    try:
+        return int(getattr(request, "replaced_task_nesting", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _visibility_timeout(app: Any) -> float:
@@ -1173,12 +1296,48 @@ def _finish_quietly(
         log.warning(
             "redislock: %s[%s] could not release %r: %s", task.name, task.request.id, lock.name, exc
         )
+    except UNREACHABLE as exc:
+        # Redis did not answer: the run's outcome stands (a body that succeeded is not
+        # failed for it). The hold stops renewing now, so its lease ends it at the latest,
+        # and the release (with its done marker and hand-over) is retried in the background.
+        _finish_later(lock, task, keep, done_ttl, exc, options)
     finally:
         try:
             stats_client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
             metrics.flush_to_redis(stats_client, options.prefix)
         except Exception:  # stats are best effort; the lock is not
             log.debug("redislock: could not flush stats", exc_info=True)
+
+
+def _finish_later(
+    lock: AnyTaskLock,
+    task: Any,
+    keep: float,
+    done_ttl: float | None,
+    exc: BaseException,
+    options: LockOptions,
+) -> None:
+    """A task's release that could not reach Redis: stop renewing, retry in the background."""
+    owner = lock._current_owner()
+    held = lock._holds.get(owner)
+    if held is None:
+        lock.close()
+        what = f"lock {lock.name!r} (owner {owner})"
+        signals.lock_release_failed.send(lock, name=lock.name, owner=owner, error=exc)
+    else:
+        what = lock._unconfirmed(held, exc)
+
+    def again() -> None:
+        try:
+            message = lock.finish(hold=keep, done_ttl=done_ttl)
+        except LockNotOwnedError as lost:  # the lease ran out meanwhile: nothing to give back
+            message = getattr(lost, "handed_to", None)
+        task.publish_handed_over(message)
+
+    # A run's owner never takes its lock again, so the retry may outlive the lease: a late
+    # release still writes the done marker and hands the lock to a parked task.
+    until = time.monotonic() + max(60.0, options.ttl * 2)
+    deferred_releases().add(what, again, until=until)
 
 
 # ------------------------------------------------------------------ the worker's main process
@@ -1220,18 +1379,18 @@ class LockedRequest(Request):  # type: ignore[misc]
         try:
             options = task.lock_options()
             name = task.lock_name(self.args, self.kwargs)
-            lock = task_lock(task.app, name, task_id=self.id, options=options)
+            owner = request_owner(self.request_dict or {"id": self.id})
+            lock = task_lock(task.app, name, task_id=owner, options=options)
             if isinstance(lock, QuorumTaskLock):
                 if mode != "all":
                     return  # no hand-over on a quorum: nothing is handed to an unstarted task
                 code = lock.release_all()
             else:
                 done_ttl = options.done_ttl if mode == "unstarted" else None
-                keys, args = lock.handoff_args(self.id, mode, done_ttl)
+                keys, args = lock.handoff_args(owner, mode, done_ttl)
                 reply = scripts_for(lock.client).handoff(keys=keys, args=args)
                 code = int(reply[0])
-                handed = reply[1] if len(reply) > 1 else None
-                task.publish_handed_over(None if handed is None else _text(handed))
+                task.publish_handed_over(lock.handed(reply))
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
@@ -1262,12 +1421,28 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
         # worker here, before it takes a single task.
         log.critical("celery_redislock: %s", exc)
         raise SystemExit(f"celery_redislock: {exc}") from exc
+    if settings.signing_key_source != "redislock_signing_key" and not _has_password(app):
+        log.warning(
+            "redislock: redislock_signing_key is not set and the broker URL carries no "
+            "password: parked messages are signed with a key derived from that URL, which "
+            "anyone who knows it can derive. Set redislock_signing_key to a secret, the same "
+            "on every worker (docs/security.md)"
+        )
     if settings.urls:
         nodes = ", ".join(url.split("@")[-1] for url in settings.urls)
         log.info("redislock: quorum locks over %d masters: %s", len(settings.urls), nodes)
     else:
         where = settings.url.split("@")[-1]
         log.info("redislock: locks in %s (from %s)", where, settings.url_source)
+
+
+def _has_password(app: Any) -> bool:
+    urls = app.conf.broker_url
+    urls = urls if isinstance(urls, (list, tuple)) else str(urls or "").split(";")
+    try:
+        return bool(urls) and all(urllib.parse.urlsplit(str(url)).password for url in urls)
+    except ValueError:
+        return False
 
 
 celery_signals.worker_init.connect(_check_settings_at_worker_start, weak=False)
@@ -1312,6 +1487,12 @@ class Sweeper(threading.Thread):
             registry = prefix + "parked"
             members: list[bytes] = list(client.zrange(registry, 0, -1))  # type: ignore[arg-type]
             for lock_key in members:
+                name = name_from_lock_key(lock_key, prefix)
+                if name is None or LockKeys.for_name(name, prefix).lock != lock_key:
+                    # Anyone who may write the registry may have written it: no lock's keys.
+                    client.zrem(registry, lock_key)
+                    _report_refused(self.app, lock_key, None, "not a lock key of this prefix")
+                    continue
                 try:
                     published += self._sweep_lock(client, scripts, registry, lock_key)
                 except Exception:  # one bad lock does not stop the pass
@@ -1329,45 +1510,226 @@ class Sweeper(threading.Thread):
             lock_key + b":parked:dispatched",
             registry,
         ]
-        args = [lease_ms(self.ttl, "redislock_ttl"), lease_ms(self.ttl / 2, "stale"), QUEUE_REACH]
+        stale = lease_ms(max(self.ttl / 2, MIN_SECONDS), "stale")
+        args = [lease_ms(self.ttl, "redislock_ttl"), stale, QUEUE_REACH]
         reply = scripts.sweep(keys=keys, args=args)
-        if int(reply[0]) != 1:
+        handed = _handed(lock_key, reply) if int(reply[0]) == 1 else None
+        if handed is None:
             return 0
         log.warning(
-            "redislock: sweeper hands %r to parked task %s (holder or hand-over lost)",
+            "redislock: sweeper hands %r to parked task %r (holder or hand-over lost)",
             lock_key,
-            _text(reply[2]),
+            _text(handed.task_id),
         )
-        if reply[1] is not None:  # a parked signature (an envelope is pushed back already)
-            publish_to_handoff_queue(self.app, _text(reply[1]))
-        return 1
+        return deliver_handed_over(self.app, handed, args[0])
 
 
 _sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()
 
 
-#: First character of a parked broker envelope (a parked signature is JSON: "{...").
+#: First character of a parked broker envelope (a parked signature's is signing.SIGNED).
 ENVELOPE = "E"
 #: Start of the delivery-tag placeholder of a parked envelope, and so of the delivery tag
 #: of every envelope a hand-over (or the sweeper) pushed back.
 TAG_PREFIX = "rltag"
 
 
-def envelope_entry(queue_list: str, envelope: dict[str, Any]) -> str:
+def envelope_entry(queue_list: str, envelope: dict[str, Any], lock_key: bytes, key: bytes) -> str:
     """A parked broker envelope: ``E<queue list>\\n<tag placeholder>\\n<envelope JSON>``.
 
     The envelope is the broker's own message (Redis transport), with a placeholder for
-    its delivery tag: whoever hands the lock over pushes it back to the head of
-    ``queue_list`` with a new tag (``handoff.lua``, or the sweeper's ``sweep.lua``).
+    its delivery tag, signed with ``key`` for ``lock_key`` and ``queue_list``
+    (:func:`signing.sign_envelope`): whoever hands the lock over pushes it back to the head
+    of ``queue_list`` with a new tag (``handoff.lua``, or the worker).
+    ``envelope["headers"]`` and ``envelope["properties"]`` must be the caller's own copies.
     """
     placeholder = TAG_PREFIX + secrets.token_hex(8)  # letters and digits, unique
     envelope["properties"]["delivery_tag"] = placeholder
+    signing.sign_envelope(key, envelope, lock_key, queue_list)
     return f"{ENVELOPE}{queue_list}\n{placeholder}\n{_dumps(envelope)}"
 
 
-def publish_to_handoff_queue(app: Any, message: str) -> None:
-    """Publish a parked task's message to ``<its queue>.redislock``."""
-    signature = app.signature(_loads(message))
+def push_targets(app: Any) -> tuple[str, str]:
+    """Where a hand-over script may push a parked envelope itself (handoff.lua's ARGV[10]
+    and ARGV[11]): the first-read lists of the queues this worker consumes (as
+    :class:`parking.Parker` names them) and this app's ``LockedTask`` names, one a line.
+    An envelope for another list or task comes back to the worker, which checks it."""
+    queues = app.amqp.queues
+    names = sorted(queues.consume_from or queues)
+    tasks = app.tasks
+    marker = (tuple(names), len(tasks))
+    found = _push_targets.get(app)
+    if found is None or found[0] != marker:
+        options = app.conf.broker_transport_options or {}
+        prefix = str(options.get("global_keyprefix") or "")
+        first = (options.get("priority_steps") or [0])[0]
+        after = f"{_PRIORITY_SEP}{first}" if first else ""  # kombu's _q_for_pri
+        lists = "\n".join(prefix + name + after for name in names if "\n" not in name)
+        locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
+        found = _push_targets[app] = (marker, (lists, "\n".join(locked)))
+    return found[1]
+
+
+_push_targets: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[str, str]]]
+_push_targets = weakref.WeakKeyDictionary()
+#: kombu's Redis transport: between a queue's name and its priority step in a list's name.
+_PRIORITY_SEP = "\x06\x16"
+#: Refused parked messages one delivery gets past at most (each refusal hands the lock on
+#: to the next parked task, whose message is checked in turn); the sweeper does the rest.
+MAX_REFUSALS = 100
+
+
+def deliver_handed_over(app: Any, handed: _Handed | None, lease: int) -> int:
+    """Check the message of the parked task a lock was handed to, then send it: 1 if sent.
+
+    Everything in it was read back from Redis, where anyone who may write the lock keys
+    may have written it. It is sent only if a worker holding this app's signing key parked
+    it, for this task id, under this lock, and (when the task is registered here) if its
+    task is a ``LockedTask`` whose arguments take that lock. A parked signature is then
+    published to ``<its queue>.redislock``, an envelope pushed to the read end of its queue
+    list. Anything else is refused: not sent, reported (:func:`refuse_handed_over`), and its
+    parked record removed, the lock handed on to the next parked task (``lease`` ms), whose
+    message is checked in turn. Redis and publishing errors propagate.
+    """
+    for _ in range(MAX_REFUSALS):
+        if handed is None:
+            return 0
+        try:
+            send = _checked(app, handed)
+        except signing.Refused as exc:
+            handed = refuse_handed_over(app, handed.lock_key, handed.task_id, str(exc), lease)
+            continue
+        send()
+        return 1
+    if handed is not None:
+        log.warning(
+            "redislock: refused %d parked messages in a row under %r; the sweeper goes on",
+            MAX_REFUSALS,
+            _text(handed.lock_key),
+        )
+    return 0
+
+
+def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
+    """How to send a handed-over task's message, once it is checked; raises Refused."""
+    key = settings_for(app).signing_key
+    message = handed.message
+    try:
+        if message[:1] == signing.SIGNED.encode():
+            signature = signing.open_signature(key, handed.lock_key, handed.task_id, message)
+            options = signature.get("options") or {}
+            run = run_owner(
+                str(options.get("task_id")),
+                options.get("retries"),
+                options.get("replaced_task_nesting"),
+            )
+            if run != handed.task_id.decode():
+                raise signing.Refused("its run is not the one it was parked as")
+            _check_parked_under(app, signature.get("task"), handed.lock_key, signature)
+            return functools.partial(publish_to_handoff_queue, app, signature)
+        if message[:1] == ENVELOPE.encode():
+            queue_list, pushed = _checked_envelope(app, key, handed)
+            return functools.partial(client_for(app).rpush, queue_list, pushed)
+    except signing.Refused:
+        raise
+    except Exception as exc:  # undecodable: no worker parked it
+        raise signing.Refused(f"not a parked message ({type(exc).__name__}: {exc})") from None
+    raise signing.Refused("not a signed parked message")
+
+
+def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes]:
+    head, placeholder, text = handed.message[1:].split(b"\n", 2)
+    envelope = kombu_json.loads(text)  # type: ignore[no-untyped-call]
+    if not isinstance(envelope, dict):
+        raise signing.Refused("not a broker envelope")
+    lock, queue_list = signing.check_envelope(key, envelope)
+    if lock.encode() != handed.lock_key:
+        raise signing.Refused(f"it was signed for another lock ({lock!r})")
+    if queue_list.encode() != head:
+        raise signing.Refused(f"it was signed for another queue list ({queue_list!r})")
+    if request_owner(envelope["headers"]) != handed.task_id.decode():
+        raise signing.Refused("its run is not the one it was parked as")
+    tag = envelope["properties"].get("delivery_tag")
+    once = text.count(placeholder) == 1  # where the tag goes, exactly
+    if tag != placeholder.decode() or not tag.startswith(TAG_PREFIX) or not once:
+        raise signing.Refused("its delivery tag is not its placeholder")
+    _check_parked_under(app, envelope["headers"].get("task"), handed.lock_key, envelope)
+    return head, text.replace(placeholder, placeholder + b"h" + handed.tag, 1)
+
+
+def _check_parked_under(app: Any, name: Any, lock_key: bytes, message: dict[str, Any]) -> None:
+    """Refuse a message whose task is known here and is not a ``LockedTask`` whose
+    arguments take ``lock_key`` (a task not registered in this worker is vouched for by
+    its signature alone)."""
+    task = app.tasks.get(name) if isinstance(name, str) else None
+    if task is None:
+        return
+    if not isinstance(task, LockedTask):
+        raise signing.Refused(f"{name!r} is not a LockedTask")
+    if "headers" in message:  # a broker envelope
+        rendered = envelope_lock_key(app, message)
+    else:  # a signature
+        lock_name = task.lock_name(message.get("args"), message.get("kwargs"))
+        rendered = LockKeys.for_name(lock_name, task.lock_options().prefix).lock
+    if rendered != lock_key:
+        raise signing.Refused("its arguments do not take the lock it was parked under")
+
+
+def refuse_handed_over(
+    app: Any, lock_key: bytes, task_id: bytes, reason: str, lease: int
+) -> _Handed | None:
+    """Report a parked message that must not be sent, and take its hand-over back: the
+    lock goes to the next parked task (returned, to be checked and sent in turn), and the
+    refused task's parked records are removed, so the sweeper never sends it again."""
+    _report_refused(app, lock_key, task_id, reason)
+    client = client_for(app)
+    keys = [
+        lock_key,
+        lock_key + b":released",
+        lock_key + b":fence",
+        lock_key + b":parked",
+        lock_key + b":parked:messages",
+        lock_key + b":done:" + task_id,
+        lock_key + b":parked:dispatched",
+        lock_key + b":waiters",
+        lock_key + b":claims",
+    ]
+    args = [task_id, "unstarted", lease, 0, "", "", "", "", "", *push_targets(app)]
+    return _handed(lock_key, scripts_for(client).handoff(keys=keys, args=args))
+
+
+def _report_refused(app: Any, key: bytes, task_id: bytes | None, reason: str) -> None:
+    shown_key, shown_id = _text(key), None if task_id is None else _text(task_id)
+    log.error(
+        "redislock: refused the parked message of task %r under %r: %s. It is not sent or "
+        "run. Whoever may write the lock keys wrote it without the workers' signing key, or "
+        "a worker with another redislock_signing_key parked it (docs/security.md)",
+        shown_id,
+        shown_key,
+        reason,
+    )
+    signals.parked_rejected.send(app, key=shown_key, task_id=shown_id, reason=reason)
+    try:  # now: the worker's main process (the sweeper, a fetch) flushes no other way
+        metrics.flush_to_redis(client_for(app), settings_for(app).defaults.prefix, force=True)
+    except Exception:  # stats are best effort
+        log.debug("redislock: could not flush stats", exc_info=True)
+
+
+def _handed(lock_key: bytes, reply: list[Any]) -> _Handed | None:
+    """The parked task a hand-over or sweep script's ``reply`` says to check and send."""
+    if len(reply) < 3 or reply[1] is None:
+        return None
+    tag = reply[3] if len(reply) > 3 else b""
+    return _Handed(lock_key, _bytes(reply[2]), _bytes(reply[1]), _tag(tag))
+
+
+def _tag(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def publish_to_handoff_queue(app: Any, message: dict[str, Any]) -> None:
+    """Publish a parked task's signature to ``<its queue>.redislock``."""
+    signature = app.signature(message)
     options = dict(signature.options)
     # A re-built request carries its queue, or (sent through a named exchange) its routing
     # key, which for Celery's direct exchanges is the queue's name.

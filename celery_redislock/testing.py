@@ -3,6 +3,10 @@
 :class:`RedisServer` starts a private server on a free loopback port in a temporary
 directory (no persistence unless asked), and stops it by its own pid. It never
 touches a server it did not start.
+
+:class:`FaultProxy` sits between a client and such a server and fails a chosen command
+(drop it, lose its reply, delay or stall it, or partition the server): see
+:mod:`celery_redislock._faultproxy`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from ._faultproxy import Command as Command
+from ._faultproxy import Fault as Fault
+from ._faultproxy import FaultProxy as FaultProxy
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from celery_redislock import FencedResource, LockedTask
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 app = Celery("examples.payments", broker=REDIS_URL, backend=REDIS_URL)
 app.conf.update(task_acks_late=True, task_reject_on_worker_lost=True, redislock_ttl=30)
-ledger = redis.Redis.from_url(REDIS_URL)
+ledger = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
 
 
 @app.task(bind=True, base=LockedTask, lock_key="account:{account_id}", on_contention="requeue")

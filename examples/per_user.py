@@ -31,7 +31,11 @@ def rebuild_feed(user_id: int, full: bool = False) -> str:
     return f"feed of {user_id} rebuilt ({'full' if full else 'incremental'})"
 
 
-@locked(redis.Redis.from_url(REDIS_URL), "user:{user.id}", ttl=10, hashed=True)
+# socket timeouts bound each call to a Redis that stops answering (docs/guarantees.md)
+client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+
+
+@locked(client, "user:{user.id}", ttl=10, hashed=True)
 def export_profile(user: User) -> str:
     """Outside Celery the same key language works with ``locked``; hashed keys hide ids."""
     return f"{user.id}: {user.email}"

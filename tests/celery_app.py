@@ -47,8 +47,16 @@ if os.environ.get("REDISLOCK_TEST_NO_FALLBACK"):
     app.conf.redislock_park_fallback = False
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
+if os.environ.get("REDISLOCK_TEST_LOCK_TIMEOUT"):  # a lock Redis that may stop answering
+    seconds = float(os.environ["REDISLOCK_TEST_LOCK_TIMEOUT"])
+    app.conf.redislock_redis_options = {
+        "socket_timeout": seconds,
+        "socket_connect_timeout": seconds,
+    }
 if os.environ.get("REDISLOCK_TEST_QUORUM"):  # locks on a quorum of masters
     app.conf.redislock_urls = os.environ["REDISLOCK_TEST_QUORUM"].split(",")
+if os.environ.get("REDISLOCK_TEST_SIGNING_KEY"):  # a worker with another signing key
+    app.conf.redislock_signing_key = os.environ["REDISLOCK_TEST_SIGNING_KEY"]
 
 _r: redis.Redis | None = None
 
@@ -181,3 +189,57 @@ if os.environ.get("REDISLOCK_TEST_BEAT"):
     app.conf.beat_schedule = {
         "nightly": {"task": "tests.celery_app.nightly", "schedule": 2.0},
     }
+
+
+# ---------------------------------------------------------------- canvas and nested calls
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}", max_retries=2)
+def retry_no_throw(self: Any, name: str) -> str:
+    """``self.retry(throw=False)``: the first run returns, and the retry runs too."""
+    r().rpush(f"attempts:{name}", f"{self.request.retries} {self.lock.token}")
+    if self.request.retries == 0:
+        self.retry(countdown=0, throw=False)
+        return "first"
+    return "retried"
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}")
+def replace_me(self: Any, name: str, step: int = 0) -> str:
+    """Replaces itself (same lock key) with its next step; the last step returns."""
+    r().rpush(f"steps:{name}", f"{step} {self.request.id}")
+    if step < 2:
+        raise self.replace(replace_me.s(name, step + 1))
+    return f"step {step}"
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}")
+def replace_with_other(self: Any, name: str) -> Any:
+    """Replaced by another LockedTask on the same lock key."""
+    r().rpush(f"steps:{name}", f"outer {self.request.id}")
+    raise self.replace(hold_for.s(name, 0.0))
+
+
+@app.task(bind=True, base=LockedTask, lock_key="job:{name}")
+def nest(self: Any, name: str, inner: str | None = None, how: str = "self") -> str:
+    """Calls a LockedTask directly from its body (``inner`` None: itself, same key)."""
+    if inner == "-":  # the nested call
+        r().rpush(f"nested:{name}", f"inner {self.lock.name} {self.lock.owned()}")
+        return "inner"
+    outer = self.lock
+    if how == "self":
+        got = nest(inner or name, "-")
+    elif how == "other":
+        got = str(hold_for(inner or name, 0.0))
+    else:  # eager .apply() inside the body
+        got = str(nest.apply((inner or name, "-")).get(disable_sync_subtasks=False))
+    assert self.lock is outer, "self.lock must be the outer lock again"
+    self.lock.ensure_held()
+    r().rpush(f"nested:{name}", f"outer {self.lock.name} {got}")
+    return got
+
+
+@app.task
+def biggest(values: list[int]) -> int:
+    """A chord's body: the largest of its header's results."""
+    return max(values)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,3 +115,150 @@ def test_a_missing_redis_url_is_a_clear_error_unless_the_broker_is_redis() -> No
 
     with pytest.raises(LockConfigurationError, match="redislock_url is not set"):
         job()
+
+
+# ------------------------------------------------------------ nested direct and eager calls
+#
+# The rule these pin down: a direct or eager call is a plain function call made under the
+# ownership of its caller. A nested direct or eager call on a key that an enclosing direct
+# or eager call *of the same thread* already holds runs re-entrantly, as a nested call of
+# the function would; it never waits for its own caller. Another thread's call on that key
+# is excluded as before, and the nested call's end does not free the enclosing call's lock.
+
+
+def held_by(client: Any, name: str) -> dict[bytes, bytes]:
+    """The owners' hold counts of lock ``name`` (reserved fields left out)."""
+    fields = client.hgetall(f"redislock:{{{name}}}")
+    return {k: v for k, v in fields.items() if not k.startswith(b"__")}
+
+
+def test_an_eager_delay_on_the_callers_own_key_runs_reentrantly(
+    app: Celery, redis_client: Any
+) -> None:
+    client = redis_client
+    seen: list[tuple[int, int]] = []
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def settle(account_id: int, depth: int) -> int:
+        if depth:
+            assert settle.delay(account_id, depth - 1).get(disable_sync_subtasks=False) == depth - 1
+        seen.append((depth, len(held_by(client, f"account:{account_id}"))))
+        return depth
+
+    assert settle.delay(7, 2).get(disable_sync_subtasks=False) == 2
+    # Every level ran, innermost first, each under the one lock, which stayed held until
+    # the outermost call ended.
+    assert seen == [(0, 1), (1, 1), (2, 1)]
+    assert not client.exists("redislock:{account:7}")
+
+
+def test_a_direct_call_nested_in_an_eager_run_on_its_key_runs_reentrantly(
+    app: Celery, redis_client: Any
+) -> None:
+    calls: list[str] = []
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def settle(account_id: int, nested: bool) -> None:
+        if nested:
+            settle(account_id, False)  # a direct call from inside the eager run
+        calls.append("nested" if not nested else "outer")
+
+    settle.delay(7, True).get(disable_sync_subtasks=False)
+    assert calls == ["nested", "outer"]
+
+
+def test_a_direct_call_nested_in_a_direct_call_on_its_key_runs_reentrantly(
+    app: Celery, redis_client: Any
+) -> None:
+    client = redis_client
+    counts: list[dict[bytes, bytes]] = []
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def settle(account_id: int, nested: bool) -> None:
+        if nested:
+            settle(account_id, False)
+        counts.append(held_by(client, "account:7"))
+
+    settle(7, True)
+    # One owner (the calling thread), two holds while nested, one after the nested end.
+    assert [list(c.values()) for c in counts] == [[b"2"], [b"1"]]
+    assert not client.exists("redislock:{account:7}")
+
+
+def test_an_eager_delay_on_another_key_takes_that_lock(app: Celery, redis_client: Any) -> None:
+    client = redis_client
+    seen: dict[str, int] = {}
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def settle(account_id: int, then: int | None) -> None:
+        if then is not None:
+            settle.delay(then, None).get(disable_sync_subtasks=False)
+        seen[f"account:{account_id}"] = len(held_by(client, "account:7")) + len(
+            held_by(client, "account:8")
+        )
+
+    settle.delay(7, 8).get(disable_sync_subtasks=False)
+    assert seen == {"account:8": 2, "account:7": 1}  # both held while the nested call ran
+
+
+def test_another_locked_task_on_the_callers_key_runs_reentrantly_when_eager(
+    app: Celery, redis_client: Any
+) -> None:
+    order: list[str] = []
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def refund(account_id: int) -> None:
+        order.append("refund")
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def settle(account_id: int) -> None:
+        refund.delay(account_id).get(disable_sync_subtasks=False)
+        order.append("settle")
+
+    settle.delay(7).get(disable_sync_subtasks=False)
+    assert order == ["refund", "settle"]
+
+
+def test_another_threads_eager_call_on_a_held_key_is_still_excluded(
+    app: Celery, redis_client: Any
+) -> None:
+    outcome: list[BaseException | None] = []
+    ran: list[int] = []
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def settle(account_id: int, spawn: bool) -> None:
+        ran.append(account_id)
+        if spawn:
+
+            def other() -> None:
+                try:
+                    settle.delay(account_id, False).get(disable_sync_subtasks=False)
+                    outcome.append(None)
+                except Exception as exc:
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join(10)
+
+    settle.delay(7, True).get(disable_sync_subtasks=False)
+    assert len(outcome) == 1 and isinstance(outcome[0], LockContendedError)
+    assert ran == [7]  # the other thread's call never ran
+
+
+def test_a_direct_call_of_another_locked_task_on_the_callers_key_runs_reentrantly(
+    app: Celery, redis_client: Any
+) -> None:
+    order: list[str] = []
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def refund(account_id: int) -> None:
+        order.append("refund")
+
+    @app.task(shared=False, base=LockedTask, lock_key="account:{account_id}")
+    def settle(account_id: int) -> None:
+        refund(account_id)  # direct, from inside an eager run of another task
+        order.append("settle")
+
+    settle.delay(7).get(disable_sync_subtasks=False)
+    assert order == ["refund", "settle"]

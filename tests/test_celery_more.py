@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -257,3 +258,88 @@ def test_a_redelivered_retry_message_does_not_adopt_the_kept_hold_twice(
         assert "held by another delivery of this task" in proc.text()  # the copy was seen
     finally:
         proc.stop()
+
+
+def test_a_task_whose_release_cannot_reach_redis_still_succeeds_and_frees_the_lock(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path
+) -> None:
+    """The lock Redis stops answering while the task body runs and through its release.
+    The task used to be recorded as FAILURE (a TimeoutError from the release) and its lock
+    renewed until the worker exited; now it succeeds, the hold stops renewing, and the
+    release (with its done marker) lands in the background once Redis answers."""
+    locks = redis_server_factory()
+    r = broker.client()
+    lr = locks.client()
+    proc = worker(
+        broker.url,
+        tmp_path / "w.log",
+        concurrency=1,
+        env={
+            "REDISLOCK_TEST_TTL": "20",
+            "REDISLOCK_TEST_LOCK_URL": locks.url,
+            "REDISLOCK_TEST_LOCK_TIMEOUT": "0.5",
+        },
+    )
+    key = "redislock:{job:relfail}"
+    try:
+        result = ca.hold_for.delay("relfail", 1.0)
+        wait_until(lambda: r.llen("started:relfail") == 1, timeout=30)
+        locks.signal(signal.SIGSTOP)  # the release (and renewals) get no answer
+        try:
+            wait_until(lambda: result.state != "PENDING", timeout=30)
+            assert result.state == "SUCCESS", proc.text()[-3000:]
+            assert "could not release" in proc.text()
+        finally:
+            locks.signal(signal.SIGCONT)
+        wait_until(lambda: not lr.exists(key), timeout=15)  # long before the 20 s lease
+        assert lr.exists(f"{key}:done:{result.id}")  # the done marker landed with it
+        time.sleep(1.0)
+        assert not lr.exists(key)  # and nothing renews it back
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("fault", ["drop_reply", "stall"])
+def test_a_hand_over_whose_reply_is_lost_runs_every_task_once(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path, fault: str
+) -> None:
+    """The task's life through the fault proxy: the locks' Redis sits behind a
+    FaultProxy, and the first release (``handoff``) of three tasks on one key loses its
+    reply (it ran: the lock went to the next parked task, whose message was in that
+    reply) or stalls past the client's timeout (it runs late). Every task still runs
+    exactly once, every result is a success, and the lock is free at the end."""
+    from celery_redislock.testing import FaultProxy
+
+    locks = redis_server_factory()
+    r = broker.client()
+    lr = locks.client()
+    with FaultProxy(locks) as proxy:
+        proc = worker(
+            broker.url,
+            tmp_path / "w.log",
+            env={
+                "REDISLOCK_TEST_TTL": "2",
+                "REDISLOCK_TEST_LOCK_URL": proxy.url,
+                "REDISLOCK_TEST_LOCK_TIMEOUT": "0.5",
+            },
+        )
+        try:
+            first = ca.hold_for.delay("handfault", 0.5)
+            wait_until(lambda: r.llen("started:handfault") == 1, timeout=30)
+            rest = [ca.hold_for.delay("handfault", 0.05) for _ in range(2)]
+            wait_until(lambda: lr.llen("redislock:{job:handfault}:parked") == 2, timeout=30)
+            injected = proxy.inject(fault, "handoff", seconds=1.5 if fault == "stall" else None)
+            results = [first, *rest]
+            for result in results:
+                assert result.get(timeout=60) is not None
+            assert injected.fired.is_set()  # the first release met the fault
+            assert "could not release" in proc.text()
+            started = [x.decode().split()[0] for x in r.lrange("started:handfault", 0, -1)]
+            assert sorted(started) == sorted(res.id for res in results)  # each ran once
+            wait_until(lambda: not lr.exists("redislock:{job:handfault}"), timeout=15)
+            time.sleep(2.0)  # late copies (sweeper, fallback) come and find the runs done
+            again = [x.decode().split()[0] for x in r.lrange("started:handfault", 0, -1)]
+            assert sorted(again) == sorted(started)
+            assert not lr.exists("redislock:{job:handfault}")
+        finally:
+            proc.stop()

@@ -225,3 +225,113 @@ def test_a_chain_keeps_its_links_through_parking_and_hand_over(
     blocker.get(timeout=30)
     assert r.llen("started:chain") == 3  # ...after the first, which had to park and wait
     assert "parked behind the holder of 'job:chain'" in shared_worker.text()
+
+
+# ------------------------------------------------------------------ canvas and nested calls
+
+
+def test_retry_without_throw_runs_the_retry(r: redis.Redis, shared_worker: CeleryProcess) -> None:
+    """``self.retry(throw=False)``: the first run returns and the retry (the same task id)
+    still runs, as plain Celery runs it; it used to be dropped as a duplicate of the run
+    that had just finished."""
+    result = ca.retry_no_throw.delay("nothrow")
+    wait_until(lambda: r.llen("attempts:nothrow") == 2, timeout=30)
+    attempts = [a.decode().split() for a in r.lrange("attempts:nothrow", 0, -1)]
+    assert [a[0] for a in attempts] == ["0", "1"]
+    assert int(attempts[1][1]) > int(attempts[0][1])  # a new holding, a newer token
+    # Both runs store a SUCCESS under the one task id, in whichever order they end (as
+    # without a lock: the first run's result is stored after its release).
+    wait_until(lambda: result.state == "SUCCESS", timeout=30)
+    assert result.result in ("first", "retried")
+    wait_until(lambda: not r.exists(lock_key("job:nothrow")), timeout=10)
+
+
+@pytest.mark.parametrize("task", ["replace_me", "replace_with_other"])
+def test_replace_with_a_task_on_the_same_key_runs_it(
+    r: redis.Redis, shared_worker: CeleryProcess, task: str
+) -> None:
+    """``self.replace()`` freezes the replacement with the current task id; it used to be
+    taken for a finished duplicate and ignored, its result PENDING for ever."""
+    name = f"rep-{task}"
+    result = getattr(ca, task).delay(name)
+    expected = "step 2" if task == "replace_me" else None
+    got = result.get(timeout=30)
+    if expected is not None:
+        assert got == expected
+        steps = [s.decode().split() for s in r.lrange(f"steps:{name}", 0, -1)]
+        assert [s[0] for s in steps] == ["0", "1", "2"]
+        assert {s[1] for s in steps} == {result.id}  # one task id, three runs
+    else:
+        assert isinstance(got, int)  # hold_for's token: the replacement ran
+        assert r.llen(f"started:{name}") == 1
+    wait_until(lambda: not r.exists(lock_key(f"job:{name}")), timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("how", "inner"), [("self", None), ("self", "elsewhere"), ("other", None), ("apply", None)]
+)
+def test_a_locked_task_called_inside_a_running_one_is_a_plain_call(
+    r: redis.Redis, shared_worker: CeleryProcess, how: str, inner: str | None
+) -> None:
+    """Nested calls run under the caller's ownership: the same key re-enters (it used to
+    abort the body with Ignore, or wait lock_wait and fail), another key is taken and
+    given back, and ``self.lock`` is the caller's again afterwards (it used to stay the
+    inner, released lock)."""
+    name = f"nest-{how}-{inner}"
+    result = ca.nest.delay(name, inner, how)
+    got = result.get(timeout=30)
+    records = [x.decode() for x in r.lrange(f"nested:{name}", 0, -1)]
+    assert records[-1] == f"outer job:{name} {got}"
+    inner_records = [x.decode() for x in r.lrange(f"nested:{inner or name}", 0, -1)]
+    if how == "other":
+        assert r.llen(f"started:{name}") == 1 and len(records) == 1
+    else:
+        assert got == "inner"
+        assert inner_records[0] == f"inner job:{inner or name} True"
+        assert len(records) == (2 if inner is None else 1) and len(inner_records) <= 2
+    for key in {name, inner or name}:
+        wait_until(lambda key=key: not r.exists(lock_key(f"job:{key}")), timeout=10)
+
+
+@pytest.mark.parametrize("at", [0.0, 0.25, 0.48, 0.5, 0.52, 0.7])
+def test_a_duplicate_delivered_at_any_point_of_a_run_never_runs_it_again(
+    r: redis.Redis, shared_worker: CeleryProcess, at: float
+) -> None:
+    """The duplicate-delivery harness: the same message again (what a visibility-timeout
+    redelivery produces) at a chosen point of a 0.5 s run — at its start, mid-way, just
+    before, at and just after its release, and after it. The duplicate check used to be
+    two round trips, and a run finishing between them left no done marker: the copy ran
+    the work again."""
+    import time as _time
+
+    name = f"dup-at-{at}"
+    first = ca.hold_for.delay(name, 0.5)
+    wait_until(lambda: r.llen(f"started:{name}"), timeout=30)
+    _time.sleep(at)
+    copy = ca.hold_for.apply_async((name, 0.5), task_id=first.id)
+    assert first.get(timeout=30) is not None
+    # The copy is re-queued (the run still holds the lock) or finds the run done; either
+    # way it comes back within the re-queue cap and never runs the body.
+    wait_until(lambda: not r.exists(lock_key(f"job:{name}")), timeout=15)
+    _time.sleep(1.5)  # past the re-queue cap (0.5 s) and the copy's handling
+    assert r.llen(f"started:{name}") == 1
+    assert copy.state == "SUCCESS"
+    assert not r.exists(lock_key(f"job:{name}"))
+
+
+def test_groups_and_chords_over_one_key_run_each_member_once_in_turn(
+    r: redis.Redis, shared_worker: CeleryProcess
+) -> None:
+    from celery import chord, group
+
+    amounts = list(range(1, 9))
+    grouped = group(ca.settle.s(9101, a, 0.01) for a in amounts).delay()
+    assert sorted(grouped.get(timeout=60))[-1] == sum(amounts)
+    body = chord((ca.settle.s(9102, a, 0.01) for a in amounts), ca.biggest.s()).delay()
+    assert body.get(timeout=60) == sum(amounts)  # the body ran after every member
+    assert int(r.get("balance:9101")) == int(r.get("balance:9102")) == sum(amounts)
+    for account in ("9101", "9102"):
+        spans = sorted((e, x) for k, _, e, x in sections(r, "settle") if k == account)
+        assert len(spans) == len(amounts)  # every member seen once
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))  # none overlapped
+    assert not r.keys("redislock:{account:910*}")

@@ -330,25 +330,123 @@ def test_force_release_evicts_any_holder_and_wakes_waiters(redis_client: redis.R
     assert RedisLock.force_release(redis_client, "nothing-here") is False
 
 
-def test_release_survives_a_network_error_and_can_be_retried(
+def test_a_release_that_cannot_reach_redis_stops_renewing_and_is_retried(
     redis_server_factory,  # type: ignore[no-untyped-def]
 ) -> None:
+    """Redis unreachable at release (longer than the client's retries, shorter than the
+    lease): the hold used to stay with the watchdog and be renewed for ever once Redis was
+    back. Now the release returns, the hold stops renewing at once, ``lock_release_failed``
+    is sent, and the release is retried in the background when Redis answers again."""
+    from celery_redislock import signals
+    from celery_redislock._deferred import deferred_releases
+
     server = redis_server_factory()
     client = server.client(socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
-    lock = RedisLock(client, "job", ttl=60, auto_renew=False)
-    lock.acquire()
-    server.signal(19)  # SIGSTOP: the release cannot get an answer
+    lock = RedisLock(client, "job", ttl=3)
+    failed: list[str] = []
+    receiver = signals.lock_release_failed.connect(lambda sender, owner, **_: failed.append(owner))
     try:
-        with pytest.raises(redis.exceptions.TimeoutError):
-            lock.release()
-        assert lock.hold_count == 1  # still known, still releasable
-    finally:
-        server.signal(18)  # SIGCONT
-    # The first release may or may not have run once the server resumed; either way the
-    # caller can finish it and nobody else's hold is touched.
-    if client.exists(lock.keys.lock):
+        lock.acquire()
+        scheduler = lock._scheduler()
+        assert len(scheduler) == 1
+        server.signal(19)  # SIGSTOP: the release cannot get an answer
+        try:
+            lock.release()  # does not raise
+            assert lock.hold_count == 0 and len(scheduler) == 0  # no longer renewed
+            assert failed == [lock._current_owner()]
+        finally:
+            server.signal(18)  # SIGCONT
+        assert deferred_releases().wait_idle(5.0)
+        assert not client.exists(lock.keys.lock)  # released soon, not after the lease
+        assert lock.acquire(blocking=False)  # and free for anyone, this owner included
         lock.release()
+    finally:
+        signals.lock_release_failed.disconnect(receiver)
+
+
+def test_an_outage_past_the_lease_leaves_nothing_renewed(
+    redis_server_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """The background release gives up at the hold's validity deadline (after it the
+    lease may have ended and the owner may hold the lock afresh); the lease ends the lock
+    and nothing renews it."""
+    from celery_redislock._deferred import deferred_releases
+
+    server = redis_server_factory()
+    client = server.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    lock = RedisLock(client, "job", ttl=1.0)
+    lock.acquire()
+    server.signal(19)
+    try:
+        lock.release()
+        assert deferred_releases().wait_idle(3.0)  # gave up: past the deadline
+    finally:
+        server.signal(18)
+    # The release sent while stopped may run on resume; if it did not, the lease ends it.
+    deadline = time.monotonic() + 2.0
+    while client.exists(lock.keys.lock) and time.monotonic() < deadline:
+        assert client.pttl(lock.keys.lock) <= 1000  # never renewed
+        time.sleep(0.05)
     assert not client.exists(lock.keys.lock)
+
+
+def test_an_inner_release_that_fails_stops_renewing_the_hold(
+    redis_server_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """``with lock: with lock:`` whose inner release cannot reach Redis: the error leaves
+    both blocks, and the outer release gives back one hold. Whether the inner release
+    landed is unknown, so the hold used to stay renewed for ever by a count nobody would
+    give back. Now the inner hold counts as given back, the hold stops renewing at once,
+    and its lease ends whatever Redis kept of it; nothing is reported lost."""
+    server = redis_server_factory()
+    client = server.client(socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
+    lock = RedisLock(client, "job", ttl=1.0)
+    with pytest.raises(redis.exceptions.TimeoutError):
+        with lock:
+            with lock:
+                server.signal(19)  # SIGSTOP: the inner release gets no answer
+                try:
+                    pass
+                finally:
+                    threading.Timer(0.5, lambda: server.signal(18)).start()  # SIGCONT
+    assert not lock.lost and lock.hold_count == 0
+    assert len(lock._scheduler()) == 0  # not renewed
+    deadline = time.monotonic() + 3.0
+    while client.exists(lock.keys.lock) and time.monotonic() < deadline:
+        assert client.pttl(lock.keys.lock) <= 1000  # never renewed
+        time.sleep(0.05)
+    assert not client.exists(lock.keys.lock)
+
+
+def test_a_background_release_never_touches_the_owners_next_holding(
+    redis_server: RedisServer,
+) -> None:
+    """The release's reply is lost after it landed; the owner takes the lock again at
+    once. The retry of the first release used to give back that new holding (same owner):
+    another owner got in while this one still believed it held the lock."""
+    from celery_redislock._deferred import deferred_releases
+    from celery_redislock.testing import FaultProxy
+
+    with FaultProxy(redis_server) as proxy:
+        client = redis.Redis(
+            host="127.0.0.1", port=proxy.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0)
+        )
+        direct = redis_server.client()
+        lock = RedisLock(client, "job:again", ttl=5)
+        lock.acquire()
+        lock.release()  # the scripts are loaded: the fault hits the release itself
+        lock.acquire()
+        first = lock.token
+        proxy.inject("drop_reply", "release")
+        lock.release()  # landed; its reply lost: retried in the background
+        assert lock.acquire(blocking=False)  # the same owner, afresh
+        assert lock.token != first
+        assert deferred_releases().wait_idle(5.0)
+        assert direct.hget(lock.keys.lock, lock._current_owner()) == b"1"
+        lock.ensure_held()
+        lock.release()
+        client.close()
+        direct.close()
 
 
 @pytest.mark.parametrize(
@@ -371,12 +469,44 @@ def test_bad_arguments_are_refused_at_construction(
         RedisLock(redis_client, "job", **kwargs)  # type: ignore[arg-type]
 
 
+#: acquire() arguments every lock refuses (``LockConfigurationError`` naming the argument,
+#: nothing sent), as strictly as the constructor's: (kwargs, the argument named).
+BAD_ACQUIRE_CALLS: list[tuple[dict[str, Any], str]] = [
+    ({"blocking": "no"}, "blocking"),  # a non-empty string is truthy: it would block
+    ({"blocking": 0}, "blocking"),
+    ({"blocking": None}, "blocking"),
+    ({"timeout": -1}, "timeout"),
+    ({"timeout": math.nan}, "timeout"),
+    ({"timeout": math.inf}, "timeout"),
+    ({"timeout": "5"}, "timeout"),
+    ({"timeout": True}, "timeout"),
+    ({"lease": 0}, "lease"),
+    ({"lease": -1}, "lease"),
+    ({"lease": math.nan}, "lease"),
+    ({"lease": "10"}, "lease"),
+    ({"lease": True}, "lease"),
+]
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    """Scripts run on ``client``'s server since its stats were last reset."""
+    stats: dict[str, Any] = client.info("commandstats")  # type: ignore[assignment]
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize(("kwargs", "argument"), BAD_ACQUIRE_CALLS)
+def test_bad_acquire_arguments_are_refused_before_any_io(
+    redis_client: redis.Redis, kwargs: dict[str, Any], argument: str
+) -> None:
+    lock = RedisLock(redis_client, "job")
+    redis_client.config_resetstat()
+    with pytest.raises(LockConfigurationError, match=f"^{argument} must"):
+        lock.acquire(**kwargs)
+    assert evalsha_calls(redis_client) == 0 and not lock.locked()
+
+
 def test_bad_call_arguments_are_refused_before_any_io(redis_client: redis.Redis) -> None:
     lock = RedisLock(redis_client, "job")
-    with pytest.raises(LockConfigurationError, match="timeout"):
-        lock.acquire(timeout=-1)
-    with pytest.raises(LockConfigurationError, match="lease"):
-        lock.acquire(lease=0)
     with pytest.raises(LockConfigurationError, match="ttl"):
         lock.extend(math.inf)
     assert not lock.locked()
@@ -730,3 +860,60 @@ def test_abandoned_waits_expire() -> None:
     assert waits.get(b"k", "o") == b"g1:5"
     assert waits.get(b"k", "gone") is None
     assert waits.get(b"other", "o") is None
+
+
+def test_a_hold_whose_thread_ended_is_not_renewed_for_ever(redis_client: redis.Redis) -> None:
+    """A thread that takes a lock (default owner) and exits without releasing: nobody can
+    release it any more, so the watchdog stops renewing it (lost, "abandoned") and the
+    lease ends it. It used to be renewed until the process exited."""
+    lock = RedisLock(redis_client, "job:orphan", ttl=0.6)
+    kept = RedisLock(redis_client, "job:kept", ttl=0.6, owner="explicit")
+    started = threading.Thread(target=lock.acquire)
+    started.start()
+    started.join()
+    assert kept.acquire()
+    deadline = time.monotonic() + 3.0
+    while redis_client.exists(lock.keys.lock) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not redis_client.exists(lock.keys.lock)  # expired, not renewed
+    assert redis_client.exists(kept.keys.lock)  # an explicit owner's hold is still renewed
+    kept.release()
+
+
+def test_concurrent_acquires_of_one_explicit_owner_keep_the_counts_right(
+    redis_client: redis.Redis,
+) -> None:
+    """Threads sharing an explicit owner on one lock object: replies can be handled out of
+    order, and a count of 1 with the hold's own token used to be taken for an expired hold
+    (a false "expired" loss, and a local count that drifted from Redis's)."""
+    lock = RedisLock(redis_client, "job:shared", ttl=30, owner="shared")
+    for _ in range(10):
+        threads = [threading.Thread(target=lock.acquire) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not lock.lost
+        assert lock.hold_count == int(redis_client.hget(lock.keys.lock, "shared")) == 8
+        for _ in range(8):
+            lock.release()
+        assert not redis_client.exists(lock.keys.lock)
+
+
+def test_a_short_timeout_bounds_the_wait_for_the_subscription(redis_client: redis.Redis) -> None:
+    """acquire(timeout=0.1) on a held lock used to wait up to 1 s (CONFIRM_WAIT) for its
+    subscription to be confirmed before its first wait, whatever its timeout: the wait is
+    now bounded by the acquire's remaining timeout."""
+    from celery_redislock._waiting import CONFIRM_WAIT, waiter_for
+
+    assert waiter_for(redis_client, b"ch", "o").confirm_wait == CONFIRM_WAIT
+    assert waiter_for(redis_client, b"ch", "o", 0.05).confirm_wait == 0.05
+    assert waiter_for(redis_client, b"ch", "o", 30.0).confirm_wait == CONFIRM_WAIT
+    holder = RedisLock(redis_client, "job:short", ttl=30, owner="holder")
+    holder.acquire()
+    try:
+        started = time.monotonic()
+        assert not RedisLock(redis_client, "job:short", ttl=30).acquire(timeout=0.1)
+        assert time.monotonic() - started < 1.0
+    finally:
+        holder.release()

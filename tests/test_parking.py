@@ -15,6 +15,7 @@ import redis
 
 from celery_redislock import RedisLock
 from celery_redislock import task as task_module
+from celery_redislock._core import OwnerRunning
 from celery_redislock._scripts import scripts_for
 from celery_redislock.parking import Parker, _same_redis
 from celery_redislock.task import (
@@ -24,6 +25,7 @@ from celery_redislock.task import (
     _lookahead_denied,
     _next_queued,
     _Pull,
+    push_targets,
 )
 from celery_redislock.testing import RedisServer
 
@@ -36,8 +38,11 @@ CHAIN = "redislock:lookahead:%s"
 
 
 def _release_as(r: redis.Redis, name: str, owner: str) -> list[Any]:
-    """The holder's release (what a finishing task runs): hand over to the first parked."""
+    """The holder's release (what a finishing task runs): hand over to the first parked,
+    pushing a parked envelope back to its queue (as a worker consuming every queue the
+    test app has sent to)."""
     lock = TaskLock(r, f"job:{name}", task_id=owner, options=ca.hold_for.lock_options())
+    lock.push_to = ("\n".join(ca.app.amqp.queues), push_targets(ca.app)[1])
     keys, args = lock.handoff_args(owner, "one", None)
     return list(scripts_for(r).handoff(keys=keys, args=args))
 
@@ -300,6 +305,8 @@ def test_a_prioritised_message_under_a_key_prefix_comes_back_to_the_first_read_l
         assert r.llen(f"pfx:{queue}\x06\x169") == 1  # where kombu put it
         _fetch(queue, app=app, parker=Parker(job, app, revoked=set()))
         lock = TaskLock(r, "job:pri", task_id="holder", options=job.lock_options())
+        app.amqp.queues.select(queue)  # as a worker consuming it (celery worker -Q)
+        lock.push_to = push_targets(app)  # (what task_lock sets: its lists are "pfx:...")
         keys, args = lock.handoff_args("holder", "one", None)
         assert scripts_for(r).handoff(keys=keys, args=args)[2].decode() == sent.id
         assert r.llen(f"pfx:{queue}") == 1  # the first-read list
@@ -353,28 +360,31 @@ def test_a_copy_looking_for_its_own_delivery_does_not_keep_a_dead_ones_lease_ali
     broker: RedisServer,
 ) -> None:
     """A redelivered copy of a task whose first delivery died finds that delivery's hold
-    (same task id). Its check must not lengthen the dead lease (it used to, on every
-    re-queue, until the copy gave up: the task was lost)."""
+    (same run owner). Its check must neither lengthen the dead lease (it used to, on every
+    re-queue, until the copy gave up: the task was lost) nor change the hold count (a
+    count it added and then dropped in a second call let the original's release leave no
+    done marker when it finished in between: the work ran twice)."""
     r = broker.client()
     options = ca.hold_for.lock_options()
     key = "redislock:{job:dup}"
     RedisLock(r, "job:dup", ttl=1.0, owner="t-1", auto_renew=False).acquire()  # the dead one
     copy = TaskLock(r, "job:dup", task_id="t-1", options=options)
-    assert copy.take(keep_lease=True) and copy.server_hold_count == 2  # "another delivery"
-    copy.drop_extra_hold()
-    copy.close()
+    with pytest.raises(OwnerRunning):
+        copy.take()  # "another delivery of this run": nothing changed
+    assert r.hgetall(key) == {b"t-1": b"1", b"__fence__": b"1"}
     assert 0 < r.pttl(key) <= 1000  # not lengthened to the task's ttl
-    # A retry adopting the hold its first attempt kept lengthens it, as re-entry does.
-    adopter = TaskLock(r, "job:dup", task_id="t-1", options=options)
-    assert adopter.take() and r.pttl(key) > 1000
-    adopter.drop_extra_hold()
-    adopter.close()
-    # A lock handed to the task (hold count 0) is taken up with its full lease either way.
-    r.delete(key)
+    assert copy.hold_count == 0
+    # A retry (its own run: owner "t-1~r1") adopting the hold its first run kept takes it
+    # over with its full lease.
+    adopter = TaskLock(r, "job:dup", task_id="t-1~r1", options=options)
+    assert adopter.take(adopt="t-1") and r.pttl(key) > 1000
+    assert r.hgetall(key) == {b"t-1~r1": b"1", b"__fence__": b"1"}
+    adopter.release()
+    # A lock handed to the task (hold count 0) is taken up with its full lease.
     r.hset(key, mapping={"t-2": 0, "__fence__": 7})
     r.pexpire(key, 500)
     taker = TaskLock(r, "job:dup", task_id="t-2", options=options)
-    assert taker.take(keep_lease=True) and taker.server_hold_count == 1 and taker.token == 7
+    assert taker.take() and taker.server_hold_count == 1 and taker.token == 7
     assert r.pttl(key) > 1000
     taker.release()
 
@@ -455,8 +465,9 @@ def test_the_look_ahead_gives_way_to_parked_tasks_and_to_tasks_that_went_meanwhi
     assert isinstance(parked.park('{"parked": 1}', keep_for=60), int)  # the holder's pttl
     assert r.llen(PARKED % "miss") == 1
     assert _next_queued(ca.app, lock, queue, 64, 60) is None  # a task is parked: no search
-    message = lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
-    assert message == '{"parked": 1}' and lock.pulled is None
+    handed = lock.finish(hold=0, done_ttl=60, lookahead=lambda: pull)
+    assert handed is not None and handed.message == b'{"parked": 1}'  # to check, then send
+    assert handed.task_id == b"parked" and lock.pulled is None
     assert r.hget("redislock:{job:miss}", "parked") == b"0"
     assert r.llen(queue) == 1 and r.lindex(queue, 0) == pull.raw  # left in its turn
     r.delete("redislock:{job:miss}")

@@ -7,8 +7,8 @@ import multiprocessing
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 import redis
@@ -288,7 +288,7 @@ async def test_async_quorum_lock(nodes: list[RedisServer], three: list[redis.Red
             await lock.release()
         assert not await lock.locked()
 
-        holder = AsyncRedLock(clients, "a-wake", ttl=30, owner="holder")
+        holder = AsyncRedLock(clients, "a-wake", ttl=30, owner="holder", node_timeout=1.0)
         assert await holder.acquire(blocking=False)
         waiter = AsyncRedLock(clients, "a-wake", ttl=30, node_timeout=0.2, owner="w")
         task = asyncio.ensure_future(waiter.acquire(timeout=20))
@@ -499,3 +499,62 @@ def test_the_write_back_is_skipped_only_when_a_majority_already_has_the_token() 
     assert not tally(7, 7, 5).needs_write_back(2)
     assert tally(7, 6, 5).needs_write_back(2)  # only one counter has 7
     assert tally(9, 7).needs_write_back(2)
+
+
+# ------------------------------------------- the owner of an acquire run in another task
+
+
+@asynccontextmanager
+async def async_clients(nodes: list[RedisServer]) -> AsyncIterator[list[redis.asyncio.Redis]]:
+    clients = [redis.asyncio.Redis(port=s.port) for s in nodes[:3]]
+    try:
+        yield clients
+    finally:
+        from celery_redislock.aio import aclose_background
+
+        for client in clients:
+            await aclose_background(client)
+            await client.aclose()
+
+
+async def test_an_async_quorum_acquire_run_in_another_task_holds_for_the_calling_task(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    """As for AsyncRedisLock: wait_for (a task of its own before Python 3.12), gather
+    and create_task acquire for the task that called acquire(), whose release matches;
+    two acquires of that task at once take turns (the second re-enters)."""
+    async with async_clients(nodes) as clients:
+        lock = AsyncRedLock(clients, "a-owner", ttl=10, node_timeout=1.0)
+        assert await asyncio.wait_for(lock.acquire(), 10)
+        assert lock.hold_count == 1 and await lock.owned()
+        await lock.release()
+        assert await asyncio.gather(lock.acquire(), lock.acquire()) == [True, True]
+        assert await asyncio.ensure_future(lock.acquire()) is True
+        assert lock.hold_count == 3
+        for _ in range(3):
+            await lock.release()
+        assert not await lock.locked() and lock.hold_count == 0
+        await lock.aclose()
+
+
+async def test_an_async_quorum_hold_whose_task_ended_is_not_renewed_for_ever(
+    nodes: list[RedisServer], three: list[redis.Redis]
+) -> None:
+    """Every node's share stops being renewed once the owning task has ended: the hold
+    is lost ("abandoned") and expires everywhere with its lease."""
+    async with async_clients(nodes) as clients:
+        lock = AsyncRedLock(clients, "a-orphan", ttl=0.6, node_timeout=0.1)
+        losses: list[str] = []
+        lock.on_lost(lambda _lock, error: losses.append(error.reason))
+
+        async def forgetful() -> None:
+            assert await lock.acquire()
+
+        await asyncio.create_task(forgetful())
+        for _ in range(100):
+            if not any([await c.exists(lock.keys.lock) for c in clients]):
+                break
+            await asyncio.sleep(0.05)
+        assert [await c.exists(lock.keys.lock) for c in clients] == [0, 0, 0]
+        assert losses == ["abandoned"] and not lock._holds
+        await lock.aclose()

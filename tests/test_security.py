@@ -237,13 +237,21 @@ def exercise_fence(client: redis.Redis, tag: str, data_key: str) -> None:
 def exercise_celery(url: str, tag: str, redis_options: dict[str, Any]) -> None:
     """The Celery layer's Redis paths, no worker: ``client_for`` (PING health checks when
     ``health_check_interval`` is short), an eager LockedTask, a worker's TaskLock taking
-    the lock, a second task parking behind it, the hand-over at finish, the done marker,
-    ``lock_hold``, the sweeper and the workers' stats."""
+    the lock, two tasks parking behind it (one written without the signing key), the
+    hand-over at finish (the unsigned one refused and its hand-over taken back, the signed
+    one published), the done marker, ``lock_hold``, the sweeper and the workers' stats."""
     from celery import Celery
 
-    from celery_redislock import metrics
+    from celery_redislock import metrics, signing
     from celery_redislock._core import OwnerFinished
-    from celery_redislock.task import LockedTask, Sweeper, TaskLock, client_for
+    from celery_redislock.task import (
+        LockedTask,
+        Sweeper,
+        TaskLock,
+        client_for,
+        deliver_handed_over,
+        settings_for,
+    )
 
     app = Celery(f"security-{tag}", broker="memory://", backend="cache+memory://")
     app.conf.update(redislock_url=url, redislock_redis_options=redis_options, redislock_wait=5.0)
@@ -260,19 +268,29 @@ def exercise_celery(url: str, tag: str, redis_options: dict[str, Any]) -> None:
         assert work.apply(args=(1,)).get() >= 1  # eager: a plain RedisLock on client_for(app)
 
         options = work.lock_options()
-        name = f"{tag}:parked"
+        name = "acct:7"
         first = TaskLock(client, name, task_id=f"{tag}-1", options=options)
         second = TaskLock(client, name, task_id=f"{tag}-2", options=options)
         third = TaskLock(client, f"{tag}:periodic", task_id=f"{tag}-3", options=options)
-        taken += [first, second, third]
+        forged = TaskLock(client, name, task_id=f"{tag}-forged", options=options)
+        taken += [first, second, third, forged]
         assert first.acquire(blocking=False)
-        assert second.park(json.dumps({"task": "never-published"}), keep_for=60) is not True
+        assert forged.park(json.dumps({"task": f"t.{tag}"}), keep_for=60) is not True
+        signature = json.dumps(dict(work.signature((7,), task_id=second.owner)))
+        key = settings_for(app).signing_key
+        signed = signing.sign_signature(key, second.keys.lock, second.owner, signature)
+        assert second.park(signed, keep_for=60) is not True
         time.sleep(0.1)  # longer than a short health_check_interval: next command PINGs
         sweeper = Sweeper(app)
         assert sweeper.prefixes == ["redislock:"]
-        assert sweeper.sweep_once() == 0  # the holder is alive: the parked task waits
-        # The holder's finish hands the lock to the parked task and returns its message.
-        assert first.finish(hold=0, done_ttl=60) == json.dumps({"task": "never-published"})
+        assert sweeper.sweep_once() == 0  # the holder is alive: the parked tasks wait
+        # The holder's finish hands the lock to the first parked task: its message is
+        # refused, the hand-over taken back and the lock handed to the signed one.
+        handed = first.finish(hold=0, done_ttl=60)
+        assert handed is not None and handed.task_id == forged.owner.encode()
+        assert deliver_handed_over(app, handed, 30_000) == 1
+        assert client.hget(second.keys.lock, second.owner) == b"0"
+        assert client.hget(second.parked_messages, forged.owner) is None
         assert sweeper.sweep_once() == 0  # handed over just now: nothing to re-publish
         try:
             first.acquire(blocking=False)

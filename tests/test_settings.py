@@ -102,12 +102,18 @@ def test_park_at_delivery_is_a_bool() -> None:
         ([], "non-empty list"),
         (["redis://a:1", "http://b:2"], "http://b:2"),
         (["redis://a:1", "redis://a:1"], "twice"),
+        (["redis://a:1", "redis://b:1/0", "redis://A:1/2"], "[0] (a:1) and redislock_urls[2]"),
+        (["redis://localhost:7", "redis://b:1", "redis://127.0.0.1:7"], "both reach 127.0.0.1:7"),
+        (["redis://:secret@[::ffff:127.0.0.1]:7", "rediss://127.0.0.1:7"], "twice"),
+        (["unix:///run/redis.sock", "unix:///run/../run/redis.sock?db=1"], "unix:/run/redis.sock"),
+        (["redis://a:1", "redis://a:port"], "redislock_urls[1] is not a Redis URL"),
     ],
 )
 def test_quorum_urls_are_validated(urls: object, match: str) -> None:
     with pytest.raises(LockConfigurationError, match="redislock_urls") as caught:
         LockSettings.from_conf({"redislock_urls": urls})
     assert match in str(caught.value)
+    assert "secret" not in str(caught.value)
 
 
 def test_quorum_urls_exclude_a_single_url_and_are_used() -> None:
@@ -120,3 +126,31 @@ def test_quorum_urls_exclude_a_single_url_and_are_used() -> None:
     assert settings.url_source == "redislock_urls"
     with pytest.raises(LockConfigurationError, match="redislock_node_timeout"):
         LockSettings.from_conf({"redislock_urls": ["redis://a:1"], "redislock_node_timeout": 0})
+
+
+def test_a_broker_from_the_environment_is_the_locks_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CELERY_BROKER_URL (or `celery -b`) sets the broker without `broker_url` in the
+    conf; the locks' URL used to fail with "the broker (None) is not Redis"."""
+    from celery import Celery
+
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/3")
+    app = Celery("env-broker")
+    settings = LockSettings.from_conf(app.conf)
+    assert settings.url == "redis://127.0.0.1:1/3"
+    assert settings.url_source.startswith("broker_url")
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"redislock_url": "http://user:s3cret@host:6379/0"},
+        {"redislock_urls": ["redis://:s3cret@h1:1/0", "http://:s3cret@h2:1/0"]},
+        {"redislock_urls": "redis://:s3cret@h1:1/0"},
+    ],
+)
+def test_errors_never_show_a_password(conf: dict[str, object]) -> None:
+    with pytest.raises(LockConfigurationError) as error:
+        LockSettings.from_conf({"broker_url": "redis://127.0.0.1:1/0", **conf})
+    assert "s3cret" not in str(error.value) and "***" in str(error.value)

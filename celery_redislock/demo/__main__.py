@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update({k: v for k, v in env.items() if k.startswith("DEMO_")})
         from celery_redislock.demo import app as demo
 
-        store = redis.Redis.from_url(redis_url)
+        store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=10)
         log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
         worker = None if args.external_worker else start_worker(env, args.concurrency, queue, log)
         try:

@@ -41,7 +41,9 @@ _store: redis.Redis | None = None
 def store() -> redis.Redis:
     global _store
     if _store is None:
-        _store = redis.Redis.from_url(app.conf.redislock_url)
+        _store = redis.Redis.from_url(
+            app.conf.redislock_url, socket_timeout=10, socket_connect_timeout=10
+        )
     return _store
 
 

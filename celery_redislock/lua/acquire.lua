@@ -5,15 +5,17 @@
 -- KEYS[4]  claims: sorted set owner -> ms (server time) until which its place in line is kept
 -- KEYS[5]  optional: "done" marker of the owner (a finished task id); if it exists, take nothing
 -- ARGV[1]  owner id (never "__fence__")
--- ARGV[2]  lease in milliseconds (a positive integer)
+-- ARGV[2]  lease in milliseconds (a whole number from 1 to the longest duration: args.lua)
 -- ARGV[3]  optional: join the line when contended, keeping the place this many ms past the
 --          holder's lease (a blocked acquire passes it; a single try does not; "" = no)
 -- ARGV[4]  optional: "new-token" hands out a new token on re-entry too (the quorum lock's
 --          fresh attempt: the highest token of its majority must be newer than any
 --          token written back before it; the hold's stored token is left as it is)
--- ARGV[5]  optional: "keep-lease" does not lengthen the lease when re-entering a hold that
---          was already taken (a task's check for another delivery of itself: it must not
---          keep a dead delivery's lease alive); taking up a hand-over still sets it
+-- ARGV[5]  optional: "task" (a task run's attempt: one run per owner, never re-entered):
+--          a hold of this owner that was already taken (count >= 1: another delivery of the
+--          same run) is left exactly as it is and reported {2, pttl}; a hand-over to it
+--          (count 0) is taken up. "adopt": take over the hold of the owner ARGV[7] (a run
+--          that kept the lock across self.retry()) as this owner's one hold, if it is there
 -- ARGV[6]  optional: the waiter's wake id "<subscriber>:<wait>.<attempt>" (sent only for
 --          the default owner: a thread or task). With ARGV[3], a release may grant it the
 --          lock directly (see release.lua); kept with the lease as
@@ -29,20 +31,30 @@
 --          {0, ms}                 not taken: ms = the holder's remaining lease (-1: no expiry),
 --                                  or how long to wait for the first in line to take a free lock
 --          {-1, 0}                 KEYS[5] exists: this owner already finished its work here
-local lease = tonumber(ARGV[2])
-if not lease or lease <= 0 then
-  return redis.error_reply('ERR redislock: lease must be a positive number of milliseconds')
-end
+--          {2, ms}                 "task": this owner holds it already (ms: its lease left)
+local lease = ms_arg(ARGV[2], 'lease')
+local margin = ARGV[3] and ARGV[3] ~= '' and ms_arg(ARGV[3], 'line margin', 0)
 if KEYS[5] and redis.call('exists', KEYS[5]) == 1 then
   return {-1, 0}
+end
+if ARGV[5] == 'task' then
+  local count = redis.call('hget', KEYS[1], ARGV[1])
+  if count and count ~= '0' then
+    return {2, redis.call('pttl', KEYS[1])}
+  end
+elseif ARGV[5] == 'adopt' and ARGV[7] and ARGV[7] ~= ARGV[1] and redis.call('hexists', KEYS[1], ARGV[7]) == 1 then
+  redis.call('hdel', KEYS[1], ARGV[7])
+  redis.call('hset', KEYS[1], ARGV[1], 1)
+  redis.call('pexpire', KEYS[1], lease)
+  return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')), 1}
 end
 local function now_ms()
   local t = redis.call('time')
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 local function join_line(wait_ms)
-  if ARGV[3] and ARGV[3] ~= '' then
-    local keep_ms = math.max(wait_ms, 0) + tonumber(ARGV[3])
+  if margin then
+    local keep_ms = math.max(wait_ms, 0) + margin
     if redis.call('zadd', KEYS[4], now_ms() + keep_ms, ARGV[1]) == 1 then
       redis.call('rpush', KEYS[3], ARGV[1])
     end
@@ -109,7 +121,7 @@ if redis.call('hexists', KEYS[1], ARGV[1]) == 1 then
     end
   end
   local count = redis.call('hincrby', KEYS[1], ARGV[1], 1)
-  if (count == 1 or ARGV[5] ~= 'keep-lease') and redis.call('pttl', KEYS[1]) < lease then
+  if redis.call('pttl', KEYS[1]) < lease then
     -- re-entering never shortens the lease
     redis.call('pexpire', KEYS[1], lease)
   end

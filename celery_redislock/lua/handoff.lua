@@ -28,14 +28,28 @@
 -- ARGV[9]  how many messages from the read end of KEYS[10] to look for it in (LPOS MAXLEN:
 --          a message fetched meanwhile costs no scan of a long backlog; a lock user without
 --          LPOS looks with LREM alone, which scans the whole list when it is gone)
+--          (ARGV[5..9] are "" without look-ahead)
+-- ARGV[10] the queue lists a parked envelope may be pushed to from here, one a line (the
+--          releasing worker's; an entry names its own list, and whoever may write the lock
+--          keys may have written it: see envelope.lua's pushable)
+-- ARGV[11] the task names it may be for, one a line (the releasing worker's LockedTasks)
 -- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it,
 --                                  -3 "unstarted": this task does not hold it at count 0)
 --          {0}                     released; nobody parked: waiters notified
---          {0, message, task id}   released and handed over: publish message now
+--          {0, message, task id, token}  released and handed over: check the message (a parked
+--                                  signature, or an envelope not pushed from here) and send it
+--                                  now (an envelope with delivery tag "<placeholder>h<token>")
 --          {0, nil, task id}       released and handed over to a parked broker envelope: it is
 --                                  back at the head of its queue list already (see park.lua)
 --          {0, nil, task id, 1}    released and handed to the look-ahead's queued task: its
 --                                  message is moved to the head of its queue list
+-- Durations and counts are checked before anything is written (args.lua): a bad one must
+-- not fail this script halfway, with a parked task popped and handed nothing.
+local lease = ms_arg(ARGV[3], 'lease')
+local done_ms = ms_arg(ARGV[4], 'done marker lifetime', 0)
+local pulled = ARGV[5] and ARGV[5] ~= ''
+local keep_ms = pulled and ms_arg(ARGV[8], 'parking lifetime')
+local reach = pulled and whole_arg(ARGV[9], 'look-ahead reach', 1, 2147483647)
 if ARGV[2] == 'unstarted' and redis.call('hget', KEYS[1], ARGV[1]) ~= '0' then
   return {-3}
 end
@@ -65,8 +79,8 @@ while true do
     break
   end
 end
-if tonumber(ARGV[4]) > 0 then
-  redis.call('set', KEYS[6], '1', 'px', ARGV[4])
+if done_ms > 0 then
+  redis.call('set', KEYS[6], '1', 'px', done_ms)
 end
 redis.call('hdel', KEYS[5], ARGV[1])
 redis.call('hdel', KEYS[7], ARGV[1])
@@ -77,13 +91,13 @@ if next_id then
   local token = redis.call('incr', KEYS[3])
   -- hold count 0: handed over, not yet started; the task's own acquire makes it 1
   redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
-  redis.call('pexpire', KEYS[1], ARGV[3])
-  if string.sub(message, 1, 1) == 'E' then  -- a broker envelope (envelope.lua)
+  redis.call('pexpire', KEYS[1], lease)
+  if string.sub(message, 1, 1) == 'E' and pushable(message, KEYS[1], next_id, ARGV[10] or '', ARGV[11] or '') then
     local queue_list, envelope = pushed_envelope(message, token)
     redis.call('rpush', queue_list, envelope)  -- next for BRPOP
     return {code, false, next_id}
   end
-  return {code, message, next_id}
+  return {code, message, next_id, token}
 end
 -- Nobody parked: hand the lock to the first blocked waiter still in line, or wake waiters.
 local t = redis.call('time')
@@ -110,8 +124,8 @@ end
 -- lock per queue list is served this way at a time (its "chain"): the tasks of one busy lock
 -- overtake the others; several busy locks would take every worker slot in turn and
 -- starve the rest of the queue.
-local function queued_within(list, message, reach)
-  local found = redis.pcall('lpos', list, message, 'RANK', -1, 'MAXLEN', math.max(tonumber(reach) or 1, 1))
+local function queued_within(list, message, within)
+  local found = redis.pcall('lpos', list, message, 'RANK', -1, 'MAXLEN', within)
   if type(found) == 'table' and found.err then
     return true  -- no LPOS for this user: LREM alone finds out
   end
@@ -125,19 +139,19 @@ if chain and chain ~= KEYS[1] then
 end
 if other then
   -- another lock's chain goes on in this list: this one is not served ahead
-elseif ARGV[5] and ARGV[5] ~= '' and redis.call('exists', KEYS[1] .. ':done:' .. ARGV[5]) == 0
-    and queued_within(KEYS[10], ARGV[6], ARGV[9])
+elseif pulled and redis.call('exists', KEYS[1] .. ':done:' .. ARGV[5]) == 0
+    and queued_within(KEYS[10], ARGV[6], reach)
     and redis.call('lrem', KEYS[10], -1, ARGV[6]) == 1 then
   redis.call('hset', KEYS[12], 'lock', KEYS[1])
-  redis.call('pexpire', KEYS[12], ARGV[3])
+  redis.call('pexpire', KEYS[12], lease)
   local token = redis.call('incr', KEYS[3])
   redis.call('hset', KEYS[1], ARGV[5], 0, '__fence__', token, '__chain__', KEYS[10])
-  redis.call('pexpire', KEYS[1], ARGV[3])
+  redis.call('pexpire', KEYS[1], lease)
   redis.call('hset', KEYS[5], ARGV[5], ARGV[7])  -- the sweeper's copy, as for a parked task
   redis.call('hset', KEYS[7], ARGV[5], now)
   for _, key in ipairs({KEYS[5], KEYS[7]}) do
-    if redis.call('pttl', key) < tonumber(ARGV[8]) then
-      redis.call('pexpire', key, ARGV[8])
+    if redis.call('pttl', key) < keep_ms then
+      redis.call('pexpire', key, keep_ms)
     end
   end
   redis.call('zadd', KEYS[11], t[1], KEYS[1])

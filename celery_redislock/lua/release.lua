@@ -20,16 +20,22 @@
 --          releasing for a dead task); "hold" keep the lock, but only for ARGV[3] ms more;
 --          "leave" a waiter giving up: leave the line, and pass on a lock granted to it;
 --          "force" an operator's release: whoever holds the lock (ARGV[1] unused)
--- ARGV[3]  with "hold": milliseconds to keep the lock (a positive integer); with "leave":
+-- ARGV[3]  with "hold": milliseconds to keep the lock (1 to the longest duration); with "leave":
 --          "<subscriber>:<wait>" of the leaving waiter (a direct grant to it is passed on)
 -- ARGV[4]  with KEYS[6]: lifetime of the done marker in milliseconds
--- ARGV[5]  optional: ms a waiter granted the lock has to take it (default 2000)
+-- ARGV[5]  optional: ms a waiter granted the lock has to take it (default, or "": 2000)
+-- ARGV[6]  optional: the fencing token of the holding to give back: another holding of the
+--          same owner (the release being retried landed, and the owner took the lock
+--          afresh) is left alone (-2)
 -- returns  n >= 0  holds the owner still has (0: given back; lock handed over, deleted or
 --                  left to expire)
 --          -1      the lock key is gone (the lease expired)
 --          -2      another owner holds the lock (ours expired and was taken); nothing touched
 --          -3      "leave": the waiter held nothing
 local mode = ARGV[2] or 'one'
+local hold_ms = mode == 'hold' and ms_arg(ARGV[3], 'hold')
+local done_ms = KEYS[6] and ARGV[4] and ms_arg(ARGV[4], 'done marker lifetime')
+local grant_ms = ms_arg((ARGV[5] ~= '' and ARGV[5]) or '2000', 'grant lease')
 local wake_key = KEYS[4] .. ':wake'
 if mode == 'leave' then
   redis.call('lrem', KEYS[4], 0, ARGV[1])
@@ -56,21 +62,20 @@ else
   if not count then
     return redis.call('exists', KEYS[1]) == 0 and -1 or -2
   end
+  if ARGV[6] and ARGV[6] ~= '' and redis.call('hget', KEYS[1], '__fence__') ~= ARGV[6] then
+    return -2
+  end
   if mode == 'one' and tonumber(count) > 1 then
     return redis.call('hincrby', KEYS[1], ARGV[1], -1)
   end
 end
-if KEYS[6] and ARGV[4] then
-  redis.call('set', KEYS[6], '1', 'px', ARGV[4])
+if done_ms then
+  redis.call('set', KEYS[6], '1', 'px', done_ms)
 end
-if mode == 'hold' then
-  local keep = tonumber(ARGV[3])
-  if not keep or keep <= 0 then
-    return redis.error_reply('ERR redislock: hold must be a positive number of milliseconds')
-  end
+if hold_ms then
   redis.call('hset', KEYS[1], ARGV[1], 1)
   redis.call('hdel', KEYS[1], '__chain__')  -- kept, not running: no look-ahead chain (handoff.lua)
-  redis.call('pexpire', KEYS[1], keep)
+  redis.call('pexpire', KEYS[1], hold_ms)
   return 0
 end
 redis.call('del', KEYS[1])
@@ -90,7 +95,6 @@ if head then
     end
     if keep >= now then
       local token = redis.call('incr', KEYS[3])
-      local grant_ms = tonumber(ARGV[5] or '2000')
       if sub then
         -- a direct grant: taken for the waiter (count 1), which is told alone
         grant_ms = math.min(grant_ms, tonumber(lease))

@@ -13,24 +13,22 @@
 -- ARGV[3]     how many messages from a queue list's read end to look for a pushed envelope in
 -- returns     {0}                     nothing to do, tasks still parked
 --             {-1}                    nothing parked or dispatched any more: forget this lock
---             {1, message, task id}   publish this message now (a parked signature)
---             {1, nil, task id}       a parked broker envelope: pushed back to the read end of
---                                     its queue list already, with delivery tag
---                                     "<placeholder>h<token>" (a hand-over, as handoff.lua's)
---                                     or "<placeholder>h<token>s<ms>" (a re-send at <ms>, the
---                                     time the dispatched hash records), so that the next pass
---                                     recognises either while it waits there
+--             {1, message, task id, tag}  check this message and send it now: a parked
+--                                     signature, or a parked broker envelope (back to the read
+--                                     end of its queue list, with delivery tag
+--                                     "<placeholder>h<tag>": tag "<token>" for a hand-over, as
+--                                     handoff.lua's, or "<token>s<ms>" for a re-send at <ms>, the
+--                                     time the dispatched hash records, so that the next pass
+--                                     recognises either while it waits there)
+local lease = ms_arg(ARGV[1], 'lease')
+local stale_ms = ms_arg(ARGV[2], 'hand-over staleness')
+local reach = whole_arg(ARGV[3] or '1000', 'queue reach', 1, 2147483647)
 local now = redis.call('time')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
-local reach = math.max(tonumber(ARGV[3]) or 1000, 1)
--- A parked broker envelope goes back to the read end of its queue list from here.
+-- The worker checks what it sends (whoever may write the lock keys may have written it):
+-- not pushed from here (the sweeper is no hot path).
 local function send(message, task_id, tag)
-  if string.sub(message, 1, 1) ~= 'E' then
-    return {1, message, task_id}  -- a parked signature: the worker publishes it
-  end
-  local queue_list, pushed = pushed_envelope(message, tag)
-  redis.call('rpush', queue_list, pushed)
-  return {1, false, task_id}
+  return {1, message, task_id, tag}
 end
 if redis.call('exists', KEYS[1]) == 0 then
   while true do
@@ -43,7 +41,7 @@ if redis.call('exists', KEYS[1]) == 0 then
       redis.call('hset', KEYS[7], next_id, now_ms)
       local token = redis.call('incr', KEYS[3])
       redis.call('hset', KEYS[1], next_id, 0, '__fence__', token)
-      redis.call('pexpire', KEYS[1], ARGV[1])
+      redis.call('pexpire', KEYS[1], lease)
       return send(message, next_id, token)
     end
   end
@@ -60,7 +58,7 @@ local function still_queued(message, token, sent)
   for _, tag in ipairs({token, token .. 's' .. sent}) do
     local queue_list, pushed = pushed_envelope(message, tag)
     -- pcall: a lock user without LPOS (or read access to the queue) just sends it again
-    local found = redis.pcall('lpos', queue_list, pushed, 'RANK', -1, 'MAXLEN', reach)
+    local found = queue_list and redis.pcall('lpos', queue_list, pushed, 'RANK', -1, 'MAXLEN', reach)
     if type(found) == 'number' then
       return true
     end
@@ -71,10 +69,10 @@ local dispatched = redis.call('hgetall', KEYS[7])
 for i = 1, #dispatched, 2 do
   local task_id = dispatched[i]
   if redis.call('hget', KEYS[1], task_id) == '0' then
-    if now_ms - tonumber(dispatched[i + 1]) > tonumber(ARGV[2]) then
+    if now_ms - tonumber(dispatched[i + 1]) > stale_ms then
       local message = redis.call('hget', KEYS[5], task_id)
       if message then  -- (its record gone: nothing to send; the hand-over's lease runs out)
-        redis.call('pexpire', KEYS[1], ARGV[1])  -- the hand-over's lease, renewed either way
+        redis.call('pexpire', KEYS[1], lease)  -- the hand-over's lease, renewed either way
         local token = redis.call('hget', KEYS[1], '__fence__') or '0'
         if not still_queued(message, token, dispatched[i + 1]) then
           redis.call('hset', KEYS[7], task_id, now_ms)  -- the time a re-sent copy's tag names

@@ -1,0 +1,171 @@
+"""How long lock calls take when Redis stops answering (docs/guarantees.md, "How long a
+call can take"): a private redis-server is paused with SIGSTOP, never one we did not start."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import pytest
+import redis
+import redis.asyncio
+from celery import Celery
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_redislock import AsyncRedisLock, LockQuorumError, RedisLock, RedLock
+from celery_redislock.task import client_for, quorum_clients_for
+from celery_redislock.testing import RedisServer
+
+#: The client settings the docs recommend, scaled down: one attempt, half a second.
+BOUNDED = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
+#: Scheduling slack on a busy 2-core machine.
+SLACK = 1.0
+
+
+@contextmanager
+def paused(server: RedisServer, after: float = 0.0) -> Iterator[None]:
+    """SIGSTOP ``server`` (now, or ``after`` seconds into the block); SIGCONT at the end."""
+    timer = threading.Timer(after, server.signal, (signal.SIGSTOP,))
+    timer.start()
+    try:
+        if not after:
+            timer.join()
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        server.signal(signal.SIGCONT)
+
+
+def took(call: Callable[[], Any]) -> tuple[float, BaseException | None]:
+    started = time.monotonic()
+    try:
+        call()
+    except Exception as exc:
+        return time.monotonic() - started, exc
+    return time.monotonic() - started, None
+
+
+def test_a_lock_on_a_client_without_socket_timeout_warns_once_per_pool(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="celery_redislock")
+    unbounded = redis.Redis(port=redis_server.port, socket_timeout=None)
+    RedisLock(unbounded, "a")
+    RedisLock(unbounded, "b")
+    RedisLock(redis.Redis(connection_pool=unbounded.connection_pool), "c")
+    AsyncRedisLock(redis.asyncio.Redis(port=redis_server.port, socket_timeout=None), "d")
+    warned = [r.getMessage() for r in caplog.records if "no socket_timeout" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert "'a'" in warned[0] and "'d'" in warned[1]
+    assert "socket_connect_timeout" in warned[0] and "guarantees.md" in warned[0]
+
+    caplog.clear()
+    RedisLock(redis_server.client(**BOUNDED), "e")
+    RedisLock(redis.Redis.from_url(redis_server.url, socket_timeout=3), "f")
+    # The quorum lock's rounds use private clients bounded by node_timeout.
+    RedLock([redis.Redis(port=redis_server.port, socket_timeout=None)], "g")
+    assert not [r for r in caplog.records if "no socket_timeout" in r.getMessage()]
+
+
+def test_the_clients_the_package_makes_have_socket_timeouts(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    servers = [redis_server_factory() for _ in range(3)]
+    one = Celery("bounds-one", broker="memory://", set_as_current=False)
+    one.conf.redislock_url = servers[0].url
+    quorum = Celery("bounds-quorum", broker="memory://", set_as_current=False)
+    quorum.conf.redislock_urls = [s.url for s in servers]
+    tuned = Celery("bounds-tuned", broker="memory://", set_as_current=False)
+    tuned.conf.redislock_urls = [s.url for s in servers]
+    tuned.conf.redislock_redis_options = {"socket_timeout": 2.5}
+    try:
+        for client in [client_for(one), *quorum_clients_for(quorum)]:
+            kwargs = client.connection_pool.connection_kwargs
+            assert kwargs.get("socket_timeout") == 10.0
+            assert kwargs.get("socket_connect_timeout") == 10.0
+        for client in quorum_clients_for(tuned):  # the app's own options win
+            assert client.connection_pool.connection_kwargs["socket_timeout"] == 2.5
+    finally:
+        for app in (one, quorum, tuned):
+            app.close()
+
+
+def test_a_stalled_redis_bounds_acquire_and_release_by_the_socket_timeout(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    """acquire(timeout=t) takes at most t plus two commands' time (its last attempt, and
+    leaving the line); each command is bounded by the client's socket timeout."""
+    server = redis_server_factory()
+    client = server.client(**BOUNDED, retry=Retry(NoBackoff(), 0))
+    holder = RedisLock(server.client(), "stall", owner="holder", ttl=30)
+    mine = RedisLock(client, "mine", owner="me", ttl=30)
+    assert mine.acquire(blocking=False)
+
+    with paused(server):
+        elapsed, error = took(lambda: RedisLock(client, "free", ttl=30).acquire(timeout=1))
+    assert isinstance(error, redis.exceptions.TimeoutError) and elapsed < 0.5 + SLACK
+
+    with paused(server):
+        elapsed, error = took(mine.release)
+    # The last hold's release returns (it is retried in the background), within one command.
+    assert error is None and elapsed < 0.5 + SLACK
+
+    assert holder.acquire(blocking=False)
+    waiter = RedisLock(client, "stall", owner="waiter", ttl=30)
+    with paused(server, after=0.3):  # stalls while the waiter waits
+        elapsed, error = took(lambda: waiter.acquire(timeout=1))
+    assert isinstance(error, redis.exceptions.TimeoutError), error
+    assert elapsed < 1 + 2 * 0.5 + SLACK, elapsed
+
+
+async def test_a_stalled_redis_bounds_the_async_lock_by_the_socket_timeout(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    server = redis_server_factory()
+    client = redis.asyncio.Redis(port=server.port, **BOUNDED, retry=AsyncRetry(NoBackoff(), 0))
+    lock = AsyncRedisLock(client, "async-stall", owner="me", ttl=30)
+    try:
+        assert await lock.acquire(blocking=False)
+        with paused(server):
+            started = time.monotonic()
+            with pytest.raises(redis.exceptions.TimeoutError):
+                await AsyncRedisLock(client, "free", ttl=30).acquire(timeout=1)
+            await lock.release()  # returns: retried in the background
+            assert time.monotonic() - started < 2 * (0.5 + SLACK)
+    finally:
+        await client.aclose()
+
+
+def test_the_quorum_lock_is_bounded_by_node_timeout_even_on_unbounded_clients(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    servers = [redis_server_factory() for _ in range(3)]
+    clients = [redis.Redis(port=s.port, socket_timeout=None) for s in servers]
+    lock = RedLock(clients, "q-stall", owner="me", ttl=10, node_timeout=0.25)
+    with paused(servers[0]), paused(servers[1]), paused(servers[2]):
+        elapsed, error = took(lambda: lock.acquire(timeout=1))
+    assert isinstance(error, LockQuorumError) and elapsed < 0.3 + SLACK
+
+
+def test_a_client_that_re_sends_commands_is_logged_once(
+    redis_server_factory: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """redis-py's default client re-sends a command whose connection failed; the lock
+    scripts are not idempotent, so a lock built on such a client says so, once a pool."""
+    server = redis_server_factory()
+    resending = redis.Redis(port=server.port, socket_timeout=1)  # redis-py's default retry
+    single = redis.Redis(port=server.port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
+    with caplog.at_level("WARNING", logger="celery_redislock"):
+        RedisLock(resending, "a")
+        RedisLock(resending, "b")
+        RedisLock(single, "c")
+    found = [r for r in caplog.records if "re-sends a command" in r.getMessage()]
+    assert len(found) == 1 and "'a'" in found[0].getMessage()
