@@ -34,7 +34,7 @@ from typing import Callable
 
 from redis.exceptions import RedisError
 
-from celery_redislock import RedisLock
+from celery_redislock._core import LockKeys
 from celery_redislock.testing import RedisServer
 
 from .. import _chaos
@@ -109,7 +109,7 @@ def run_locks(p: LockParams, log_dir: Path, say: Callable[[str], None]) -> PartR
     )  # fmt: skip
     swarm.admin.close()
     swarm.admin = server.client(socket_timeout=2, socket_connect_timeout=1)  # not proxied
-    fence_key = RedisLock(swarm.admin, LOCK_NAME).keys.fence
+    fence_key = LockKeys.for_name(LOCK_NAME).fence
     restart_at = [total * (k + 1) // (p.restarts + 1) for k in range(p.restarts)]
     restarts: list[Fault] = []
     kinds = list(WEIGHTS)

@@ -61,7 +61,7 @@ class SettleParams:
     workers: int = 2
     concurrency: int = 3
     ttl: float = 5.0
-    work: tuple[float, float] = (0.02, 0.08)
+    work: tuple[float, float] = (0.05, 0.25)
     kill_gap: tuple[float, float] = (1.0, 3.0)
     restarts: int = 1
     downtime: tuple[float, float] = (0.5, 2.0)
@@ -474,11 +474,21 @@ def _log_rows(logs: list[str], metas: Counter[str]) -> list[tuple[str, str]]:
     lock_lost = text.count("LockLostError")
     conn = text.count("Connection to broker lost")
     errors = sum(1 for line in text.splitlines() if "ERROR/" in line)
+    # Why a task that did its work can still end as FAILURE: Celery could not store its
+    # success (the result backend is on the restarted Redis), or its release failed.
+    unstored = text.count("in mark_as_done")
+    unreleased = text.count("redislock: could not release lock")
+    released_later = text.count("after Redis came back")
     return [
         ("task results (result backend)", ", ".join(f"{k} {n}" for k, n in metas.most_common())),
         (
             "worker logs: WorkerLostError / LockLostError / broker connection lost / ERROR lines",
-            f"{lost} / {lock_lost} / {conn} / {errors}",
+            slash(lost, lock_lost, conn, errors),
+        ),
+        (
+            "worker logs: success not stored (mark_as_done raised) / release failed / "
+            "released after Redis came back",
+            slash(unstored, unreleased, released_later),
         ),
     ]
 
