@@ -28,7 +28,10 @@ nodes) and the attempt retried; one from a release is logged as a failed release
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -54,8 +57,9 @@ from celery_redislock import (
 COUNTER = "chaos:counter"
 RESOURCE = "chaos"
 FAKE_TOKENS = "chaos:fake-token"  # only when the lock is deliberately defeated
-#: Faults that may end any holder's lease early (so a killed holder's interval is unproven).
-SERVER_FAULTS = ("debug-sleep", "client-kill")
+#: Faults that may end any holder's lease early (so a killed holder's interval is unproven):
+#: a stalled server, killed connections, every connection dropped by a proxy, a restart.
+SERVER_FAULTS = ("debug-sleep", "client-kill", "proxy-drop", "redis-restart")
 #: Kinds of lock-node faults of the quorum variant (prefixes): any of them may end a
 #: holder's lease early, since a hold granted by a bare majority of the nodes needs every
 #: one of them (a killed holder's interval that overlaps one is unproven).
@@ -110,6 +114,7 @@ def worker(
     defeat: str = "",
     quorum_ports: tuple[int, ...] = (),
     node_timeout: float = 0.5,
+    lifetime: float = 300.0,
 ) -> None:
     """Complete items ``first..end-1`` in order, one critical section per attempt.
 
@@ -121,6 +126,8 @@ def worker(
 
     ``quorum_ports``: take a :class:`RedLock` over these lock nodes (``node_timeout``)
     instead of a :class:`RedisLock` on ``port``, which then only holds the resource.
+
+    ``lifetime``: give up (log "gave-up") after this many seconds.
     """
     rng = random.Random(seed)
     log = EventLog(log_path)
@@ -133,7 +140,7 @@ def worker(
     ]
     log(ev="start", first=first, end=end, t=_now())
     item, seq = first, 0
-    deadline = _now() + 300
+    deadline = _now() + lifetime
     while item < end and _now() < deadline:
         seq += 1
         owner = "shared" if defeat == "shared-owner" else f"w{pid}.{seq}"
@@ -294,6 +301,7 @@ class Swarm:
         defeat: str = "",
         quorum_ports: tuple[int, ...] = (),
         node_timeout: float = 0.5,
+        lifetime: float = 300.0,
     ) -> None:
         self.port = port
         self.name = name
@@ -305,6 +313,7 @@ class Swarm:
         self.pause_max = pause_max
         self.seed = seed
         self.defeat = defeat
+        self.lifetime = lifetime
         self.members: dict[int, _Member] = {}
         self.finished: dict[int, _Member] = {}
         self.kills: dict[int, float] = {}
@@ -342,7 +351,8 @@ class Swarm:
             if self.defeat == "split-nodes":  # self-test: each slot its own one-node "quorum"
                 ports = (ports[slot % len(ports)],)
             args += (ports, self.node_timeout)  # type: ignore[assignment]
-        process = self._ctx.Process(target=worker, args=args, daemon=True)
+        kwargs = {"lifetime": self.lifetime}
+        process = self._ctx.Process(target=worker, args=args, kwargs=kwargs, daemon=True)
         process.start()
         assert process.pid is not None
         self.members[process.pid] = _Member(process, slot, gen, log_path, first)
@@ -631,10 +641,13 @@ def analyse(
     admits = sorted(
         (s.t_admit, s.token) for s in entered if s.admit is True and s.t_admit is not None
     )
+    admit_times = [t for t, _ in admits]
+    highest = list(itertools.accumulate((tok for _, tok in admits), max))  # by time, so far
     for s in known:
         assert s.t_write is not None
-        newer = [tok for t, tok in admits if t < s.t_write and tok > s.token]
-        if newer:
+        before = bisect.bisect_left(admit_times, s.t_write)  # admits at t < t_write
+        if before and highest[before - 1] > s.token:
+            newer = [tok for t, tok in admits[:before] if tok > s.token]
             v.append(
                 f"stale write admitted: token {s.token} (pid {s.pid}) wrote after token "
                 f"{min(newer)} had been admitted"
@@ -667,7 +680,7 @@ def analyse(
     done = sorted(s.item for s in known if s.item is not None)
     if done != sorted(expected_items):
         missing = sorted(set(expected_items) - set(done))
-        twice = sorted({i for i in done if done.count(i) > 1})
+        twice = sorted(i for i, n in collections.Counter(done).items() if n > 1)
         v.append(
             f"items completed {len(done)} != expected {len(expected_items)} "
             f"(missing {missing[:10]}, done twice {twice[:10]})"
@@ -699,7 +712,7 @@ def _valid_intervals(
                 f.t1 >= s.t_enter
                 and f.t0 <= t_kill
                 and (
-                    f.kind in ("debug-sleep", "client-kill")
+                    f.kind in SERVER_FAULTS
                     or f.kind.startswith(NODE_FAULTS)
                     or (f.pid == s.pid and "stop" in f.kind)
                 )
