@@ -399,6 +399,25 @@ class LockBase(Generic[Signal]):
         signals.lock_release_failed.send(self, name=self.name, owner=hold.owner, error=exc)
         return what
 
+    def _release_unreachable(
+        self, owner: str, hold: Hold | None, exc: BaseException
+    ) -> tuple[str, list[str]] | None:
+        """What a release that Redis did not answer leaves to do (the sync and asyncio
+        twins' one decision): re-raise ``exc`` for a hold not this process's or an inner
+        one (:meth:`_inner_unconfirmed`); else stop renewing (:meth:`_unconfirmed`) and
+        return (its name, release.lua's ARGV) for a background retry, or None when no
+        retry is safe: other lock objects (or processes) hold for this owner too, and a
+        retry could not tell this release from theirs (the lease ends what is left)."""
+        if hold is None or hold.pid != os.getpid():
+            raise exc
+        if hold.count > 1:
+            self._inner_unconfirmed(hold)
+            raise exc
+        what = self._unconfirmed(hold, exc)
+        if self._server_count > 1:
+            return None
+        return what, _deferred._retry_release_args(owner, hold.token)
+
     def _inner_unconfirmed(self, hold: Hold) -> None:
         """The release of an inner (re-entered) hold could not reach Redis: whether Redis
         counted it is unknown. The hold is counted as given back here, and stops being

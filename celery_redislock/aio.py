@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import time
 import weakref
 from collections import deque
@@ -47,7 +46,7 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
-from ._deferred import UNREACHABLE, _retry_release_args, defer_async
+from ._deferred import UNREACHABLE, defer_async
 from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
 from ._scripts import run_async, scripts_for
 from ._waiting import async_subscribers_of, async_waiter_for
@@ -433,17 +432,11 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                 await run_async(self.client, self._scripts.release, self._release_keys, [owner])
             )
         except UNREACHABLE as exc:
-            if hold is None or hold.pid != os.getpid():
-                raise
-            if hold.count > 1:
-                self._inner_unconfirmed(hold)
-                raise
-            what = self._unconfirmed(hold, exc)
-            if self._server_count > 1:
-                # Other lock objects (or processes) hold for this owner too: a retry could
-                # not tell this release from theirs. The lease ends what is left of it.
+            retry = self._release_unreachable(owner, hold, exc)
+            if retry is None:
                 return
-            retry_args = _retry_release_args(owner, hold.token)
+            what, retry_args = retry
+            assert hold is not None
             defer_async(
                 what,
                 lambda: run_async(

@@ -39,7 +39,7 @@ from ._core import (
     validate_prefix,
     wait_bound,
 )
-from ._deferred import UNREACHABLE, _retry_release_args, deferred_releases
+from ._deferred import UNREACHABLE, deferred_releases
 from ._renewal import RenewalScheduler, require_replicas, scheduler_for
 from ._scripts import run, scripts_for
 from ._waiting import waiter_for
@@ -293,17 +293,11 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         try:
             code = int(run(self.client, self._scripts.release, self._release_keys, (owner,)))
         except UNREACHABLE as exc:
-            if hold is None or hold.pid != os.getpid():
-                raise
-            if hold.count > 1:
-                self._inner_unconfirmed(hold)
-                raise
-            what = self._unconfirmed(hold, exc)
-            if self._server_count > 1:
-                # Other lock objects (or processes) hold for this owner too: a retry could
-                # not tell this release from theirs. The lease ends what is left of it.
+            retry = self._release_unreachable(owner, hold, exc)
+            if retry is None:
                 return
-            retry_args = _retry_release_args(owner, hold.token)
+            what, retry_args = retry
+            assert hold is not None
             deferred_releases().add(
                 what,
                 lambda: run(self.client, self._scripts.release, self._release_keys, retry_args),
