@@ -439,6 +439,10 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                 self._inner_unconfirmed(hold)
                 raise
             what = self._unconfirmed(hold, exc)
+            if self._server_count > 1:
+                # Other lock objects (or processes) hold for this owner too: a retry could
+                # not tell this release from theirs. The lease ends what is left of it.
+                return
             retry_args = _retry_release_args(owner, hold.token)
             defer_async(
                 what,

@@ -299,7 +299,12 @@ class TaskLock(RedisLock):
         return True
 
     def handoff_args(
-        self, owner: str, mode: str, done_ttl: float | None, pull: _Pull | None = None
+        self,
+        owner: str,
+        mode: str,
+        done_ttl: float | None,
+        pull: _Pull | None = None,
+        token: int | None = None,
     ) -> tuple[list[Any], list[Any]]:
         keys: list[Any] = [
             self.keys.lock,
@@ -319,7 +324,7 @@ class TaskLock(RedisLock):
             args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms, pull.reach]
         else:
             args += ["", "", "", "", ""]
-        return keys, [*args, *self.push_to]
+        return keys, [*args, *self.push_to, "" if token is None else token]
 
     def handed(self, reply: list[Any]) -> _Handed | None:
         """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
@@ -331,8 +336,13 @@ class TaskLock(RedisLock):
         hold: float,
         done_ttl: float | None,
         lookahead: Callable[[], _Pull | None] | None = None,
+        token: int | None = None,
     ) -> _Handed | None:
         """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
+
+        ``token``: only the holding with this fencing token (a release retried late must
+        not touch a later holding of the same run: another copy of its message that took
+        the lock after this one's lease ran out).
 
         With ``done_ttl``, also mark the task id done so a later delivery of the same
         message does not run again. Returns the parked task the lock was handed to whose
@@ -357,7 +367,7 @@ class TaskLock(RedisLock):
                         pull = lookahead()
                     except Exception:  # only a shortcut: the task comes in its turn anyway
                         log.debug("redislock: look-ahead failed for %r", self.name, exc_info=True)
-                handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull)
+                handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull, token)
                 reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
                 code = int(reply[0])
                 message = self.handed(reply)
@@ -365,10 +375,12 @@ class TaskLock(RedisLock):
                     self.pulled = _text(reply[2])
             else:
                 keys = self.keys.release_keys()
-                args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold")]
+                args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold"), "", ""]
                 if done_ttl is not None:
                     keys.append(self.done_key)
-                    args.append(lease_ms(done_ttl, "lock_done_ttl"))
+                    args[3] = lease_ms(done_ttl, "lock_done_ttl")
+                if token is not None:
+                    args.append(token)
                 code, message = int(self._scripts.release(keys=keys, args=args)), None
         finally:
             if held is not None:
@@ -454,6 +466,7 @@ class QuorumTaskLock(RedLock):
         hold: float,
         done_ttl: float | None,
         lookahead: Callable[[], _Pull | None] | None = None,
+        token: int | None = None,
     ) -> _Handed | None:
         """Give the hold back on every node (or keep it ``hold`` seconds), marking the task
         id done (``lookahead`` is unused: ``LockedTask._lookahead`` gives a quorum lock
@@ -722,8 +735,10 @@ class LockedTask(Task):  # type: ignore[misc]
         try:
             result = self._run_body(lock, args, kwargs)
         except Retry as retry:
+            # The run is over (the retry is a run of its own, with another owner): it is
+            # marked done, so a late copy of this run's message does not run it again.
             if options.release_on_retry:
-                _finish_quietly(lock, self, options, hold=0.0, done=False, lookahead=lookahead)
+                _finish_quietly(lock, self, options, hold=0.0, lookahead=lookahead)
             else:
                 self._keep_for_retry(lock, retry, options)
             raise
@@ -805,7 +820,7 @@ class LockedTask(Task):  # type: ignore[misc]
         delay = retry.when if isinstance(retry.when, (int, float)) else options.ttl
         hold = min(max(0.0, float(delay)) + options.ttl, MAX_SECONDS)
         try:
-            lock.finish(hold=hold, done_ttl=None)
+            lock.finish(hold=hold, done_ttl=options.done_ttl)
             _mark_kept_hold(lock, self.request, hold)
         except (LockNotOwnedError, *UNREACHABLE) as exc:
             if not isinstance(exc, LockNotOwnedError):
@@ -1320,6 +1335,7 @@ def _finish_later(
     """A task's release that could not reach Redis: stop renewing, retry in the background."""
     owner = lock._current_owner()
     held = lock._holds.get(owner)
+    token = None if held is None else held.token
     if held is None:
         lock.close()
         what = f"lock {lock.name!r} (owner {owner})"
@@ -1329,13 +1345,14 @@ def _finish_later(
 
     def again() -> None:
         try:
-            message = lock.finish(hold=keep, done_ttl=done_ttl)
+            message = lock.finish(hold=keep, done_ttl=done_ttl, token=token)
         except LockNotOwnedError as lost:  # the lease ran out meanwhile: nothing to give back
             message = getattr(lost, "handed_to", None)
         task.publish_handed_over(message)
 
-    # A run's owner never takes its lock again, so the retry may outlive the lease: a late
-    # release still writes the done marker and hands the lock to a parked task.
+    # The retry may outlive the lease: a late release still writes the done marker and hands
+    # the lock to a parked task. It names its holding's token: another copy of the run that
+    # took the lock after the lease ran out is a later holding of the same owner.
     until = time.monotonic() + max(60.0, options.ttl * 2)
     deferred_releases().add(what, again, until=until)
 

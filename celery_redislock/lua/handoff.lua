@@ -33,6 +33,8 @@
 --          releasing worker's; an entry names its own list, and whoever may write the lock
 --          keys may have written it: see envelope.lua's pushable)
 -- ARGV[11] the task names it may be for, one a line (the releasing worker's LockedTasks)
+-- ARGV[12] optional: the fencing token of the holding to give back ('': the owner's, whichever):
+--          a release retried late leaves a later holding of the same run alone (-2)
 -- returns  {n}                     n > 0 holds left (-1 lease expired, -2 another owner holds it,
 --                                  -3 "unstarted": this task does not hold it at count 0)
 --          {0}                     released; nobody parked: waiters notified
@@ -56,6 +58,9 @@ end
 local exists = redis.call('exists', KEYS[1]) == 1
 if exists and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
   return {-2}
+end
+if exists and ARGV[12] and ARGV[12] ~= '' and redis.call('hget', KEYS[1], '__fence__') ~= ARGV[12] then
+  return {-2}  -- a later holding of this owner (another copy of the run): a late retry leaves it
 end
 local code = 0
 if not exists then
