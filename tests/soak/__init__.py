@@ -9,7 +9,8 @@ processes, reaching a private redis-server (AOF, ``appendfsync always``) through
 proxy, while holders are SIGKILLed (and replaced) and SIGSTOPped (briefly or past
 their lease), every connection is dropped at the proxy, and the server is SIGKILLed
 and restarted. Oracles: 0 stale writes accepted, 0 overlaps of valid leases, no lost
-update, every expected section completed, every process acquiring in every phase.
+update, every expected section completed, every process acquiring in every phase
+(of 30 s or more) between restarts.
 
 Part B (tests/soak/settlements.py): ``--settlements`` LockedTask settlements over
 ``--accounts`` accounts on real prefork ``celery worker`` processes whose pool
