@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -25,8 +24,6 @@ from celery_redislock.testing import RedisServer
 
 #: The client settings the docs recommend, scaled down: one attempt, half a second.
 BOUNDED = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
-#: Scheduling slack on a busy 2-core machine.
-SLACK = 1.0
 
 
 @contextmanager
@@ -44,13 +41,20 @@ def paused(server: RedisServer, after: float = 0.0) -> Iterator[None]:
         server.signal(signal.SIGCONT)
 
 
-def took(call: Callable[[], Any]) -> tuple[float, BaseException | None]:
-    started = time.monotonic()
+def outcome(call: Callable[[], Any]) -> BaseException | None:
     try:
         call()
     except Exception as exc:
-        return time.monotonic() - started, exc
-    return time.monotonic() - started, None
+        return exc
+    return None
+
+
+def still_stopped(server: RedisServer) -> bool:
+    """Whether the server is still SIGSTOPped: a call that returned meanwhile was ended
+    by its own bounds (socket timeout, node timeout), not by the server answering. No
+    timing is measured: the measured times are in docs/guarantees.md."""
+    with open(f"/proc/{server.pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def test_a_lock_on_a_client_without_socket_timeout_warns_once_per_pool(
@@ -110,20 +114,22 @@ def test_a_stalled_redis_bounds_acquire_and_release_by_the_socket_timeout(
     assert mine.acquire(blocking=False)
 
     with paused(server):
-        elapsed, error = took(lambda: RedisLock(client, "free", ttl=30).acquire(timeout=1))
-    assert isinstance(error, redis.exceptions.TimeoutError) and elapsed < 0.5 + SLACK
+        error = outcome(lambda: RedisLock(client, "free", ttl=30).acquire(timeout=1))
+        assert still_stopped(server)
+    assert isinstance(error, redis.exceptions.TimeoutError), error
 
     with paused(server):
-        elapsed, error = took(mine.release)
-    # The last hold's release returns (it is retried in the background), within one command.
-    assert error is None and elapsed < 0.5 + SLACK
+        error = outcome(mine.release)
+        assert still_stopped(server)
+    # The last hold's release returns (it is retried in the background).
+    assert error is None, error
 
     assert holder.acquire(blocking=False)
     waiter = RedisLock(client, "stall", owner="waiter", ttl=30)
     with paused(server, after=0.3):  # stalls while the waiter waits
-        elapsed, error = took(lambda: waiter.acquire(timeout=1))
+        error = outcome(lambda: waiter.acquire(timeout=1))
+        assert still_stopped(server)
     assert isinstance(error, redis.exceptions.TimeoutError), error
-    assert elapsed < 1 + 2 * 0.5 + SLACK, elapsed
 
 
 async def test_a_stalled_redis_bounds_the_async_lock_by_the_socket_timeout(
@@ -135,11 +141,10 @@ async def test_a_stalled_redis_bounds_the_async_lock_by_the_socket_timeout(
     try:
         assert await lock.acquire(blocking=False)
         with paused(server):
-            started = time.monotonic()
             with pytest.raises(redis.exceptions.TimeoutError):
                 await AsyncRedisLock(client, "free", ttl=30).acquire(timeout=1)
             await lock.release()  # returns: retried in the background
-            assert time.monotonic() - started < 2 * (0.5 + SLACK)
+            assert still_stopped(server)
     finally:
         await client.aclose()
 
@@ -151,8 +156,9 @@ def test_the_quorum_lock_is_bounded_by_node_timeout_even_on_unbounded_clients(
     clients = [redis.Redis(port=s.port, socket_timeout=None) for s in servers]
     lock = RedLock(clients, "q-stall", owner="me", ttl=10, node_timeout=0.25)
     with paused(servers[0]), paused(servers[1]), paused(servers[2]):
-        elapsed, error = took(lambda: lock.acquire(timeout=1))
-    assert isinstance(error, LockQuorumError) and elapsed < 0.3 + SLACK
+        error = outcome(lambda: lock.acquire(timeout=1))
+        assert all(still_stopped(s) for s in servers)
+    assert isinstance(error, LockQuorumError), error
 
 
 def test_a_client_that_re_sends_commands_is_logged_once(
