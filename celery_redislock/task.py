@@ -207,7 +207,7 @@ def run_owner(task_id: str, retries: Any = 0, nesting: Any = 0) -> str:
     for tag, value in (("n", nesting), ("r", retries)):
         try:
             number = int(value or 0)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # a header no producer of ours sends
             number = 0
         if number > 0:
             suffix += f"{tag}{number}"

@@ -735,3 +735,30 @@ def test_look_ahead_works_for_the_documented_lock_user(broker: RedisServer, lpos
     finally:
         client.close()
         admin.execute_command("ACL", "DELUSER", user)
+
+
+@pytest.mark.parametrize(
+    ("retries", "nesting", "owner"),
+    [
+        (0, 0, "t"),
+        (2, 0, "t~r2"),
+        (0, 1, "t~n1"),
+        (3, 1, "t~n1r3"),
+        (-1, -5, "t"),
+        ("2", None, "t~r2"),
+        ("x", [], "t"),
+        (float("inf"), float("nan"), "t"),
+        (10**30, 0, f"t~r{10**30}"),
+    ],
+)
+def test_a_run_owner_comes_from_any_header_values_without_failing(
+    retries: object, nesting: object, owner: str
+) -> None:
+    """Headers are read back from the broker: a value of the wrong type, negative or huge
+    (JSON's Infinity too) gives a documented owner, never an exception."""
+    from celery_redislock.signing import task_id_of
+    from celery_redislock.task import request_owner, run_owner
+
+    assert run_owner("t", retries, nesting) == owner
+    assert request_owner({"id": "t", "retries": retries, "replaced_task_nesting": nesting}) == owner
+    assert task_id_of(owner) == "t"
