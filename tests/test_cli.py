@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -214,6 +215,13 @@ def test_quorum_release_releases_every_node_and_names_an_unreachable_one(
 
     again = RedLock(clients, "pay:1", owner="task-2", ttl=60)
     assert again.acquire(blocking=False)
+    # The acquire returns once a majority answered; let the third node's request land
+    # before deleting there, or it would land after the delete.
+    for _ in range(200):
+        if all(c.exists(again.keys.lock) for c in clients):
+            break
+        time.sleep(0.01)
+    assert all(c.exists(again.keys.lock) for c in clients)
     clients[0].delete(again.keys.lock)  # gone from one node already
     quorum[2].kill()
     result = invoke("release", "pay:1", "--yes")
