@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import random
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -31,6 +33,7 @@ from redis.retry import Retry
 from ._base import AsyncContext, LockBase, SyncContext
 from ._core import (
     DEFAULT_PREFIX,
+    MAX_MS,
     AsyncLeaseLost,
     Hold,
     LeaseLost,
@@ -181,6 +184,14 @@ class _QuorumBase:
         self._labels = [node_label(c) for c in self._fast]
         self._node_scripts = [scripts_for(c) for c in self._fast]
         self._groups = {}
+        # Late arrivals: each attempt is numbered, and a node whose reply to one never came
+        # may still run it later (a slow node, a timed-out socket). Before giving back to
+        # such a node, the sender voids its attempts there: acquire.lua refuses any attempt
+        # whose number is not above the void record (see _void_record).
+        self._numbers = itertools.count(1)
+        self._sent: dict[str, int] = {}
+        self._unanswered: dict[str, set[int]] = {}
+        self._void_prefix = self.keys.lock + b":void:" + uuid.uuid4().hex.encode() + b":"  # type: ignore[attr-defined]
         # Give-backs still in flight (a failed attempt's undo, the slowest nodes' share of a
         # release): the owner's next attempt waits for them, so a late "give back
         # everything" cannot land on top of its new grant.
@@ -208,6 +219,28 @@ class _QuorumBase:
         token of its majority must be newer than any written back before it, and a node
         re-entered (a leftover of this owner's earlier attempt) would return an old one."""
         return [owner, lease, "", "new-token"] if fresh else [owner, lease]
+
+    def _numbered(self, owner: str, fresh: bool, lease: int) -> tuple[list[bytes], list[Any]]:
+        """acquire.lua's keys and ARGV for the next attempt: numbered (ARGV[8]), with this
+        sender's void record for the owner as the last key."""
+        number = next(self._numbers)
+        self._sent[owner] = number
+        argv = self._attempt_argv(owner, lease, fresh)
+        argv += [""] * (7 - len(argv))
+        keys = self._acquire_keys()  # type: ignore[attr-defined]
+        return [*keys, self._void_prefix + owner.encode()], [*argv, number]
+
+    def _unanswered_in(self, owner: str, replies: Sequence[Any]) -> None:
+        """Remember the nodes whose acquire reply never came (it may land later)."""
+        silent = {i for i, reply in enumerate(replies) if isinstance(reply, BaseException)}
+        if silent:
+            self._unanswered.setdefault(owner, set()).update(silent)
+
+    def _void(self, owner: str) -> tuple[bytes, int, int]:
+        """(void record key, last attempt number sent, lifetime in ms) of the owner here:
+        acquire.lua refuses an attempt numbered at most what the record holds."""
+        lifetime = min(self._lease * 2 + int(self.node_timeout * 4000), MAX_MS)  # type: ignore[attr-defined]
+        return self._void_prefix + owner.encode(), self._sent.get(owner, 0), lifetime
 
     def _undo_plan(
         self, owner: str, outcome: QuorumAcquire | None, fresh: bool
@@ -459,8 +492,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
             concurrent.futures.wait(running, timeout=within)
         fresh = self._begin_attempt(owner)
         sent_at = time.monotonic()
-        keys = self._acquire_keys()
-        argv = self._attempt_argv(owner, lease, fresh)
+        keys, argv = self._numbered(owner, fresh, lease)
         round_ = self._round(
             lambda i: self._node_scripts[i].acquire(keys=keys, args=argv),
             decided_by(granted, self.quorum),
@@ -470,6 +502,8 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         except LockQuorumError:
             self._undo(owner, tally_acquire(round_.replies, decode_acquire), fresh, round_)
             raise
+        if acquired or not fresh:  # the owner holds it: its last give-back voids them
+            self._unanswered_in(owner, round_.replies)
         if (
             acquired
             and (fresh or outcome.hold_count == 1)
@@ -492,6 +526,21 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         outcome.split = outcome.split and not acquired
         return outcome
 
+    def _giving_back(self, owner: str, keys: list[Any], args: list[Any]) -> Callable[[int], Any]:
+        """A round's call that gives back on one node; a give-back of everything first
+        voids the owner's attempts that node never answered (they may land later)."""
+        if len(args) < 2 or args[1] != "all":
+            return lambda i: self._node_scripts[i].release(keys=keys, args=args)
+        silent = self._unanswered.pop(owner, set())
+        void, number, lifetime = self._void(owner)
+
+        def call(i: int) -> Any:
+            if i in silent:
+                self._fast[i].set(void, number, px=lifetime)
+            return self._node_scripts[i].release(keys=keys, args=args)
+
+        return call
+
     def _write_back(self, token: int) -> bool:
         """Raise every node's fence counter to ``token`` (a majority must confirm)."""
         keys = [self.keys.fence]
@@ -508,12 +557,19 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         nodes, args = self._undo_plan(owner, outcome, fresh)
         keys = self.keys.release_keys()
         futures = round_.sources
+        void, number, lifetime = self._void(owner)
 
         def give_back(node: int) -> Any:
             concurrent.futures.wait([futures[node]], timeout=self.node_timeout * 2)
+            request = futures[node]
+            if not request.done() or request.exception() is not None:
+                # Its acquire may still land: void it there first (then nothing is left).
+                self._fast[node].set(void, number, px=lifetime)
+            if node not in nodes:
+                return None
             return self._node_scripts[node].release(keys=keys, args=args)
 
-        self._track(owner, [_pool().submit(give_back, node) for node in nodes])
+        self._track(owner, [_pool().submit(give_back, node) for node in range(len(futures))])
 
     def release(self) -> None:
         """Give back one hold on every node; the last one frees the lock.
@@ -532,8 +588,7 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
         self._ack_releasing(hold, 1)
         try:
             round_ = self._round(
-                lambda i: self._node_scripts[i].release(keys=keys, args=args),
-                decided_by(given_back, self.quorum),
+                self._giving_back(owner, keys, args), decided_by(given_back, self.quorum)
             )
         finally:
             self._ack_releasing(hold, -1)
@@ -784,8 +839,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             await asyncio.wait(running, timeout=within)
         fresh = self._begin_attempt(owner)
         sent_at = time.monotonic()
-        keys = self._acquire_keys()
-        argv = self._attempt_argv(owner, lease, fresh)
+        keys, argv = self._numbered(owner, fresh, lease)
         sources: list[asyncio.Future[Any]] = []
         try:
             round_ = await self._round(
@@ -798,6 +852,8 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             except LockQuorumError:
                 self._undo(owner, fresh, sources)
                 raise
+            if acquired or not fresh:  # the owner holds it: its last give-back voids them
+                self._unanswered_in(owner, round_.replies)
             if (
                 acquired
                 and (fresh or outcome.hold_count == 1)
@@ -839,6 +895,16 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         """Give back what a failed or cancelled attempt took, in the background, once
         each node's acquire request has landed (or timed out): see :meth:`_undo_plan`."""
         keys = self.keys.release_keys()
+        void, number, lifetime = self._void(owner)
+
+        async def give_back_on(node: int, nodes: list[int], args: list[Any]) -> Any:
+            request = sources[node]
+            if not request.done() or request.cancelled() or request.exception() is not None:
+                # Its acquire may still land: void it there first (then nothing is left).
+                await self._fast[node].set(void, number, px=lifetime)
+            if node in nodes:
+                return await self._node_scripts[node].release(keys=keys, args=args)
+            return None
 
         async def give_back() -> None:
             if not sources:
@@ -849,7 +915,7 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             )
             nodes, args = self._undo_plan(owner, outcome, fresh)
             await asyncio.gather(
-                *(self._node_scripts[n].release(keys=keys, args=args) for n in nodes),
+                *(give_back_on(n, nodes, args) for n in range(len(sources))),
                 return_exceptions=True,
             )
 
@@ -873,12 +939,27 @@ class AsyncRedLock(_QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         self._ack_releasing(hold, 1)
         try:
             round_ = await self._round(
-                lambda i: self._node_scripts[i].release(keys=keys, args=args),
-                decided_by(given_back, self.quorum),
+                self._giving_back(owner, keys, args), decided_by(given_back, self.quorum)
             )
         finally:
             self._ack_releasing(hold, -1)
         self._settle_release(owner, hold, round_, valid)
+
+    def _giving_back(
+        self, owner: str, keys: list[Any], args: list[Any]
+    ) -> Callable[[int], Awaitable[Any]]:
+        """:meth:`RedLock._giving_back` for asyncio."""
+        if len(args) < 2 or args[1] != "all":
+            return lambda i: self._node_scripts[i].release(keys=keys, args=args)
+        silent = self._unanswered.pop(owner, set())
+        void, number, lifetime = self._void(owner)
+
+        async def call(i: int) -> Any:
+            if i in silent:
+                await self._fast[i].set(void, number, px=lifetime)
+            return await self._node_scripts[i].release(keys=keys, args=args)
+
+        return call
 
     def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
         """Replace the calling owner's lease with ``ttl`` seconds; see :meth:`RedLock.extend`."""

@@ -437,7 +437,7 @@ class QuorumTaskLock(RedLock):
 
     def _each_node(self, keys: list[bytes], args: list[Any]) -> int:
         owner = self._current_owner()
-        round_ = self._round(lambda i: self._node_scripts[i].release(keys=keys, args=args))
+        round_ = self._round(self._giving_back(owner, keys, args))
         code = release_code(round_, self.quorum)
         if code is None:
             raise quorum_error(self.name, owner, "release", round_, self.quorum)
@@ -492,8 +492,7 @@ class QuorumTaskLock(RedLock):
         self._ack_releasing(held, 1)
         try:
             round_ = self._round(
-                lambda i: self._node_scripts[i].release(keys=keys, args=args),
-                decided_by(given_back, self.quorum),
+                self._giving_back(owner, keys, args), decided_by(given_back, self.quorum)
             )
         finally:
             self._ack_releasing(held, -1)

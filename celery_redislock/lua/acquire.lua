@@ -4,6 +4,8 @@
 -- KEYS[3]  waiters: list of owners waiting, first come first served
 -- KEYS[4]  claims: sorted set owner -> ms (server time) until which its place in line is kept
 -- KEYS[5]  optional: "done" marker of the owner (a finished task id); if it exists, take nothing
+--          (with ARGV[8], only when there are six keys)
+-- KEYS[#]  with ARGV[8], the last key: the sender's void record for this owner (a number)
 -- ARGV[1]  owner id (never "__fence__")
 -- ARGV[2]  lease in milliseconds (a whole number from 1 to the longest duration: args.lua)
 -- ARGV[3]  optional: join the line when contended, keeping the place this many ms past the
@@ -25,16 +27,26 @@
 --          without a wake id drops an old one. A hold of the owner that the client has
 --          not counted (a grant) is taken as one hold, not as a re-entry: by a blocked
 --          attempt, any; without ARGV[3], the direct grant to the wait ARGV[6] names.
+-- ARGV[8]  optional: this attempt's number (1, 2, ... per sender and owner). A sender that
+--          gave up on attempts it had no reply to writes the last number it sent to its
+--          void record (the last key): an attempt whose number is not above it arrived late
+--          and takes nothing ({-1, 0}: nobody reads that reply)
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
 --          {0, ms}                 not taken: ms = the holder's remaining lease (-1: no expiry),
 --                                  or how long to wait for the first in line to take a free lock
 --          {-1, 0}                 KEYS[5] exists: this owner already finished its work here
+--                                  (or the attempt was voided: ARGV[8])
 --          {2, ms}                 "task": this owner holds it already (ms: its lease left)
 local lease = ms_arg(ARGV[2], 'lease')
 local margin = ARGV[3] and ARGV[3] ~= '' and ms_arg(ARGV[3], 'line margin', 0)
-if KEYS[5] and redis.call('exists', KEYS[5]) == 1 then
+local void = ARGV[8] and ARGV[8] ~= '' and KEYS[#KEYS]
+if void and (tonumber(redis.call('get', void)) or 0) >= (tonumber(ARGV[8]) or 0) then
+  return {-1, 0}
+end
+local done = KEYS[5] ~= void and KEYS[5]
+if done and redis.call('exists', done) == 1 then
   return {-1, 0}
 end
 if ARGV[5] == 'task' then
