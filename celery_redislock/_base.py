@@ -206,7 +206,8 @@ class LockBase(Generic[Signal]):
 
     def _acquire_keys(self) -> list[bytes]:
         """KEYS of acquire.lua, in order (a task lock adds its done marker)."""
-        return [self.keys.lock, self.keys.fence, self.keys.waiters, self.keys.claims]
+        keys = self.keys
+        return [keys.lock, keys.fence, keys.waiters, keys.claims, keys.wake]
 
     def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
         """ARGV of acquire.lua: a blocked acquire (``line``) joins the line when contended."""

@@ -181,8 +181,7 @@ class LockKeys:
     ``<prefix>{<name>}:released`` the pub/sub channel a release is announced on
     ``<prefix>{<name>}:waiters``  blocked acquires in arrival order (a list)
     ``<prefix>{<name>}:claims``   how long each waiter's place in line is kept (a sorted set)
-    ``<prefix>{<name>}:waiters:wake``  waiters' wake ids for direct grants (a hash; written
-    and read by the scripts only)
+    ``<prefix>{<name>}:waiters:wake``  waiters' wake ids for direct grants (a hash)
     """
 
     lock: bytes
@@ -190,6 +189,7 @@ class LockKeys:
     channel: bytes
     waiters: bytes
     claims: bytes
+    wake: bytes
 
     @classmethod
     def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys:
@@ -213,11 +213,12 @@ class LockKeys:
             channel=base + b":released",
             waiters=base + b":waiters",
             claims=base + b":claims",
+            wake=base + b":waiters:wake",
         )
 
     def release_keys(self) -> list[bytes]:
         """KEYS of release.lua, in order."""
-        return [self.lock, self.channel, self.fence, self.waiters, self.claims]
+        return [self.lock, self.channel, self.fence, self.waiters, self.claims, self.wake]
 
 
 def name_from_lock_key(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:

@@ -22,15 +22,18 @@ from redis.exceptions import NoScriptError
 from ._core import MAX_MS
 
 SCRIPT_NAMES = ("acquire", "release", "renew", "fence", "park", "handoff", "sweep")
-#: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``).
-#: ``args`` checks numeric arguments (every script taking a duration uses it).
+#: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``), in
+#: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
+#: ``lock`` reads the clock and takes or re-enters a lock, fair to its line; ``grant`` hands
+#: a freed lock to the first waiter in line (it publishes: only the releasing scripts get
+#: it); ``parked`` hands a lock to the first parked task; ``envelope`` reads parked envelopes.
 PRELUDES: dict[str, tuple[str, ...]] = {
-    "acquire": ("args",),
-    "release": ("args",),
+    "acquire": ("args", "lock"),
+    "release": ("args", "lock", "grant"),
     "renew": ("args",),
-    "park": ("args",),
-    "handoff": ("args", "envelope"),
-    "sweep": ("args", "envelope"),
+    "park": ("args", "lock"),
+    "handoff": ("args", "lock", "grant", "parked", "envelope"),
+    "sweep": ("args", "lock", "parked", "envelope"),
 }
 #: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
 MAX_MS_NAME = "MAX_MS"

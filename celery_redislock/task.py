@@ -278,6 +278,9 @@ class TaskLock(RedisLock):
             self.parked,
             self.parked_messages,
             self.dispatched,
+            self.keys.waiters,
+            self.keys.claims,
+            self.keys.wake,
             self.registry,
         ]
         args = [owner, self._lease, message, lease_ms(keep_for, "parking lifetime")]
@@ -316,11 +319,13 @@ class TaskLock(RedisLock):
             self.dispatched,
             self.keys.waiters,
             self.keys.claims,
+            self.keys.wake,
         ]
         done_ms = 0 if done_ttl is None else lease_ms(done_ttl, "lock_done_ttl")
         args: list[Any] = [owner, mode, self._lease, done_ms]
         if pull is not None:
-            keys += [pull.queue_list, self.registry, pull.chain]
+            next_done = self.keys.lock + b":done:" + pull.task_id.encode()
+            keys += [pull.queue_list, self.registry, pull.chain, next_done]
             args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms, pull.reach]
         else:
             args += ["", "", "", "", ""]
@@ -1709,6 +1714,7 @@ def refuse_handed_over(
         lock_key + b":parked:dispatched",
         lock_key + b":waiters",
         lock_key + b":claims",
+        lock_key + b":waiters:wake",
     ]
     args = [task_id, "unstarted", lease, 0, "", "", "", "", "", *push_targets(app)]
     return _handed(lock_key, scripts_for(client).handoff(keys=keys, args=args))

@@ -54,8 +54,8 @@ def names_on_every_node(client: RedisCluster, per_node: int = 1) -> list[str]:
 
 
 def test_cluster_scripts_publish_sharded_and_nothing_else_changes() -> None:
-    # release.lua: a wake-up ("1"), a grant, and a direct grant; handoff.lua: two.
-    for name, calls in (("release", 3), ("handoff", 2)):
+    # grant.lua (prepended to both): a grant and a direct grant; each script: a wake-up ("1").
+    for name, calls in (("release", 3), ("handoff", 3)):
         classic, sharded = lua_source(name), sharded_source(name)
         assert classic.count(PUBLISH_CALL) == calls
         assert sharded.count(PUBLISH_CALL) == 0

@@ -200,7 +200,7 @@ def test_acquire_lua_writes_nothing_with_a_bad_lease(redis_client: redis.Redis, 
     redis_client.delete(keys.lock)
     before = snapshot(redis_client)
     script = scripts_for(redis_client).acquire
-    args = [keys.lock, keys.fence, keys.waiters, keys.claims]
+    args = [keys.lock, keys.fence, keys.waiters, keys.claims, keys.wake]
     assert "lease (ms)" in refused(lambda: script(keys=args, args=["owner", bad]))
     assert snapshot(redis_client) == before  # no token handed out, no key without expiry
 
@@ -213,7 +213,7 @@ def test_acquire_lua_writes_nothing_with_a_bad_line_margin(
     RedisLock(redis_client, "a", owner="holder", auto_renew=False).acquire()
     before = snapshot(redis_client)
     script = scripts_for(redis_client).acquire
-    args = [keys.lock, keys.fence, keys.waiters, keys.claims]
+    args = [keys.lock, keys.fence, keys.waiters, keys.claims, keys.wake]
     assert "line margin" in refused(lambda: script(keys=args, args=["waiter", 1000, bad]))
     assert snapshot(redis_client) == before  # not in line
 

@@ -758,7 +758,7 @@ def test_a_direct_grant_is_counted_once_by_its_own_attempt_and_passed_on_by_its_
     passes a grant it never saw to the next in line."""
     lock = RedisLock(redis_client, "crossed", ttl=30, owner="holder")
     scripts, keys = scripts_for(redis_client), lock.keys
-    acquire_keys = [keys.lock, keys.fence, keys.waiters, keys.claims]
+    acquire_keys = [keys.lock, keys.fence, keys.waiters, keys.claims, keys.wake]
 
     def attempt(owner: str, wake: str = "") -> list[int]:
         argv = [owner, 30000, 2000, "", "", wake] if wake else [owner, 30000, 2000]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -762,3 +763,28 @@ def test_a_run_owner_comes_from_any_header_values_without_failing(
     assert run_owner("t", retries, nesting) == owner
     assert request_owner({"id": "t", "retries": retries, "replaced_task_nesting": nesting}) == owner
     assert task_id_of(owner) == "t"
+
+
+def test_a_parking_task_does_not_jump_the_line_of_a_free_lock(redis_client: redis.Redis) -> None:
+    """A holder's lease ran out with a blocked acquire first in line: the free lock is the
+    waiter's, as for any other newcomer; the parking task parks (park.lua checks the line)."""
+    r = redis_client
+    holder = RedisLock(r, "job:line", ttl=60, owner="holder", auto_renew=False)
+    assert holder.acquire()
+    waiter = RedisLock(r, "job:line", ttl=60, owner="waiter", auto_renew=False)
+    took: list[bool] = []
+    thread = threading.Thread(target=lambda: took.append(waiter.acquire(timeout=30)))
+    thread.start()
+    try:
+        wait_until(lambda: r.llen(holder.keys.waiters) == 1, timeout=30)
+        r.delete(holder.keys.lock)  # the holder's lease ran out (an expiry publishes nothing)
+        parking = TaskLock(r, "job:line", task_id="parking", options=ca.hold_for.lock_options())
+        outcome = parking.park('{"parked": 1}', keep_for=60)
+        assert outcome is not True  # parked behind the line, not taken
+        assert r.lrange(parking.parked, 0, -1) == [b"parking"]
+        assert r.hget(holder.keys.lock, "parking") is None
+    finally:
+        thread.join(timeout=30)
+    assert took == [True]  # the waiter first in line took the lock
+    assert r.hget(holder.keys.lock, "waiter") == b"1"
+    waiter.release()

@@ -161,7 +161,7 @@ def test_an_attempt_number_at_or_below_the_void_record_is_refused(
     client.flushall()
     scripts = scripts_for(client)
     void = KEY + ":void:x:A"
-    keys = [KEY, KEY + ":fence", KEY + ":waiters", KEY + ":claims", void]
+    keys = [KEY, KEY + ":fence", KEY + ":waiters", KEY + ":claims", KEY + ":waiters:wake", void]
     client.set(void, 3)
     assert scripts.acquire(keys=keys, args=["A", 5000, "", "", "", "", "", 3]) == [-1, 0]
     assert client.exists(KEY) == 0

@@ -418,7 +418,7 @@ def test_tokens_stay_monotonic_when_a_node_is_re_entered(
     y.start(y.port)
     keys = c.keys
     # A late grant of an earlier attempt of B's, left on x.
-    args = [keys.lock, keys.fence, keys.waiters, keys.claims]
+    args = [keys.lock, keys.fence, keys.waiters, keys.claims, keys.wake]
     scripts_for(raw[0]).acquire(keys=args, args=["B", 20000])
     a = RedLock(clients(), "ledger", owner="A", ttl=5, auto_renew=False, node_timeout=0.2)
     write_back = a._write_back

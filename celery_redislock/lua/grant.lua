@@ -1,0 +1,45 @@
+-- Prepended to release.lua and handoff.lua (see _scripts.PRELUDES): a freed lock goes to the
+-- first waiter in line (docs/concepts.md, "Wake-on-release").
+-- grant_lease(value)  the ms a waiter granted the lock has to take it: value, a duration
+--                     (args.lua), or 2000 when nil or ""; checked before the first write
+-- grant_first(lock, channel, fence, waiters, claims, wake, grant_ms, direct) -> whether granted
+--   Pops the line up to its first place still kept (lapsed places and their wake ids go) and
+--   writes the lock for that waiter with a fresh token: with `direct` and a wake id, held
+--   (count 1, for the shorter of grant_ms and the waiter's lease, "__grant__" naming the
+--   wait), told "<token>:<nonce>" on channel:<subscriber> alone; else granted (count 0, for
+--   grant_ms), its owner id published on channel. Its wake id goes either way.
+local function grant_lease(value)
+  return ms_arg((value ~= '' and value) or '2000', 'grant lease')
+end
+local function grant_first(lock, channel, fence, waiters, claims, wake, grant_ms, direct)
+  local head = redis.call('lpop', waiters)
+  local now = head and now_ms()  -- the clock is read only when someone is in line
+  while head do
+    local keep = tonumber(redis.call('zscore', claims, head) or '0')
+    redis.call('zrem', claims, head)
+    local wake_id = redis.call('hget', wake, head)
+    if wake_id then
+      redis.call('hdel', wake, head)
+    end
+    if keep >= now then
+      local token = redis.call('incr', fence)
+      local sub, nonce, lease
+      if direct and wake_id then
+        sub, nonce, lease = string.match(wake_id, '^([^:]+):([^:]+):(%d+)$')
+      end
+      if sub then
+        local wait = string.match(nonce, '^(.*)%.%d+$')
+        redis.call('hset', lock, head, 1, '__fence__', token, '__grant__', sub .. ':' .. wait)
+        redis.call('pexpire', lock, math.min(grant_ms, tonumber(lease)))
+        redis.call('publish', channel .. ':' .. sub, token .. ':' .. nonce)
+      else
+        redis.call('hset', lock, head, 0, '__fence__', token)  -- count 0: granted, not taken
+        redis.call('pexpire', lock, grant_ms)
+        redis.call('publish', channel, head)
+      end
+      return true
+    end
+    head = redis.call('lpop', waiters)
+  end
+  return false
+end

@@ -1,0 +1,51 @@
+-- Prepended to the scripts that take a lock or read the clock (see _scripts.PRELUDES).
+-- now_ms()                             the server's time in milliseconds
+-- take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token)
+--   -> {1, token, count}  taken (a free lock: count 1, a fresh token) or re-entered (one more
+--                         hold of owner: its token, or a fresh one with new_token; the lease
+--                         is extended to `lease` if shorter, never shortened)
+--   -> {0, ms}            the lock is free, but another owner's place in line comes first
+--                         (ms: how long to wait for it to take the lock, at most 1000)
+--   -> nil                another owner holds the lock
+-- Places at the head of the line that have lapsed (claims score in the past) are dropped
+-- on the way, with their wake ids; the owner's own place at the head goes when it takes it.
+local function now_ms()
+  local t = redis.call('time')
+  return t[1] * 1000 + math.floor(t[2] / 1000)
+end
+local function take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token)
+  if redis.call('exists', lock) == 0 then
+    if redis.call('llen', waiters) > 0 then
+      local now = now_ms()
+      local head = redis.call('lindex', waiters, 0)
+      while head do
+        local keep = tonumber(redis.call('zscore', claims, head) or '0')
+        if keep >= now and head ~= owner then
+          return {0, math.min(keep - now, 1000)}
+        end
+        redis.call('lpop', waiters)
+        redis.call('zrem', claims, head)
+        redis.call('hdel', wake, head)
+        if keep >= now then
+          break  -- the owner's own place: taken up
+        end
+        head = redis.call('lindex', waiters, 0)
+      end
+    end
+    local token = redis.call('incr', fence)
+    redis.call('hset', lock, owner, 1, '__fence__', token)
+    redis.call('pexpire', lock, lease)
+    return {1, token, 1}
+  end
+  if redis.call('hexists', lock, owner) == 0 then
+    return nil
+  end
+  local count = redis.call('hincrby', lock, owner, 1)
+  if redis.call('pttl', lock) < lease then
+    redis.call('pexpire', lock, lease)
+  end
+  if new_token then
+    return {1, redis.call('incr', fence), count}
+  end
+  return {1, tonumber(redis.call('hget', lock, '__fence__')), count}
+end
