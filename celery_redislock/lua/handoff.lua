@@ -1,28 +1,22 @@
 -- handoff(keys=[lock, channel, fence, parked, messages, done, dispatched, waiters, claims, wake,
 --               queue_list?, registry?, chain?, next_done?],
 --         args=[owner, mode, lease_ms, done_ms, next_id, next_raw, next_entry, keep_ms, reach,
---               lists, tasks, token?, grant_ms?])
---   -> {n} | {0} | {0, message, task id, token} | {0, nil, task id} | {0, nil, task id, 1}
--- A task's release: give the hold back and hand the lock to the first parked task, else to the
--- first waiter in line, else to the next queued task of the lock (look-ahead), else free it
--- (docs/concepts.md, "Parking and hand-over"). Keys as park.lua's and acquire.lua's; channel:
--- the release channel; done: the releasing task id's done marker. Look-ahead (next_id not ""):
--- queue_list: the list next_id's message waits in; registry: the sweeper's; chain: the list's
--- look-ahead chain (hash "lock" -> the lock served ahead in it); next_done: next_id's marker.
+--               lists, tasks, token?, grant_ms?]) -> {code, message?, task id?, token or 1?}
+-- A task's release: the lock goes to the first parked task, else the first waiter in line, else
+-- the lock's next queued task (look-ahead), else nobody (docs/concepts.md, "Parking and
+-- hand-over"). Keys as park.lua's and release.lua's; done: the owner's done marker. Look-ahead
+-- (next_id not ""): queue_list holds next_id's message next_raw; registry: the sweeper's;
+-- chain: the list's chain (hash "lock" -> the lock served ahead); next_done: next_id's marker.
 -- owner: the releasing task id; mode: "one" one hold, "all" every hold, "unstarted" only a
--- hand-over to it (count 0) it never took up; lease_ms: the next task's lease; done_ms: the
--- done marker's lifetime (0: none); next_raw: its message exactly as in queue_list;
--- next_entry: the same as a parked envelope (envelope.lua); keep_ms: the parking lifetime;
--- reach: how far from the read end to look for it (LPOS MAXLEN); lists, tasks: the queue lists
--- and task names a parked envelope may be pushed for (envelope.lua's pushable); token: only
--- the holding with this fencing token; grant_ms: as release.lua's.
--- Replies: {n} n > 0 holds left, -1 lease expired, -2 another owner (or holding) holds it, -3
--- "unstarted" and not handed to it; {0} released (a waiter granted, or nobody); {0, message,
--- task id, token} handed over: check and send the message (an envelope with delivery tag
--- "<placeholder>h<token>"); {0, nil, task id} handed over, its envelope pushed back to its
--- queue list; {0, nil, task id, 1} handed to the look-ahead's task, its message moved ahead.
--- Every number is checked before the first write (args.lua): a parked task is never popped
--- and then handed nothing.
+-- hand-over to it (count 0); lease_ms: the next task's lease; done_ms: the marker's lifetime
+-- (0: none); next_entry: next_raw as a parked envelope; keep_ms: the parking lifetime; reach:
+-- how far from the read end to look for next_raw; lists, tasks: where a parked envelope may be
+-- pushed (envelope.lua); token: only the holding with this fencing token; grant_ms: release.lua's.
+-- Replies: {n} holds left (n > 0), or -1 lease expired, -2 another owner's or holding's, -3 not
+-- handed to it ("unstarted"); {0} released; {0, message, task id, token} handed over: check and
+-- send the message (an envelope with tag "<placeholder>h<token>"); {0, nil, task id} handed
+-- over, its envelope pushed back; {0, nil, task id, 1} handed to the look-ahead's task, moved.
+-- Numbers are checked before any write: a parked task is never popped and handed nothing.
 local lease = ms_arg(ARGV[3], 'lease')
 local done_ms = ms_arg(ARGV[4], 'done marker lifetime', 0)
 local pulled = ARGV[5] and ARGV[5] ~= ''
@@ -62,9 +56,8 @@ end
 if grant_first(KEYS[1], KEYS[2], KEYS[3], KEYS[8], KEYS[9], KEYS[10], grant_ms, false) then
   return {code}
 end
--- Look-ahead: one lock per queue list at a time (its chain; docs/concepts.md, "One lock per
--- queue at a time"). pcall: the chain names a key, whatever it holds, and a lock user without
--- LPOS looks with LREM alone.
+-- Look-ahead, one lock per queue list at a time (docs/concepts.md, "One lock per queue at a
+-- time"). pcall: the chain may name any key; a lock user without LPOS looks with LREM alone.
 local chain = KEYS[13] and redis.call('hget', KEYS[13], 'lock')
 if chain and chain ~= KEYS[1] and redis.pcall('hget', chain, '__chain__') == KEYS[11] then
   -- another lock's chain goes on in this list: this one is not served ahead
@@ -76,10 +69,8 @@ elseif pulled and redis.call('exists', KEYS[14]) == 0
   local token = hand_to(KEYS[1], KEYS[3], KEYS[7], ARGV[5], lease)
   redis.call('hset', KEYS[1], '__chain__', KEYS[11])
   redis.call('hset', KEYS[5], ARGV[5], ARGV[7])  -- the sweeper's copy, as for a parked task
-  for _, key in ipairs({KEYS[5], KEYS[7]}) do
-    if redis.call('pttl', key) < keep_ms then
-      redis.call('pexpire', key, keep_ms)
-    end
+  for _, key in ipairs({KEYS[5], KEYS[7]}) do  -- kept as long as parked records, at least
+    if redis.call('pttl', key) < keep_ms then redis.call('pexpire', key, keep_ms) end
   end
   redis.call('zadd', KEYS[12], math.floor(now_ms() / 1000), KEYS[1])
   local queue_list, envelope = pushed_envelope(ARGV[7], token)
