@@ -110,7 +110,7 @@ import redis
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import Task
 from celery import signals as celery_signals
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from celery.worker.request import Request
 from kombu import compression, serialization
 from kombu.utils import json as kombu_json
@@ -679,9 +679,9 @@ class LockedTask(Task):  # type: ignore[misc]
         # A retry adopts the hold its previous run kept (lock_release_on_retry=False) only
         # once: the first delivery of the retry message claims the marker.
         kept = None
-        if request.retries and not options.release_on_retry:
-            kept = _claim_kept_hold(lock, request)
         try:
+            if request.retries and not options.release_on_retry:
+                kept = _claim_kept_hold(lock, request)
             # One atomic attempt: taken (or handed to this run), held by another owner,
             # held by this very run (another delivery of it: nothing is changed), or done.
             if not lock.take(adopt=kept):
@@ -705,8 +705,53 @@ class LockedTask(Task):  # type: ignore[misc]
             # Another delivery of this very run holds the lock (running, or just died and
             # its lease runs out): this copy comes back later, after the other's outcome.
             return self._contended(call, duplicate=True)
+        except (*UNREACHABLE, LockQuorumError) as exc:
+            # The lock's Redis (or a majority of its nodes) could not be asked: the body
+            # has not run, so the task must not end as a failure (its message would be
+            # acknowledged, and the task lost). It comes back later instead.
+            return self._unreachable(call, exc)
         request.redislock = lock
         return self._run_holding(lock, options, args, kwargs)
+
+    def _unreachable(self, call: _Call, exc: BaseException) -> Any:
+        """The lock could not be taken because Redis did not answer: send the task again
+        after the longest re-queue backoff, without counting it as a re-queue (an outage
+        is not contention), or, when that cannot be published either (the broker is the
+        same Redis), reject its message with requeue: unacknowledged, it is delivered
+        again when the broker is back. The body never ran, so nothing runs twice."""
+        request, options, name = call.request, call.options, call.name
+        countdown = min(options.requeue_backoff[1], _visibility_timeout(self.app) / 4)
+        headers = dict(request.headers or {})
+        signature = self.signature_from_request(request, call.args, call.kwargs, headers=headers)
+        log.warning(
+            "redislock: %s[%s] could not take %r (%s: %s); sent again in %.1fs",
+            self.name,
+            request.id,
+            name,
+            type(exc).__name__,
+            exc,
+            countdown,
+        )
+        self._publish(signature, countdown=countdown)
+        signals.task_requeued.send(self, name=name, task_id=request.id, countdown=countdown)
+        raise Ignore()
+
+    def _publish(self, signature: Any, **options: Any) -> None:
+        """Publish a copy of the running task's message; if the broker cannot take it,
+        reject the running message with requeue instead of failing the task (a failed
+        task's message is acknowledged: the task would be lost)."""
+        try:
+            signature.apply_async(**options)
+        except Exception as exc:
+            log.warning(
+                "redislock: %s[%s] could not be sent again (%s: %s); its message is "
+                "rejected with requeue (delivered again when the broker answers)",
+                self.name,
+                self.request.id,
+                type(exc).__name__,
+                exc,
+            )
+            raise Reject(exc, requeue=True) from exc
 
     def _wait_for(self, lock: AnyTaskLock, options: LockOptions) -> bool:
         try:
@@ -940,7 +985,7 @@ class LockedTask(Task):  # type: ignore[misc]
             return True
         with_fallback = _park_fallback(self.app)
         if with_fallback:
-            signature.apply_async(countdown=fallback)
+            self._publish(signature, countdown=fallback)
         signals.task_parked.send(self, name=name, task_id=request.id)
         log.info(
             "redislock: %s[%s] parked behind the holder of %r (%d)%s",
@@ -974,7 +1019,7 @@ class LockedTask(Task):  # type: ignore[misc]
         countdown = (
             cap if duplicate else backoff(count - 1, base=base, cap=max(cap, base), rng=_rng)
         )
-        signature.apply_async(countdown=countdown)
+        self._publish(signature, countdown=countdown)
         signals.task_requeued.send(self, name=name, task_id=request.id, countdown=countdown)
         log.info(
             "redislock: %s[%s] re-queued in %.3fs (%d): %r is held%s",
