@@ -30,20 +30,19 @@
 -- ARGV[8]  optional: this attempt's number (1, 2, ... per sender and owner). A sender that
 --          gave up on attempts it had no reply to writes the last number it sent to its
 --          void record (the last key): an attempt whose number is not above it arrived late
---          and takes nothing ({-1, 0}: nobody reads that reply)
+--          and takes nothing ({0, 0}: not taken; its sender no longer waits for it)
 -- returns  {1, token, hold_count}  taken (hold_count 1, fresh token) or re-entered (same token;
 --                                  the lease is extended to ARGV[2] if shorter, never shortened).
 --                                  A waiter granted the lock at a release (count 0) takes it here.
 --          {0, ms}                 not taken: ms = the holder's remaining lease (-1: no expiry),
 --                                  or how long to wait for the first in line to take a free lock
 --          {-1, 0}                 KEYS[5] exists: this owner already finished its work here
---                                  (or the attempt was voided: ARGV[8])
 --          {2, ms}                 "task": this owner holds it already (ms: its lease left)
 local lease = ms_arg(ARGV[2], 'lease')
 local margin = ARGV[3] and ARGV[3] ~= '' and ms_arg(ARGV[3], 'line margin', 0)
 local void = ARGV[8] and ARGV[8] ~= '' and KEYS[#KEYS]
 if void and (tonumber(redis.call('get', void)) or 0) >= (tonumber(ARGV[8]) or 0) then
-  return {-1, 0}
+  return {0, 0}
 end
 local done = KEYS[5] ~= void and KEYS[5]
 if done and redis.call('exists', done) == 1 then
