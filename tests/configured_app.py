@@ -41,6 +41,8 @@ if os.environ.get("REDISLOCK_TEST_BAD_ENTRY"):  # first: it matches before the g
     bad = BAD[os.environ["REDISLOCK_TEST_BAD_ENTRY"]]
     ENTRIES = {"tests.configured_app.plain_work": bad, **ENTRIES}
 app.conf.redislock_tasks = ENTRIES
+if os.environ.get("REDISLOCK_TEST_BAD_SETTING"):  # a bad app-wide setting
+    app.conf.redislock_on_contention = "whenever"
 
 _r: redis.Redis | None = None
 
@@ -109,16 +111,17 @@ def skip_work(name: str) -> str:
     return "ran"
 
 
-@app.task(bind=True, base=LockedFirst, lock_key="job:{name}", max_retries=2)
-def locked_first(self: Any, name: str, seconds: float = 0.05, outcome: str = "ok") -> str:
-    _section(name, outcome, seconds)
-    return "done"
+if not os.environ.get("REDISLOCK_TEST_ONLY_CONFIGURED"):  # no LockedTask of its own
 
+    @app.task(bind=True, base=LockedFirst, lock_key="job:{name}", max_retries=2)
+    def locked_first(self: Any, name: str, seconds: float = 0.05, outcome: str = "ok") -> str:
+        _section(name, outcome, seconds)
+        return "done"
 
-@app.task(bind=True, base=HookedFirst, lock_key="job:{name}", max_retries=2)
-def hooked_first(self: Any, name: str, seconds: float = 0.05, outcome: str = "ok") -> str:
-    _section(name, outcome, seconds)
-    return "done"
+    @app.task(bind=True, base=HookedFirst, lock_key="job:{name}", max_retries=2)
+    def hooked_first(self: Any, name: str, seconds: float = 0.05, outcome: str = "ok") -> str:
+        _section(name, outcome, seconds)
+        return "done"
 
 
 @app.task

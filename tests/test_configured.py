@@ -187,6 +187,30 @@ def test_a_bad_entry_stops_the_worker_before_it_consumes(
         r.delete(queue)
 
 
+def test_app_settings_are_checked_when_only_configured_tasks_lock(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    """With no task of base=LockedTask, the worker-start checks of the redislock_* settings
+    still run for the configured ones (a bad setting stops the worker)."""
+    proc = CeleryProcess(
+        ["worker", "-l", "info", "-c", "1", "-Q", "unused", "--without-gossip", "--without-mingle"],
+        url=broker.url,
+        log=tmp_path / "w.log",
+        env={"REDISLOCK_TEST_ONLY_CONFIGURED": "1", "REDISLOCK_TEST_BAD_SETTING": "1"},
+    )
+    proc.app = APP
+    proc.start()
+    try:
+        assert proc.process is not None
+        proc.process.wait(60)
+        text = proc.text()
+        assert proc.process.returncode != 0, text
+        assert "redislock_on_contention must be one of" in text
+        assert "ready." not in text
+    finally:
+        proc.stop()
+
+
 # ---------------------------------------------------------------- in-process: eager, direct
 
 
