@@ -12,11 +12,12 @@ from typing import Any, ClassVar
 import pytest
 import redis
 from celery import Celery, Task
+from celery.worker.request import Request
 
 from celery_redislock import LockConfigurationError, LockContendedError, RedisLock
 from celery_redislock.celery.configured import configure_tasks
 from celery_redislock.settings import task_rules
-from celery_redislock.task import LockedTask
+from celery_redislock.task import LockedRequest, LockedTask
 from celery_redislock.testing import RedisServer
 
 from . import configured_app as cfg
@@ -368,3 +369,34 @@ def test_patterns_match_like_task_routes_first_entry_wins() -> None:
     assert first("celery.chord_unlock") is None  # a glob skips Celery's built-in tasks
     assert task_rules({"redislock_tasks": {"re?orts.[x]": {}}})[0].matches("re?orts.[x]")
     assert task_rules({}) == ()
+
+
+class OwnRequest(Request):  # type: ignore[misc]
+    """A base's own worker Request class."""
+
+
+def test_a_base_with_its_own_request_or_strategy(broker: RedisServer) -> None:
+    class WithRequest(Task):  # type: ignore[misc]
+        Request = OwnRequest
+
+    class WithStrategy(Task):  # type: ignore[misc]
+        Strategy = "tests.test_configured:eager_app"  # anything but Celery's default
+
+    app = eager_app(broker.url, {"own.*": {"lock_key": "job:{name}"}})
+
+    @app.task(base=WithRequest, name="own.request")
+    def with_request(name: str) -> str:
+        return name
+
+    @app.task(base=WithStrategy, name="own.strategy")
+    def with_strategy(name: str) -> str:
+        return name
+
+    app.finalize()
+    request = app.tasks["own.request"].Request
+    assert issubclass(request, LockedRequest) and issubclass(request, OwnRequest)
+    outcome = configure_tasks(app)
+    assert list(outcome.configured) == ["own.request"]
+    assert len(outcome.errors) == 1
+    assert "redislock_tasks['own.*']: task 'own.strategy'" in str(outcome.errors[0])
+    assert "Strategy of its own" in str(outcome.errors[0])
