@@ -1,0 +1,1 @@
+"""The Celery layer of celery_redislock."""
