@@ -1,7 +1,7 @@
 """celery_redislock: a reentrant, fenced, self-renewing Redis lock for Celery users.
 
 Core lock modules (``lock``, ``aio``, ``fencing``) never import Celery; the Celery
-integration lives in :mod:`celery_redislock.task` on top of them.
+integration lives in :mod:`celery_redislock.celery` on top of them.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ _CELERY_LAYER = {"LockedTask", "LockedRequest"}
 def __getattr__(name: str) -> object:
     # The Celery layer is imported on first use only: the core never imports Celery.
     if name in _CELERY_LAYER:
-        from . import task
+        from .celery import base, worker
 
-        return getattr(task, name)
+        return getattr(base if name == "LockedTask" else worker, name)
     raise AttributeError(f"module 'celery_redislock' has no attribute {name!r}")
 
 
