@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 
 #: Message header counting re-queues (kept apart from Celery's ``retries``).
 REQUEUE_HEADER = "redislock_requeues"
-
-
 SKIPPED = "SKIPPED"
 
 
