@@ -48,6 +48,8 @@ Settings (task attributes of the same meaning override them per task):
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -266,6 +268,19 @@ class LockSettings:
         )
 
 
+_DERIVE = b"celery_redislock signing key v1"
+
+
+def derive_key(broker_url: str) -> bytes:
+    """The default signing key: an HMAC of the broker URL, credentials included.
+
+    Whoever knows the broker URL can derive it, but could publish any task to the broker
+    anyway; whoever may only write the lock keys cannot, as long as the URL carries a
+    secret (a password) they do not know.
+    """
+    return hmac.new(_DERIVE, broker_url.encode("utf-8"), hashlib.sha256).digest()
+
+
 #: The shortest ``redislock_signing_key`` accepted, in bytes.
 MIN_SIGNING_KEY = 16
 
@@ -276,8 +291,6 @@ def _signing_key(conf: Mapping[str, Any]) -> tuple[bytes, str]:
     if key is None:
         # Celery's own property also reads CELERY_BROKER_URL (celery -b); a plain mapping has none.
         broker = getattr(conf, "broker_url", None) or conf.get("broker_url") or ""
-        from .signing import derive_key  # (kombu's JSON; this module reads plain mappings)
-
         return derive_key(str(broker)), "derived from broker_url"
     raw = key.encode("utf-8") if isinstance(key, str) else key
     if not isinstance(raw, bytes) or len(raw) < MIN_SIGNING_KEY:

@@ -57,7 +57,8 @@ from kombu.utils.imports import symbol_by_name
 
 from .._errors import LockConfigurationError
 from ..settings import TaskRule, pattern_regex, task_patterns, task_rules
-from ..task import LockedRequest, LockedTask, _check_settings_at_worker_start
+from .base import LockedTask
+from .worker import LockedRequest, _check_settings_at_worker_start
 
 log = logging.getLogger(__name__)
 
