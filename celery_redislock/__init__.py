@@ -1,10 +1,14 @@
 """celery_redislock: a reentrant, fenced, self-renewing Redis lock for Celery users.
 
 Core lock modules (``lock``, ``aio``, ``fencing``) never import Celery; the Celery
-integration lives in :mod:`celery_redislock.task` on top of them.
+integration lives in :mod:`celery_redislock.celery` on top of them. Imported in a process
+that has imported Celery already (``from celery import Celery`` first), it also loads the
+``redislock_tasks`` setting's hook (:mod:`celery_redislock.celery.configured`).
 """
 
 from __future__ import annotations
+
+import sys
 
 from ._core import DEFAULT_PREFIX, AsyncLeaseLost, LeaseLost, LockKeys
 from ._errors import (
@@ -33,9 +37,13 @@ _CELERY_LAYER = {"LockedTask", "LockedRequest"}
 def __getattr__(name: str) -> object:
     # The Celery layer is imported on first use only: the core never imports Celery.
     if name in _CELERY_LAYER:
-        from . import task
+        from .celery import (
+            base,
+            configured,  # noqa: F401  (the redislock_tasks setting)
+            worker,
+        )
 
-        return getattr(task, name)
+        return getattr(base if name == "LockedTask" else worker, name)
     raise AttributeError(f"module 'celery_redislock' has no attribute {name!r}")
 
 
@@ -66,3 +74,6 @@ __all__ = [
     "locked",
     "__version__",
 ]
+
+if "celery" in sys.modules:  # a Celery process: the redislock_tasks setting applies
+    from .celery import configured as _configured  # noqa: F401

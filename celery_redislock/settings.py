@@ -38,13 +38,22 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_signing_key`` (derived from ``broker_url``) — the key the workers sign parked
   messages with and check them against before sending them on or running them (a ``str``
   or ``bytes`` of at least 16 bytes, the same on every worker). See docs/security.md.
+* ``redislock_tasks`` (``None``) — locking by configuration: ``{pattern: options}`` (or a
+  list of ``(pattern, options)`` pairs) giving every registered task whose name matches
+  (exact, or a glob with ``*``; the first matching entry wins) the lock of
+  ``base=LockedTask`` with those options (``lock_key``, ``on_contention``, ``lock_hold``,
+  ...), without changing its base (:func:`task_rules`; applied by
+  ``celery_redislock.celery.configured``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._core import DEFAULT_PREFIX, duration_error, lease_ms, seconds, validate_prefix
 from ._errors import LockConfigurationError
@@ -259,6 +268,19 @@ class LockSettings:
         )
 
 
+_DERIVE = b"celery_redislock signing key v1"
+
+
+def derive_key(broker_url: str) -> bytes:
+    """The default signing key: an HMAC of the broker URL, credentials included.
+
+    Whoever knows the broker URL can derive it, but could publish any task to the broker
+    anyway; whoever may only write the lock keys cannot, as long as the URL carries a
+    secret (a password) they do not know.
+    """
+    return hmac.new(_DERIVE, broker_url.encode("utf-8"), hashlib.sha256).digest()
+
+
 #: The shortest ``redislock_signing_key`` accepted, in bytes.
 MIN_SIGNING_KEY = 16
 
@@ -269,8 +291,6 @@ def _signing_key(conf: Mapping[str, Any]) -> tuple[bytes, str]:
     if key is None:
         # Celery's own property also reads CELERY_BROKER_URL (celery -b); a plain mapping has none.
         broker = getattr(conf, "broker_url", None) or conf.get("broker_url") or ""
-        from .signing import derive_key  # (kombu's JSON; this module reads plain mappings)
-
         return derive_key(str(broker)), "derived from broker_url"
     raw = key.encode("utf-8") if isinstance(key, str) else key
     if not isinstance(raw, bytes) or len(raw) < MIN_SIGNING_KEY:
@@ -336,3 +356,125 @@ def _redacted(value: Any) -> Any:
         user = credentials.split(":", 1)[0]
         return f"{scheme}://{user + ':' if user else ''}***@{host}"
     return value
+
+
+# ------------------------------------------------------------------ redislock_tasks
+
+#: The options a ``redislock_tasks`` entry may set: ``LockedTask``'s own attributes.
+TASK_OPTIONS: tuple[str, ...] = (
+    "lock_key",
+    "lock_key_hash",
+    *(attribute for attribute, _setting, _check in _FIELDS.values()),
+)
+
+
+class TaskRule(NamedTuple):
+    """One ``redislock_tasks`` entry: the task names it matches and its checked options."""
+
+    pattern: str
+    options: Mapping[str, Any]  # LockedTask attribute -> value (checked, None: the setting)
+    regex: re.Pattern[str]
+
+    def matches(self, task_name: str) -> bool:
+        """Whether this entry applies to the task ``task_name``. A glob never matches
+        Celery's built-in tasks (``celery.*``) unless the pattern starts with ``celery.``."""
+        if (
+            "*" in self.pattern
+            and task_name.startswith("celery.")
+            and not self.pattern.startswith("celery.")
+        ):
+            return False
+        return self.regex.fullmatch(task_name) is not None
+
+
+def task_rules(conf: Mapping[str, Any]) -> tuple[TaskRule, ...]:
+    """Read and validate ``redislock_tasks``: ``{pattern: options}`` or a list of
+    ``(pattern, options)`` pairs, in order (the first entry matching a task applies).
+
+    A pattern is a task name, or a glob where ``*`` matches any characters (as in
+    ``task_routes``). Options are ``LockedTask``'s attributes (:data:`TASK_OPTIONS`),
+    checked as at decoration; a ``lock_key`` template is checked against each task's
+    arguments when it is applied. Errors name the setting, the pattern and the option.
+    """
+    raw = conf.get("redislock_tasks")
+    if raw is None:
+        return ()
+    shape = (
+        "redislock_tasks must be a dict {task name or glob: {option: value}} or a list of "
+        "(pattern, options) pairs"
+    )
+    items: list[tuple[Any, Any]]
+    if isinstance(raw, Mapping):
+        items = list(raw.items())
+    elif isinstance(raw, (list, tuple)):
+        items = []
+        for index, item in enumerate(raw):
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise LockConfigurationError(f"{shape}: item {index} is {item!r}")
+            items.append((item[0], item[1]))
+    else:
+        raise LockConfigurationError(f"{shape}, got {raw!r}")
+    rules = []
+    for pattern, options in items:
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise LockConfigurationError(
+                f"redislock_tasks: pattern {pattern!r} must be a non-empty str (a task name, "
+                f"or a glob with *)"
+            )
+        where = f"redislock_tasks[{pattern!r}]"
+        if not isinstance(options, Mapping):
+            raise LockConfigurationError(
+                f"{where} must be a dict of LockedTask options such as "
+                f"{{'lock_key': 'account:{{account_id}}'}}, got {options!r}"
+            )
+        checked: dict[str, Any] = {}
+        for option, value in options.items():
+            if option not in TASK_OPTIONS:
+                raise LockConfigurationError(
+                    f"{where}: unknown option {option!r} (options: {', '.join(TASK_OPTIONS)})"
+                )
+            try:
+                checked[option] = _task_option(option, value)
+            except LockConfigurationError as exc:
+                raise LockConfigurationError(f"{where}: option {option!r}: {exc}") from None
+        rules.append(TaskRule(pattern, checked, pattern_regex(pattern)))
+    return tuple(rules)
+
+
+def pattern_regex(pattern: str) -> re.Pattern[str]:
+    """A ``redislock_tasks`` pattern as a regex: ``*`` matches any characters (dots too),
+    everything else itself (as ``task_routes`` globs)."""
+    return re.compile(".*".join(re.escape(part) for part in pattern.split("*")))
+
+
+def task_patterns(raw: Any) -> list[str]:
+    """The str patterns of a ``redislock_tasks`` value, however malformed the rest of it
+    (a bad setting's tasks are refused, not run unlocked)."""
+    if isinstance(raw, Mapping):
+        keys: list[Any] = list(raw)
+    elif isinstance(raw, (list, tuple)):
+        keys = [item[0] for item in raw if isinstance(item, (list, tuple)) and item]
+    else:
+        keys = []
+    return [key for key in keys if isinstance(key, str) and key.strip()]
+
+
+def _task_option(option: str, value: Any) -> Any:
+    """One ``redislock_tasks`` option's value, checked as ``LockedTask`` checks its attribute
+    (a ``lock_key`` template against the task's arguments is checked when applied)."""
+    if value is None:
+        return None  # as on LockedTask: the app's setting (lock_key: one lock per task)
+    if option == "lock_key":
+        if not isinstance(value, str) and not callable(value):
+            raise LockConfigurationError(
+                f"lock_key must be None (one lock per task), a template str such as "
+                f"'account:{{account_id}}', or a callable (args, kwargs) -> str; got {value!r}"
+            )
+        return value
+    if option == "lock_key_hash":
+        return _bool(value, option)
+    for attribute, _setting, check in _FIELDS.values():
+        if attribute == option:
+            check(value, attribute)
+            return value  # the task's own attribute: LockedTask checks it again
+    raise LockConfigurationError(f"unknown option {option!r}")  # pragma: no cover

@@ -1,143 +1,22 @@
-"""Signed parked messages: the workers re-publish only what a worker parked.
+"""Moved: the MACs of parked messages now live in :mod:`celery_redislock.celery.signing`
+(``derive_key``, the default key, in :mod:`celery_redislock.settings`).
 
-A parked task's message lives in Redis under the lock prefix until a release (or the
-sweeper) hands the lock to it and sends the message again. Anyone who may write under
-the prefix could write such a message, so every parked message carries an HMAC-SHA256
-made with a key only the workers hold (``redislock_signing_key``), and nothing read back
-from Redis is sent on, or run, unless it verifies:
-
-* a parked **signature** (parked by a pool process) is the entry
-  ``S<mac>\\n<signature JSON>``; the MAC covers the lock key it was parked under, its task
-  id and the JSON (task name, arguments, options), byte for byte. The worker that sends
-  it checks it first (:func:`open_signature`).
-* a parked **broker envelope** (parked in the worker's main process) carries its MAC in
-  the header ``redislock_parked`` (with the lock key it was parked under and the queue
-  list it goes back to). The MAC covers the whole envelope except what the broker
-  changes on the way (the delivery tag, kombu's ``redelivered`` flags). A hand-over
-  script may push it back to its queue itself (Lua holds no key), so the worker that
-  fetches it checks it before the task runs (:func:`check_envelope`).
-
-This module holds the formats and the MACs; it reads no Redis and runs no task.
+This module re-exports their names.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import re
-from collections.abc import Mapping
-from typing import Any
-
-from kombu.utils import json as kombu_json
-
-#: Header of a parked broker envelope: ``{"lock": <lock key>, "list": <queue list>,
-#: "mac": <hex HMAC-SHA256>}``.
-PARKED_HEADER = "redislock_parked"
-#: First character of a signed parked signature entry (an envelope entry starts with "E").
-SIGNED = "S"
-_MAC_CHARS = 64  # hex digits of an HMAC-SHA256
-_DERIVE = b"celery_redislock signing key v1"
-
-
-class Refused(Exception):
-    """A parked message that must not be sent on or run; ``str()`` says why."""
-
-
-def derive_key(broker_url: str) -> bytes:
-    """The default signing key: an HMAC of the broker URL, credentials included.
-
-    Whoever knows the broker URL can derive it, but could publish any task to the broker
-    anyway; whoever may only write the lock keys cannot, as long as the URL carries a
-    secret (a password) they do not know.
-    """
-    return hmac.new(_DERIVE, broker_url.encode("utf-8"), hashlib.sha256).digest()
-
-
-def _mac(key: bytes, kind: bytes, *parts: bytes) -> str:
-    framed = b"".join(len(part).to_bytes(8, "big") + part for part in (kind, *parts))
-    return hmac.new(key, framed, hashlib.sha256).hexdigest()
-
-
-# ------------------------------------------------------------------ parked signatures
-
-
-def task_id_of(owner: str) -> str:
-    """The task id of a run's lock owner (``<task id>`` or ``<task id>~n<k>r<k>``, the
-    form ``celery_redislock.task.run_owner`` gives a retry or a replacement)."""
-    match = _RUN_SUFFIX.search(owner)
-    return owner[: match.start()] if match else owner
-
-
-_RUN_SUFFIX = re.compile(r"~(?:n\d+)?(?:r\d+)?$")
-
-
-def sign_signature(key: bytes, lock_key: bytes, task_id: str, text: str) -> str:
-    """The parked entry of the signature JSON ``text`` of ``task_id`` under ``lock_key``."""
-    mac = _mac(key, b"signature", lock_key, task_id.encode("utf-8"), text.encode("utf-8"))
-    return f"{SIGNED}{mac}\n{text}"
-
-
-def open_signature(key: bytes, lock_key: bytes, task_id: bytes, entry: bytes) -> dict[str, Any]:
-    """The signature of a parked entry, if a worker with ``key`` parked it for ``task_id``
-    under ``lock_key``; else raises :class:`Refused`."""
-    head, text = entry[: 2 + _MAC_CHARS], entry[2 + _MAC_CHARS :]
-    if len(head) != 2 + _MAC_CHARS or head[:1] != SIGNED.encode() or head[-1:] != b"\n":
-        raise Refused("not a signed parked message")
-    expected = _mac(key, b"signature", lock_key, task_id, text)
-    if not hmac.compare_digest(head[1:-1], expected.encode()):
-        raise Refused("its signature does not verify (not parked by a worker with this key)")
-    signature = kombu_json.loads(text)  # type: ignore[no-untyped-call]
-    options = signature.get("options") if isinstance(signature, dict) else None
-    if not isinstance(options, dict) or options.get("task_id") != task_id_of(task_id.decode()):
-        raise Refused("its task id is not the one it was parked as")
-    return signature  # type: ignore[no-any-return]
-
-
-# ------------------------------------------------------------------ parked envelopes
-
-
-def _signed_form(envelope: Mapping[str, Any]) -> bytes:
-    """What the MAC of an envelope covers: all of it, keys sorted, except its delivery
-    tag (a hand-over fills it in), kombu's ``redelivered`` flags (set when an unacked
-    message is restored) and the MAC itself."""
-    headers = dict(envelope["headers"])
-    headers.pop("redelivered", None)
-    headers[PARKED_HEADER] = {k: v for k, v in headers[PARKED_HEADER].items() if k != "mac"}
-    properties = dict(envelope["properties"])
-    properties.pop("delivery_tag", None)
-    info = dict(properties.get("delivery_info") or {})
-    info.pop("redelivered", None)
-    properties["delivery_info"] = info
-    signed = {**envelope, "headers": headers, "properties": properties}
-    text = kombu_json.dumps(signed, sort_keys=True, separators=(",", ":"))  # type: ignore[no-untyped-call]
-    return str(text).encode("utf-8")
-
-
-def sign_envelope(key: bytes, envelope: dict[str, Any], lock_key: bytes, queue_list: str) -> None:
-    """Add the ``redislock_parked`` header to an envelope about to be parked (in place:
-    ``envelope["headers"]`` must be the caller's own copy)."""
-    parked = {"lock": lock_key.decode("utf-8"), "list": queue_list}
-    envelope["headers"][PARKED_HEADER] = parked
-    parked["mac"] = _mac(key, b"envelope", _signed_form(envelope))
-
-
-def check_envelope(key: bytes, envelope: Any) -> tuple[str, str]:
-    """The lock key and queue list an envelope was parked with, if a worker with ``key``
-    parked it (as kombu decoded it); else raises :class:`Refused`."""
-    if not isinstance(envelope, dict):
-        raise Refused("not a broker envelope")
-    headers = envelope.get("headers")
-    parked = headers.get(PARKED_HEADER) if isinstance(headers, dict) else None
-    if not isinstance(parked, dict) or not all(
-        isinstance(parked.get(field), str) for field in ("lock", "list", "mac")
-    ):
-        raise Refused("it carries no signature (it was not parked by a worker)")
-    if not isinstance(envelope.get("properties"), dict):
-        raise Refused("not a broker envelope")
-    try:
-        expected = _mac(key, b"envelope", _signed_form(envelope))
-    except (TypeError, ValueError) as exc:
-        raise Refused(f"not a broker envelope ({exc})") from None
-    if not hmac.compare_digest(parked["mac"].encode(), expected.encode()):
-        raise Refused("its signature does not verify (not parked by a worker with this key)")
-    return parked["lock"], parked["list"]
+from .celery.signing import _MAC_CHARS as _MAC_CHARS
+from .celery.signing import _RUN_SUFFIX as _RUN_SUFFIX
+from .celery.signing import PARKED_HEADER as PARKED_HEADER
+from .celery.signing import SIGNED as SIGNED
+from .celery.signing import Refused as Refused
+from .celery.signing import _mac as _mac
+from .celery.signing import _signed_form as _signed_form
+from .celery.signing import check_envelope as check_envelope
+from .celery.signing import open_signature as open_signature
+from .celery.signing import sign_envelope as sign_envelope
+from .celery.signing import sign_signature as sign_signature
+from .celery.signing import task_id_of as task_id_of
+from .settings import _DERIVE as _DERIVE
+from .settings import derive_key as derive_key

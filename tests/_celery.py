@@ -82,6 +82,7 @@ def worker(
     name: str = "w1",
     env: dict[str, str] | None = None,
     extra: list[str] | None = None,
+    app: str = "tests.celery_app",
 ) -> CeleryProcess:
     args = [
         "worker",
@@ -92,7 +93,9 @@ def worker(
         "--without-gossip", "--without-mingle", "--without-heartbeat",
         *(extra or []),
     ]  # fmt: skip
-    proc = CeleryProcess(args, url=url, log=log, env=env).start()
+    proc = CeleryProcess(args, url=url, log=log, env=env)
+    proc.app = app
+    proc.start()
     proc.wait_for_log("ready.")
     return proc
 

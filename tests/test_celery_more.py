@@ -299,6 +299,45 @@ def test_a_task_whose_release_cannot_reach_redis_still_succeeds_and_frees_the_lo
         proc.stop()
 
 
+def test_a_task_that_cannot_reach_the_lock_redis_at_take_is_not_lost(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path
+) -> None:
+    """The lock Redis does not answer when the task tries to take its lock (found by the
+    soak: the broker's Redis restarting as a task started). The task used to end as
+    FAILURE with a ConnectionError — its message acknowledged (acks_late acks failures),
+    its body never run: a lost settlement. Now it is sent again, uncounted, until the
+    lock Redis answers, and then runs once."""
+    locks = redis_server_factory()
+    r = broker.client()
+    proc = worker(
+        broker.url,
+        tmp_path / "w.log",
+        concurrency=1,
+        env={
+            "REDISLOCK_TEST_LOCK_URL": locks.url,
+            "REDISLOCK_TEST_LOCK_TIMEOUT": "0.5",
+        },
+    )
+    try:
+        assert ca.settle.delay(900, 1, 0.0).get(timeout=30) == 1  # the worker is warm
+        locks.signal(signal.SIGSTOP)  # the take gets no answer (socket timeout)
+        try:
+            result = ca.settle.delay(900, 10, 0.0)
+            # Its take met the outage: it failed (the bug), or it was sent again.
+            wait_until(
+                lambda: result.state == "FAILURE" or "could not take 'account:900'" in proc.text(),
+                timeout=30,
+            )
+        finally:
+            locks.signal(signal.SIGCONT)
+        assert result.get(timeout=30) == 11
+        assert int(r.get("balance:900") or 0) == 11
+        sections = [raw.decode().split() for raw in r.lrange("sections:settle", 0, -1)]
+        assert [t for key, t, _, _ in sections if key == "900"].count(result.id) == 1
+    finally:
+        proc.stop()
+
+
 @pytest.mark.parametrize("fault", ["drop_reply", "stall"])
 def test_a_hand_over_whose_reply_is_lost_runs_every_task_once(
     broker: RedisServer, redis_server_factory: Any, tmp_path: Path, fault: str

@@ -15,9 +15,10 @@ import pytest
 import redis
 
 from celery_redislock import RedisLock
-from celery_redislock import task as task_module
 from celery_redislock._core import OwnerRunning
 from celery_redislock._scripts import scripts_for
+from celery_redislock.celery import base as base_module
+from celery_redislock.celery import sweeper as sweeper_module
 from celery_redislock.parking import Parker, _same_redis
 from celery_redislock.task import (
     QUEUE_REACH,
@@ -147,7 +148,7 @@ def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
     # Looked for near the read end only: pushed back past the sweeper's reach, it counts
     # as lost and is sent again (the task's hold absorbs the extra copy).
     r.rpush(queue, b"another message")
-    monkeypatch.setattr(task_module, "QUEUE_REACH", 1)
+    monkeypatch.setattr(sweeper_module, "QUEUE_REACH", 1)
     time.sleep(stale + 0.2)
     assert sweeper.sweep_once() == 1
     assert r.llen(queue) == 3
@@ -616,7 +617,7 @@ def test_only_the_worker_s_own_look_ahead_header_on_a_handed_over_delivery_count
     assert lookahead(redislock_lookahead="q", properties={"delivery_tag": "a-uuid"}) is None
     assert lookahead(properties=handed) is None  # no header: not a hand-over through a list
     # No thread to search with: the task runs and releases without look-ahead.
-    monkeypatch.setattr(task_module, "_lookahead_thread", _no_thread)
+    monkeypatch.setattr(base_module, "_lookahead_thread", _no_thread)
     assert lookahead(redislock_lookahead="q", properties=handed) is None
     # A retry or a re-queue never publishes the header.
     task.push_request(

@@ -163,7 +163,7 @@ def test_an_attempt_number_at_or_below_the_void_record_is_refused(
     void = KEY + ":void:x:A"
     keys = [KEY, KEY + ":fence", KEY + ":waiters", KEY + ":claims", KEY + ":waiters:wake", void]
     client.set(void, 3)
-    assert scripts.acquire(keys=keys, args=["A", 5000, "", "", "", "", "", 3]) == [-1, 0]
+    assert scripts.acquire(keys=keys, args=["A", 5000, "", "", "", "", "", 3]) == [0, 0]
     assert client.exists(KEY) == 0
     assert scripts.acquire(keys=keys, args=["A", 5000, "", "", "", "", "", 4])[0] == 1
     client.set(void, "not a number")  # a forged record refuses nothing it should not

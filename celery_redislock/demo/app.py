@@ -15,7 +15,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_redislock.task import LockedTask
+from celery_redislock import LockedTask
 
 PREFIX = os.environ.get("DEMO_PREFIX", "redislock-demo:")
 WORK = float(os.environ.get("DEMO_WORK", "0.02"))

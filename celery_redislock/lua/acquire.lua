@@ -10,14 +10,14 @@
 -- long past the holder's lease ("": a single try); new_token "new-token": re-entry hands out a
 -- new token too; mode "task" (one hold per run: an existing hold is left alone, {2, ms}) or
 -- "adopt" (take over the hold of `adopted` as one hold); wake_id: ask for a direct grant;
--- attempt: this attempt's number, refused ({-1, 0}) unless above the void record.
+-- attempt: this attempt's number, refused ({0, 0}: not taken) unless above the void record.
 -- Replies: {1, token, count} taken or re-entered; {0, ms} not taken (the holder's lease left,
--- -1: none, or the wait for the first in line); {-1, 0} done or voided; {2, ms} "task" holds it.
+-- -1: none, or the wait for the first in line); {-1, 0} done; {2, ms} "task" holds it.
 local lease = ms_arg(ARGV[2], 'lease')
 local margin = ARGV[3] and ARGV[3] ~= '' and ms_arg(ARGV[3], 'line margin', 0)
 local void = ARGV[8] and ARGV[8] ~= '' and KEYS[#KEYS]
 if void and (tonumber(redis.call('get', void)) or 0) >= (tonumber(ARGV[8]) or 0) then
-  return {-1, 0}
+  return {0, 0}
 end
 local done = KEYS[6] ~= void and KEYS[6]
 if done and redis.call('exists', done) == 1 then

@@ -1,0 +1,32 @@
+"""The Celery layer: every module of celery_redislock that imports Celery or kombu.
+
+One module per job:
+
+* ``base`` — :class:`LockedTask`, the task base: its options, a call run under its lock
+  (in a worker, or directly and eagerly), look-ahead started, the release at its end.
+* ``contention`` — what a run does when its lock is held (``on_contention``): wait,
+  park behind the holder from the pool process, re-queue, skip, fail.
+* ``finish`` — a run's release (retried in the background when Redis does not answer)
+  and the hold kept across ``self.retry()``.
+* ``tasklock`` — the lock of one run (``TaskLock``, ``QuorumTaskLock``, ``task_lock``)
+  and the run that owns it (``run_owner``, ``request_owner``).
+* ``clients`` — per-app state: the app's settings and Redis clients, per process.
+* ``envelope`` — the parked messages' formats, and the lock key a kombu message takes.
+* ``lookahead`` — the search of a queue list for the next task of a lock.
+* ``handover`` — checking and sending the task a lock was handed to.
+* ``parking`` — parking at delivery, in the worker's main process (``LockedTask.Strategy``).
+* ``sweeper`` — the thread serving parked tasks whose holder or hand-over was lost.
+* ``worker`` — ``LockedRequest`` (releases for a task whose process died), the settings
+  check at worker start, and the worker signal handlers.
+* ``signing`` — the MACs of parked messages.
+* ``cli`` — ``celery -A proj redislock``.
+* ``configured`` — the ``redislock_tasks`` setting: tasks locked by configuration, their
+  classes made LockedTask subclasses of their own at finalization and worker start.
+
+The old homes (``celery_redislock.task``, ``.parking``, ``.signing``, ``.cli``) re-export
+these names. Importing any module here connects the worker signal handlers, once.
+"""
+
+from __future__ import annotations
+
+from . import worker as worker  # connects the worker signal handlers (at first import)

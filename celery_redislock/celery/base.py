@@ -1,0 +1,452 @@
+"""Celery integration: ``LockedTask``, a task base that takes a Redis lock keyed on its arguments.
+
+Usage::
+
+    from celery_redislock import LockedTask
+
+    @app.task(base=LockedTask, lock_key="account:{account_id}", on_contention="requeue")
+    def settle(account_id, amount):
+        ...
+
+    @app.task(bind=True, base=LockedTask, lock_key="user:{user.id}", on_contention="wait")
+    def rebuild(self, user, full=False):
+        self.lock.ensure_held()          # raises LockLostError if the lease was lost
+        write(fence=self.lock.token)     # reject stale writers at the resource
+
+How it works
+============
+
+* The lock is taken **in the worker, right before ``run``** (so it holds whatever
+  published the task: ``delay``, ``send_task``, beat, chains, chords). Its owner is the
+  task id.
+* While ``run`` executes, the process's watchdog renews the lease every ``ttl / 3``.
+* It is released on success and on any exception (including ``self.retry()``, unless
+  ``lock_release_on_retry = False``, and soft time limits). When the worker process
+  itself dies (SIGKILL, OOM, hard time limit, ``revoke(terminate=True)``) the worker's
+  main process releases it by task id; if the whole host dies, the lease expires.
+* A finished task id is remembered next to the lock for ``lock_done_ttl`` seconds, so
+  a second delivery of the same message (visibility-timeout redelivery with
+  ``acks_late``) does not run the work twice. A delivery that finds its own task id
+  still holding the lock (the first copy still running) is re-queued, not run.
+
+On contention (``on_contention``)
+=================================
+
+``"requeue"`` (default)
+    Give the worker slot back: the task is sent again with the same id, arguments,
+    links and chain after a jittered backoff (``lock_requeue_backoff``, capped well
+    below the broker's visibility timeout). Re-queues are counted in a message header,
+    separately from ``max_retries``; after ``lock_max_requeues`` the task fails with
+    ``LockContendedError`` (``lock_requeue_exhausted="fail"``) or is dropped with a
+    warning (``"drop"``).
+
+    Where the broker is the locks' own Redis, a contended message is parked instead, in
+    the worker's main process, and the holder's release hands the lock to it and puts
+    it back at the head of its queue. A task handed its lock that way also searches its
+    queue while it runs (``lock_lookahead`` messages, default 64) for the next task of
+    its lock, which its release then hands the lock to and moves ahead, when nobody is
+    parked (docs/concepts.md, "Parking and hand-over").
+``"wait"``
+    Block the worker slot up to ``lock_wait`` seconds, woken by the holder's release;
+    then act as ``lock_wait_fallback`` (``"requeue"`` or ``"raise"``).
+``"skip"``
+    Do not run; record the task as ``SKIPPED`` (for deduplicating periodic jobs).
+``"raise"``
+    Fail with ``LockContendedError``.
+
+Direct calls (``settle(7, 10)``) and eager mode (``task_always_eager``, ``.apply()``)
+never re-queue (that would recurse): they wait up to ``lock_wait`` for the lock, then
+raise ``LockContendedError`` (``"skip"`` returns None instead). A call made while a
+LockedTask's body runs in the same thread is a plain function call under the caller's
+ownership: it re-enters the caller's lock (docs/concepts.md, "Direct and nested calls").
+
+Runs
+====
+
+The lock's owner is the *run*: the task id, plus the run's generation (``retries``,
+``replaced_task_nesting``), see :func:`run_owner`. A redelivered message is the same run
+(its duplicate is recognised in one atomic step: the acquire script never re-enters a
+run's own hold); ``self.retry()`` and ``self.replace()`` start new runs that wait for the
+previous one. A release that cannot reach Redis does not fail the run: its hold stops
+renewing and the release is retried in the background.
+
+Lease lost mid-run
+==================
+
+If the watchdog cannot keep the lease (Redis unreachable past the lease's validity
+deadline, the key gone or taken), a warning is logged at once, ``self.lock.lost`` is
+set and the next ``self.lock.ensure_held()`` raises ``LockLostError``. The work is not
+interrupted (no lock can stop a paused process: fence your writes with
+``self.lock.token``). When ``run`` returns, the task fails with ``LockLostError`` instead
+of succeeding, so its outcome records that the work may have overlapped another run.
+
+Periodic jobs
+=============
+
+``lock_hold=<seconds>`` keeps the lock for that long after a successful run, so a second
+beat (or a restarted one) firing the same job within the period finds it held and,
+with ``on_contention="skip"``, skips it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from celery.exceptions import Ignore, Retry
+
+from .._core import MAX_SECONDS, OwnerFinished, OwnerRunning, lease_ms
+from .._deferred import UNREACHABLE
+from .._errors import (
+    LockConfigurationError,
+    LockContendedError,
+    LockLostError,
+    LockNotOwnedError,
+    LockQuorumError,
+)
+from ..keys import KeyTemplate
+from ..lock import RedisLock
+from ..redlock import RedLock
+from ..settings import LockOptions, task_overrides
+from . import signing
+from .clients import client_for, quorum_clients_for, settings_for
+from .contention import Contention, _Call
+from .envelope import TAG_PREFIX, _Handed
+from .finish import _claim_kept_hold, _finish_quietly, _mark_kept_hold
+from .handover import deliver_handed_over
+from .lookahead import (
+    LOOKAHEAD_HEADER,
+    _lookahead_denied,
+    _lookahead_thread,
+    _next_queued,
+    _Pull,
+    lookahead_chain,
+)
+from .tasklock import AnyTaskLock, TaskLock, request_owner, task_lock
+
+log = logging.getLogger(__name__)
+
+
+class LockedTask(Contention):
+    """Task base that runs each call under a Redis lock keyed on its arguments.
+
+    Options (task attributes; ``None`` means the app's ``redislock_*`` setting):
+    ``lock_key`` (template, callable or None for one lock per task), ``lock_key_hash``,
+    ``lock_ttl``, ``lock_prefix``, ``on_contention``, ``lock_wait``,
+    ``lock_wait_fallback``, ``lock_max_requeues``, ``lock_requeue_backoff``,
+    ``lock_requeue_exhausted``, ``lock_release_on_retry``, ``lock_done_ttl``,
+    ``lock_hold``, ``lock_lookahead``. See the module docstring for what each does.
+    """
+
+    abstract = True
+    Request = "celery_redislock.celery.worker:LockedRequest"
+    Strategy = "celery_redislock.celery.parking:strategy"
+
+    lock_key: ClassVar[Any] = None
+    lock_key_hash: ClassVar[bool] = False
+    lock_ttl: ClassVar[float | None] = None
+    lock_prefix: ClassVar[str | None] = None
+    on_contention: ClassVar[str | None] = None
+    lock_wait: ClassVar[float | None] = None
+    lock_wait_fallback: ClassVar[str | None] = None
+    lock_max_requeues: ClassVar[int | None] = None
+    lock_requeue_backoff: ClassVar[tuple[float, float] | None] = None
+    lock_requeue_exhausted: ClassVar[str | None] = None
+    lock_release_on_retry: ClassVar[bool | None] = None
+    lock_done_ttl: ClassVar[float | None] = None
+    lock_hold: ClassVar[float | None] = None
+    lock_lookahead: ClassVar[int | None] = None
+
+    _lock_template: ClassVar[KeyTemplate]
+    _lock_overrides: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Validate the lock options when the task is decorated, naming task and option."""
+        super().__init_subclass__(**kwargs)
+        run = cls.__dict__.get("run")
+        if run is None:
+            return  # an intermediate base class: checked when a task is made from it
+        name = str(cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}")
+        attributes = {
+            attr: getattr(cls, attr, None) for attr in dir(LockedTask) if attr.startswith("lock_")
+        }
+        attributes["on_contention"] = cls.on_contention
+        cls._lock_overrides = task_overrides(attributes, name)
+        if not isinstance(cls.lock_key_hash, bool):
+            raise LockConfigurationError(
+                f"task {name!r}: lock_key_hash must be True or False, got {cls.lock_key_hash!r}"
+            )
+        if isinstance(run, staticmethod):
+            signature_of: Any = run.__func__
+        else:  # bind=True: the first parameter is the task itself
+            signature_of = functools.partial(run, None)
+        cls._lock_template = KeyTemplate(
+            cls.lock_key, signature_of, owner_name=name, option="lock_key", hashed=cls.lock_key_hash
+        )
+
+    @property
+    def lock(self) -> Any:
+        """The lock of the current execution (``bind=True`` tasks: ``self.lock``); None outside.
+
+        Inside a direct call nested in a running task (see :meth:`__call__`), the nested
+        call's lock, and the caller's again once it returns.
+        """
+        current = _current_execution.get()
+        if current is not None and current[1] is self:
+            return current[2]
+        return getattr(self.request, "redislock", None)
+
+    def lock_options(self) -> LockOptions:
+        return settings_for(self.app).defaults.merged(self._lock_overrides)
+
+    def lock_name(self, args: Any, kwargs: Any) -> str:
+        """The lock name this call would take (the rendered ``lock_key``)."""
+        return self._lock_template.render(tuple(args or ()), dict(kwargs or {}))
+
+    # -- execution -------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task under its lock.
+
+        A call made while a LockedTask's body runs in the same thread (or asyncio task)
+        — ``settle(7, 10)`` inside another task's body, or an eager ``.delay()`` /
+        ``.apply()`` there — is a plain function call made under the caller's ownership:
+        on a lock the caller holds it re-enters (no wait, no duplicate check), on another
+        it waits up to ``lock_wait`` like any direct call, and ``self.lock`` inside it is
+        its own lock until it returns.
+        """
+        enclosing = _current_execution.get()
+        request = self.request
+        if enclosing is not None or request.called_directly or request.is_eager:
+            return self._call_locally(args, kwargs, None if enclosing is None else enclosing[0])
+        return self._call_in_worker(args, kwargs)
+
+    def _call_in_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        request = self.request
+        options = self.lock_options()
+        name = self.lock_name(args, kwargs)  # a bad value fails the task here: nothing taken
+        owner = request_owner(request)
+        lock = task_lock(self.app, name, task_id=owner, options=options)
+        call = _Call(request, args, kwargs, options, name)
+        # A retry adopts the hold its previous run kept (lock_release_on_retry=False) only
+        # once: the first delivery of the retry message claims the marker.
+        kept = None
+        try:
+            if request.retries and not options.release_on_retry:
+                kept = _claim_kept_hold(lock, request)
+            # One atomic attempt: taken (or handed to this run), held by another owner,
+            # held by this very run (another delivery of it: nothing is changed), or done.
+            if not lock.take(adopt=kept):
+                lock._contended(owner)
+                policy = options.on_contention
+                if policy == "wait" and self._wait_for(lock, options):
+                    pass
+                elif policy == "requeue" and isinstance(lock, TaskLock) and self._park(lock, call):
+                    pass  # the lock came free meanwhile
+                else:
+                    return self._contended(call, duplicate=False)
+        except OwnerFinished:
+            log.info(
+                "redislock: %s[%s] already finished under %r; duplicate delivery ignored",
+                self.name,
+                request.id,
+                name,
+            )
+            raise Ignore() from None
+        except OwnerRunning:
+            # Another delivery of this very run holds the lock (running, or just died and
+            # its lease runs out): this copy comes back later, after the other's outcome.
+            return self._contended(call, duplicate=True)
+        except (*UNREACHABLE, LockQuorumError) as exc:
+            # The lock's Redis (or a majority of its nodes) could not be asked: the body
+            # has not run, so the task must not end as a failure (its message would be
+            # acknowledged, and the task lost). It comes back later instead.
+            return self._unreachable(call, exc)
+        request.redislock = lock
+        return self._run_holding(lock, options, args, kwargs)
+
+    def _run_body(self, lock: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The task's body, with ``self.lock`` and nested calls seeing this execution."""
+        owner = lock._current_owner()
+        token = _current_execution.set((owner, self, lock))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _current_execution.reset(token)
+
+    def _run_holding(
+        self,
+        lock: AnyTaskLock,
+        options: LockOptions,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        lookahead = self._lookahead(lock, options)
+        try:
+            result = self._run_body(lock, args, kwargs)
+        except Retry as retry:
+            # The run is over (the retry is a run of its own, with another owner): it is
+            # marked done, so a late copy of this run's message does not run it again.
+            if options.release_on_retry:
+                _finish_quietly(lock, self, options, hold=0.0, lookahead=lookahead)
+            else:
+                self._keep_for_retry(lock, retry, options)
+            raise
+        except BaseException:  # lock_hold is for successes
+            _finish_quietly(lock, self, options, hold=0.0, lookahead=lookahead)
+            raise
+        lost = lock.lost
+        _finish_quietly(lock, self, options, lookahead=lookahead)
+        if lost.is_set():
+            raise LockLostError(
+                f"task {self.name}[{self.request.id}] finished, but its lock {lock.name!r} was "
+                f"lost while it ran ({lost.reason}); its effects may have overlapped another "
+                f"run (fence writes with self.lock.token)",
+                name=lock.name,
+                owner=self.request.id,
+                reason=lost.reason or "expired",
+            )
+        return result
+
+    def _lookahead(
+        self, lock: AnyTaskLock, options: LockOptions
+    ) -> Callable[[], _Pull | None] | None:
+        """How this run's release finds the next queued task of its lock, if it looks.
+
+        Only a task handed its lock through a queue list looks: its lock has a queue of
+        tasks behind it, so the next one is likely in the list, not yet fetched. The
+        worker's main process says which list (``LOOKAHEAD_HEADER``, set in memory on a
+        delivery with a hand-over's tag, where parking at delivery applies; a header
+        that came in a message is not trusted). The search runs in this process's
+        look-ahead thread while the task runs, off the lock's critical path: the release
+        does not wait for it (a search not finished by then is not used). Never raises.
+        """
+        request = self.request
+        queue_list = getattr(request, LOOKAHEAD_HEADER, None)
+        properties = getattr(request, "properties", None) or {}
+        if (
+            not isinstance(lock, TaskLock)
+            or not isinstance(queue_list, str)
+            or not str(properties.get("delivery_tag", "")).startswith(TAG_PREFIX)
+            or not options.lookahead
+            or options.on_contention != "requeue"
+            or queue_list in _lookahead_denied
+        ):
+            return None
+        keep_for = self._parking_lifetime(options)
+        try:
+            search = _lookahead_thread().submit(
+                _next_queued, self.app, lock, queue_list, options.lookahead, keep_for
+            )
+        except Exception:  # no thread to search with: release without look-ahead
+            log.debug("redislock: look-ahead could not start", exc_info=True)
+            return None
+        nothing = _Pull(queue_list, lookahead_chain(options.prefix, queue_list))
+
+        def found() -> _Pull | None:
+            return search.result() if search.done() else nothing
+
+        return found
+
+    def signature_from_request(
+        self,
+        request: Any = None,
+        args: Any = None,
+        kwargs: Any = None,
+        queue: Any = None,
+        **extra_options: Any,
+    ) -> Any:
+        """Celery's, without the worker's in-memory look-ahead header (a retry or a
+        re-queue must not carry it to another delivery) or a parked envelope's signature."""
+        signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
+        headers = signature.options.get("headers")
+        dropped = (LOOKAHEAD_HEADER, signing.PARKED_HEADER)
+        if isinstance(headers, dict) and any(name in headers for name in dropped):
+            signature.options["headers"] = {k: v for k, v in headers.items() if k not in dropped}
+        return signature
+
+    def _keep_for_retry(self, lock: AnyTaskLock, retry: Retry, options: LockOptions) -> None:
+        """Keep the hold for the retried run: an unrenewed lease covering the retry delay."""
+        delay = retry.when if isinstance(retry.when, (int, float)) else options.ttl
+        hold = min(max(0.0, float(delay)) + options.ttl, MAX_SECONDS)
+        try:
+            lock.finish(hold=hold, done_ttl=options.done_ttl)
+            _mark_kept_hold(lock, self.request, hold)
+        except (LockNotOwnedError, *UNREACHABLE) as exc:
+            if not isinstance(exc, LockNotOwnedError):
+                lock.close()  # not renewed: the lease ends it; the retry waits for that
+            log.warning(
+                "redislock: %s[%s] could not keep %r for its retry: %s",
+                self.name,
+                self.request.id,
+                lock.name,
+                exc,
+            )
+            return
+        log.info(
+            "redislock: %s[%s] keeps %r across its retry", self.name, self.request.id, lock.name
+        )
+
+    def publish_handed_over(self, handed: _Handed | None) -> None:
+        """Send the message of the parked task the lock was just handed to, if it verifies
+        (:func:`deliver_handed_over`); never raises."""
+        if handed is None:
+            return
+        try:
+            deliver_handed_over(self.app, handed, lease_ms(self.lock_options().ttl, "lock_ttl"))
+        except Exception:  # the sweeper (or its fallback copy) still runs it
+            log.exception("redislock: could not publish the task the lock was handed to")
+
+    def _call_locally(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], enclosing: str | None = None
+    ) -> Any:
+        """A direct or eager call: wait up to ``lock_wait`` (never re-queue). Its owner is
+        ``enclosing`` (the owner of the LockedTask body this call is nested in), else the
+        eager request's task id, else the calling thread."""
+        options = self.lock_options()
+        name = self.lock_name(args, kwargs)
+        request_id = self.request.id
+        owner = enclosing or request_id or None
+        settings = settings_for(self.app)
+        lock: RedisLock | RedLock
+        if settings.urls:
+            lock = RedLock(
+                quorum_clients_for(self.app),
+                name,
+                ttl=options.ttl,
+                owner=owner,
+                prefix=options.prefix,
+                node_timeout=settings.node_timeout,
+            )
+        else:
+            lock = RedisLock(
+                client_for(self.app), name, ttl=options.ttl, owner=owner, prefix=options.prefix
+            )
+        wait = 0.0 if options.on_contention in ("skip", "raise") else options.wait
+        if not lock.acquire(timeout=wait):
+            if options.on_contention == "skip":
+                return None
+            raise LockContendedError(
+                f"{self.name} called directly/eagerly: lock {name!r} is held (waited {wait}s; "
+                f"direct and eager calls never re-queue)",
+                name=name,
+                owner=request_id,
+            )
+        previous = getattr(self.request, "redislock", None)
+        self.request.redislock = lock
+        try:
+            return self._run_body(lock, args, kwargs)
+        finally:
+            self.request.redislock = previous
+            lock.release()
+
+
+#: The LockedTask execution whose body runs in this context (thread, or asyncio task):
+#: (its lock owner, the task, its lock). A LockedTask called inside it is a plain function
+#: call under that owner (LockedTask.__call__).
+_current_execution: contextvars.ContextVar[tuple[str, Any, Any] | None] = contextvars.ContextVar(
+    "celery_redislock_task_execution", default=None
+)

@@ -1,0 +1,263 @@
+"""What a task does when its lock is held (``on_contention``): wait, park behind the
+holder (in the pool process), re-queue, skip or fail; and when it gives up.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, NamedTuple
+
+from celery import Task
+from celery.exceptions import Ignore, Reject
+
+from .. import signals
+from .._core import MAX_SECONDS, LockKeys, OwnerFinished, backoff
+from .._errors import LockContendedError
+from ..settings import LockOptions
+from . import signing
+from .clients import client_for, settings_for
+from .envelope import _dumps
+from .tasklock import AnyTaskLock, TaskLock, request_owner
+
+log = logging.getLogger(__name__)
+
+
+#: Message header counting re-queues (kept apart from Celery's ``retries``).
+REQUEUE_HEADER = "redislock_requeues"
+SKIPPED = "SKIPPED"
+
+
+class _Call(NamedTuple):
+    """One execution's particulars, passed between the contention steps."""
+
+    request: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    options: LockOptions
+    name: str
+
+
+class Contention(Task):  # type: ignore[misc]
+    """The contention policies of :class:`~celery_redislock.celery.base.LockedTask`
+    (a base class of it, not a task base of its own)."""
+
+    def _unreachable(self, call: _Call, exc: BaseException) -> Any:
+        """The lock could not be taken because Redis did not answer: send the task again
+        after the longest re-queue backoff, without counting it as a re-queue (an outage
+        is not contention), or, when that cannot be published either (the broker is the
+        same Redis), reject its message with requeue: unacknowledged, it is delivered
+        again when the broker is back. The body never ran, so nothing runs twice."""
+        request, options, name = call.request, call.options, call.name
+        countdown = min(options.requeue_backoff[1], _visibility_timeout(self.app) / 4)
+        headers = dict(request.headers or {})
+        signature = self.signature_from_request(request, call.args, call.kwargs, headers=headers)
+        log.warning(
+            "redislock: %s[%s] could not take %r (%s: %s); sent again in %.1fs",
+            self.name,
+            request.id,
+            name,
+            type(exc).__name__,
+            exc,
+            countdown,
+        )
+        self._publish(signature, countdown=countdown)
+        signals.task_requeued.send(self, name=name, task_id=request.id, countdown=countdown)
+        raise Ignore()
+
+    def _publish(self, signature: Any, **options: Any) -> None:
+        """Publish a copy of the running task's message; if the broker cannot take it,
+        reject the running message with requeue instead of failing the task (a failed
+        task's message is acknowledged: the task would be lost)."""
+        try:
+            signature.apply_async(**options)
+        except Exception as exc:
+            log.warning(
+                "redislock: %s[%s] could not be sent again (%s: %s); its message is "
+                "rejected with requeue (delivered again when the broker answers)",
+                self.name,
+                self.request.id,
+                type(exc).__name__,
+                exc,
+            )
+            raise Reject(exc, requeue=True) from exc
+
+    def _wait_for(self, lock: AnyTaskLock, options: LockOptions) -> bool:
+        try:
+            return lock.acquire(timeout=options.wait)
+        except OwnerFinished:  # another delivery of this task finished meanwhile
+            raise Ignore() from None
+
+    def _contended(
+        self,
+        call: _Call,
+        *,
+        duplicate: bool,
+    ) -> Any:
+        request, options, name = call.request, call.options, call.name
+        policy = options.on_contention
+        if (
+            duplicate
+            or policy == "requeue"
+            or (policy == "wait" and options.wait_fallback == "requeue")
+        ):
+            return self._requeue(call, duplicate=duplicate)
+        if policy == "skip":
+            log.info("redislock: %s[%s] skipped: %r is held", self.name, request.id, name)
+            if not self.ignore_result and request.id:
+                self.update_state(state=SKIPPED, meta={"lock": name})
+            raise Ignore()
+        raise LockContendedError(
+            f"task {self.name}[{request.id}] did not run: lock {name!r} is held by another task "
+            f"(on_contention={policy!r})",
+            name=name,
+            owner=request.id,
+        )
+
+    def _next_delivery(
+        self,
+        call: _Call,
+        *,
+        duplicate: bool,
+    ) -> tuple[Any, int]:
+        """The signature that runs this task again (same id, links, chain), counted.
+
+        Raises the exhausted action once ``lock_max_requeues`` is reached.
+        """
+        request, args, kwargs, options, name = call
+        headers = dict(request.headers or {})
+        done = int(headers.get(REQUEUE_HEADER) or getattr(request, REQUEUE_HEADER, 0) or 0)
+        if done >= options.max_requeues:
+            if not duplicate and self._still_parked(call):
+                # A fallback copy of a task that is still parked: the parked entry runs it.
+                log.warning(
+                    "redislock: %s[%s] is still parked behind %r after %d re-queues; this "
+                    "fallback copy stops here",
+                    self.name,
+                    request.id,
+                    name,
+                    done,
+                )
+                raise Ignore()
+            message = (
+                f"task {self.name}[{request.id}] gave up after {done} re-queues: lock {name!r} "
+                f"stayed held (raise lock_max_requeues or lock_requeue_backoff)"
+            )
+            if duplicate:  # the delivery holding the lock will record the outcome
+                log.warning(
+                    "redislock: %s; another delivery of it holds the lock: dropped", message
+                )
+                raise Ignore()
+            if options.requeue_exhausted == "drop":
+                log.warning("redislock: %s; dropping it", message)
+                raise Ignore()
+            raise LockContendedError(message, name=name, owner=request.id)
+        headers[REQUEUE_HEADER] = done + 1
+        return self.signature_from_request(request, args, kwargs, headers=headers), done + 1
+
+    def _still_parked(self, call: _Call) -> bool:
+        if settings_for(self.app).urls:
+            return False  # no parking on a quorum
+        lock_key = LockKeys.for_name(call.name, call.options.prefix).lock
+        owner = request_owner(call.request)
+        return bool(client_for(self.app).hexists(lock_key + b":parked:messages", owner))
+
+    def _park(
+        self,
+        lock: TaskLock,
+        call: _Call,
+    ) -> bool:
+        """Park behind the holder, who hands the lock over at release. True if acquired.
+
+        The worker slot is given back at once. In case the hand-over never comes (the
+        releasing worker dies, Redis restarts), a fallback copy of the task is also
+        published with a countdown; whichever copy runs first runs the task, the other
+        finds it done (or running) and does nothing. False if the message cannot be
+        parked (arguments not JSON-serialisable): then the plain re-queue is used.
+        """
+        request, options, name = call.request, call.options, call.name
+        signature, count = self._next_delivery(call, duplicate=False)
+        try:
+            message = _dumps(dict(signature))
+        except TypeError:
+            return False
+        key = settings_for(self.app).signing_key
+        message = signing.sign_signature(key, lock.keys.lock, lock.owner or request.id, message)
+        fallback = self._fallback_delay(options)
+        try:
+            outcome = lock.park(message, keep_for=self._parking_lifetime(options))
+        except OwnerFinished:
+            raise Ignore() from None
+        if outcome is True:
+            return True
+        with_fallback = _park_fallback(self.app)
+        if with_fallback:
+            self._publish(signature, countdown=fallback)
+        signals.task_parked.send(self, name=name, task_id=request.id)
+        log.info(
+            "redislock: %s[%s] parked behind the holder of %r (%d)%s",
+            self.name,
+            request.id,
+            name,
+            count,
+            f"; fallback copy in {fallback:.1f}s" if with_fallback else "",
+        )
+        raise Ignore()
+
+    def _fallback_delay(self, options: LockOptions) -> float:
+        return min(max(options.ttl, options.requeue_backoff[1]), _visibility_timeout(self.app) / 4)
+
+    def _parking_lifetime(self, options: LockOptions) -> float:
+        """How long a parked task's records are kept (extended by every parking)."""
+        lifetime = max(options.done_ttl, self._fallback_delay(options) * 4 + options.ttl)
+        return min(lifetime, MAX_SECONDS)
+
+    def _requeue(
+        self,
+        call: _Call,
+        *,
+        duplicate: bool,
+    ) -> Any:
+        request, options, name = call.request, call.options, call.name
+        signature, count = self._next_delivery(call, duplicate=duplicate)
+        base, cap = options.requeue_backoff
+        cap = min(cap, _visibility_timeout(self.app) / 4)
+        # A duplicate delivery waits the full cap: the copy holding the lock is still working.
+        countdown = (
+            cap if duplicate else backoff(count - 1, base=base, cap=max(cap, base), rng=_rng)
+        )
+        self._publish(signature, countdown=countdown)
+        signals.task_requeued.send(self, name=name, task_id=request.id, countdown=countdown)
+        log.info(
+            "redislock: %s[%s] re-queued in %.3fs (%d): %r is held%s",
+            self.name,
+            request.id,
+            countdown,
+            count,
+            name,
+            " by another delivery of this task" if duplicate else "",
+        )
+        raise Ignore()
+
+
+_rng = random.Random()
+
+
+def _park_fallback(app: Any) -> bool:
+    """Whether parked tasks also get a delayed fallback copy in the broker.
+
+    Parked messages live in the lock Redis. If that is the broker's own Redis, they share
+    its fate and the sweeper covers a dead releasing worker; a separate lock Redis could
+    lose them alone (a restart without persistence), so a copy is kept in the broker.
+    """
+    settings = settings_for(app)
+    if settings.park_fallback == "auto":
+        return not settings.url_source.startswith("broker_url") and (
+            settings.url != (getattr(app.conf, "broker_url", None) or app.conf.get("broker_url"))
+        )
+    return bool(settings.park_fallback)
+
+
+def _visibility_timeout(app: Any) -> float:
+    options = app.conf.get("broker_transport_options") or {}
+    return float(options.get("visibility_timeout") or 3600.0)

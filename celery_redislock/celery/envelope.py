@@ -1,0 +1,140 @@
+"""The parked messages' formats.
+
+A parked broker envelope (:func:`envelope_entry`), the parked task a hand-over or sweep
+script's reply names (:func:`_handed`), the queue lists and task names a hand-over script
+may push an envelope to itself (:func:`push_targets`), and the lock key the task of a
+broker envelope (as kombu decodes it) takes (:func:`envelope_lock_key`).
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import weakref
+from typing import Any, NamedTuple
+
+from kombu import compression, serialization
+from kombu.utils import json as kombu_json
+
+from .._core import LockKeys
+from . import signing
+
+
+class _Handed(NamedTuple):
+    """A parked task a release (or the sweeper) just handed the lock to, whose message the
+    worker checks and sends: :func:`deliver_handed_over`. Everything but ``lock_key`` was
+    read back from Redis."""
+
+    lock_key: bytes
+    task_id: bytes
+    message: bytes  # a signed parked signature, or a parked broker envelope
+    tag: bytes = b""  # an envelope's delivery tag: "<placeholder>h<tag>"
+
+
+#: First character of a parked broker envelope (a parked signature's is signing.SIGNED).
+ENVELOPE = "E"
+#: Start of the delivery-tag placeholder of a parked envelope, and so of the delivery tag
+#: of every envelope a hand-over (or the sweeper) pushed back.
+TAG_PREFIX = "rltag"
+
+
+def envelope_entry(queue_list: str, envelope: dict[str, Any], lock_key: bytes, key: bytes) -> str:
+    """A parked broker envelope: ``E<queue list>\\n<tag placeholder>\\n<envelope JSON>``.
+
+    The envelope is the broker's own message (Redis transport), with a placeholder for
+    its delivery tag, signed with ``key`` for ``lock_key`` and ``queue_list``
+    (:func:`signing.sign_envelope`): whoever hands the lock over pushes it back to the head
+    of ``queue_list`` with a new tag (``handoff.lua``, or the worker).
+    ``envelope["headers"]`` and ``envelope["properties"]`` must be the caller's own copies.
+    """
+    placeholder = TAG_PREFIX + secrets.token_hex(8)  # letters and digits, unique
+    envelope["properties"]["delivery_tag"] = placeholder
+    signing.sign_envelope(key, envelope, lock_key, queue_list)
+    return f"{ENVELOPE}{queue_list}\n{placeholder}\n{_dumps(envelope)}"
+
+
+def push_targets(app: Any) -> tuple[str, str]:
+    """Where a hand-over script may push a parked envelope itself (handoff.lua's ARGV[10]
+    and ARGV[11]): the first-read lists of the queues this worker consumes (as
+    :class:`parking.Parker` names them) and this app's ``LockedTask`` names, one a line.
+    An envelope for another list or task comes back to the worker, which checks it."""
+    from .base import LockedTask  # (base imports this module)
+
+    queues = app.amqp.queues
+    names = sorted(queues.consume_from or queues)
+    tasks = app.tasks
+    marker = (tuple(names), len(tasks))
+    found = _push_targets.get(app)
+    if found is None or found[0] != marker:
+        options = app.conf.broker_transport_options or {}
+        prefix = str(options.get("global_keyprefix") or "")
+        first = (options.get("priority_steps") or [0])[0]
+        after = f"{_PRIORITY_SEP}{first}" if first else ""  # kombu's _q_for_pri
+        lists = "\n".join(prefix + name + after for name in names if "\n" not in name)
+        locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
+        found = _push_targets[app] = (marker, (lists, "\n".join(locked)))
+    return found[1]
+
+
+_push_targets: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[str, str]]]
+_push_targets = weakref.WeakKeyDictionary()
+#: kombu's Redis transport: between a queue's name and its priority step in a list's name.
+_PRIORITY_SEP = "\x06\x16"
+
+
+def _handed(lock_key: bytes, reply: list[Any]) -> _Handed | None:
+    """The parked task a hand-over or sweep script's ``reply`` says to check and send."""
+    if len(reply) < 3 or reply[1] is None:
+        return None
+    tag = reply[3] if len(reply) > 3 else b""
+    return _Handed(lock_key, _bytes(reply[2]), _bytes(reply[1]), _tag(tag))
+
+
+def _tag(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def envelope_lock_key(app: Any, envelope: Any, accept: Any = None) -> bytes | None:
+    """The lock key the task of a broker envelope (as kombu decodes it) takes: its
+    arguments decoded and its ``lock_key`` rendered; None if it is not a ``LockedTask``'s
+    message (task protocol 2, with a task id) or cannot be decoded or rendered here."""
+    from .base import LockedTask  # (base imports this module)
+
+    try:
+        headers, properties = envelope["headers"], envelope["properties"]
+        task = app.tasks.get(headers.get("task"))
+        if not isinstance(task, LockedTask) or not isinstance(headers.get("id"), str):
+            return None
+        body = envelope["body"]
+        if properties.get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        if headers.get("compression"):
+            body = compression.decompress(body, headers["compression"])  # type: ignore[no-untyped-call]
+        if accept is None:
+            accept = serialization.prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+        args, kwargs, _embed = serialization.loads(  # type: ignore[no-untyped-call]
+            body, envelope["content-type"], envelope["content-encoding"], accept=accept
+        )
+        return LockKeys.for_name(task.lock_name(args, kwargs), task.lock_options().prefix).lock
+    except Exception:
+        return None
+
+
+def LockKeysFor(name: str, prefix: str) -> bytes:
+    return LockKeys.for_name(name, prefix).lock
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _dumps(value: Any) -> str:
+    return str(kombu_json.dumps(value))  # type: ignore[no-untyped-call]
+
+
+def _loads(text: str) -> dict[str, Any]:
+    return dict(kombu_json.loads(text))  # type: ignore[no-untyped-call]
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

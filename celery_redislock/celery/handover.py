@@ -1,0 +1,197 @@
+"""Sending the task a lock was handed to.
+
+A release (or the sweeper) that hands a lock to a parked task returns that task's parked
+message, read back from Redis: :func:`deliver_handed_over` checks it (signature, run,
+lock) and sends it (:func:`publish_to_handoff_queue` for a parked signature, a push to
+its queue list for a parked envelope), or refuses it (:func:`refuse_handed_over`) and
+hands the lock on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kombu.utils import json as kombu_json
+
+from .. import metrics, signals
+from .._core import LockKeys
+from .._scripts import scripts_for
+from . import signing
+from .clients import client_for, settings_for
+from .envelope import (
+    ENVELOPE,
+    TAG_PREFIX,
+    _Handed,
+    _handed,
+    _text,
+    envelope_lock_key,
+    push_targets,
+)
+from .tasklock import request_owner, run_owner
+
+log = logging.getLogger(__name__)
+
+
+#: Refused parked messages one delivery gets past at most (each refusal hands the lock on
+#: to the next parked task, whose message is checked in turn); the sweeper does the rest.
+MAX_REFUSALS = 100
+
+
+def deliver_handed_over(app: Any, handed: _Handed | None, lease: int) -> int:
+    """Check the message of the parked task a lock was handed to, then send it: 1 if sent.
+
+    Everything in it was read back from Redis, where anyone who may write the lock keys
+    may have written it. It is sent only if a worker holding this app's signing key parked
+    it, for this task id, under this lock, and (when the task is registered here) if its
+    task is a ``LockedTask`` whose arguments take that lock. A parked signature is then
+    published to ``<its queue>.redislock``, an envelope pushed to the read end of its queue
+    list. Anything else is refused: not sent, reported (:func:`refuse_handed_over`), and its
+    parked record removed, the lock handed on to the next parked task (``lease`` ms), whose
+    message is checked in turn. Redis and publishing errors propagate.
+    """
+    for _ in range(MAX_REFUSALS):
+        if handed is None:
+            return 0
+        try:
+            send = _checked(app, handed)
+        except signing.Refused as exc:
+            handed = refuse_handed_over(app, handed.lock_key, handed.task_id, str(exc), lease)
+            continue
+        send()
+        return 1
+    if handed is not None:
+        log.warning(
+            "redislock: refused %d parked messages in a row under %r; the sweeper goes on",
+            MAX_REFUSALS,
+            _text(handed.lock_key),
+        )
+    return 0
+
+
+def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
+    """How to send a handed-over task's message, once it is checked; raises Refused."""
+    key = settings_for(app).signing_key
+    message = handed.message
+    try:
+        if message[:1] == signing.SIGNED.encode():
+            signature = signing.open_signature(key, handed.lock_key, handed.task_id, message)
+            options = signature.get("options") or {}
+            run = run_owner(
+                str(options.get("task_id")),
+                options.get("retries"),
+                options.get("replaced_task_nesting"),
+            )
+            if run != handed.task_id.decode():
+                raise signing.Refused("its run is not the one it was parked as")
+            _check_parked_under(app, signature.get("task"), handed.lock_key, signature)
+            return functools.partial(publish_to_handoff_queue, app, signature)
+        if message[:1] == ENVELOPE.encode():
+            queue_list, pushed = _checked_envelope(app, key, handed)
+            return functools.partial(client_for(app).rpush, queue_list, pushed)
+    except signing.Refused:
+        raise
+    except Exception as exc:  # undecodable: no worker parked it
+        raise signing.Refused(f"not a parked message ({type(exc).__name__}: {exc})") from None
+    raise signing.Refused("not a signed parked message")
+
+
+def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes]:
+    head, placeholder, text = handed.message[1:].split(b"\n", 2)
+    envelope = kombu_json.loads(text)  # type: ignore[no-untyped-call]
+    if not isinstance(envelope, dict):
+        raise signing.Refused("not a broker envelope")
+    lock, queue_list = signing.check_envelope(key, envelope)
+    if lock.encode() != handed.lock_key:
+        raise signing.Refused(f"it was signed for another lock ({lock!r})")
+    if queue_list.encode() != head:
+        raise signing.Refused(f"it was signed for another queue list ({queue_list!r})")
+    if request_owner(envelope["headers"]) != handed.task_id.decode():
+        raise signing.Refused("its run is not the one it was parked as")
+    tag = envelope["properties"].get("delivery_tag")
+    once = text.count(placeholder) == 1  # where the tag goes, exactly
+    if tag != placeholder.decode() or not tag.startswith(TAG_PREFIX) or not once:
+        raise signing.Refused("its delivery tag is not its placeholder")
+    _check_parked_under(app, envelope["headers"].get("task"), handed.lock_key, envelope)
+    return head, text.replace(placeholder, placeholder + b"h" + handed.tag, 1)
+
+
+def _check_parked_under(app: Any, name: Any, lock_key: bytes, message: dict[str, Any]) -> None:
+    """Refuse a message whose task is known here and is not a ``LockedTask`` whose
+    arguments take ``lock_key`` (a task not registered in this worker is vouched for by
+    its signature alone)."""
+    from .base import LockedTask  # (base imports this module)
+
+    task = app.tasks.get(name) if isinstance(name, str) else None
+    if task is None:
+        return
+    if not isinstance(task, LockedTask):
+        raise signing.Refused(f"{name!r} is not a LockedTask")
+    if "headers" in message:  # a broker envelope
+        rendered = envelope_lock_key(app, message)
+    else:  # a signature
+        lock_name = task.lock_name(message.get("args"), message.get("kwargs"))
+        rendered = LockKeys.for_name(lock_name, task.lock_options().prefix).lock
+    if rendered != lock_key:
+        raise signing.Refused("its arguments do not take the lock it was parked under")
+
+
+def refuse_handed_over(
+    app: Any, lock_key: bytes, task_id: bytes, reason: str, lease: int
+) -> _Handed | None:
+    """Report a parked message that must not be sent, and take its hand-over back: the
+    lock goes to the next parked task (returned, to be checked and sent in turn), and the
+    refused task's parked records are removed, so the sweeper never sends it again."""
+    _report_refused(app, lock_key, task_id, reason)
+    client = client_for(app)
+    keys = [
+        lock_key,
+        lock_key + b":released",
+        lock_key + b":fence",
+        lock_key + b":parked",
+        lock_key + b":parked:messages",
+        lock_key + b":done:" + task_id,
+        lock_key + b":parked:dispatched",
+        lock_key + b":waiters",
+        lock_key + b":claims",
+        lock_key + b":waiters:wake",
+    ]
+    args = [task_id, "unstarted", lease, 0, "", "", "", "", "", *push_targets(app)]
+    return _handed(lock_key, scripts_for(client).handoff(keys=keys, args=args))
+
+
+def _report_refused(app: Any, key: bytes, task_id: bytes | None, reason: str) -> None:
+    shown_key, shown_id = _text(key), None if task_id is None else _text(task_id)
+    log.error(
+        "redislock: refused the parked message of task %r under %r: %s. It is not sent or "
+        "run. Whoever may write the lock keys wrote it without the workers' signing key, or "
+        "a worker with another redislock_signing_key parked it (docs/security.md)",
+        shown_id,
+        shown_key,
+        reason,
+    )
+    signals.parked_rejected.send(app, key=shown_key, task_id=shown_id, reason=reason)
+    try:  # now: the worker's main process (the sweeper, a fetch) flushes no other way
+        metrics.flush_to_redis(client_for(app), settings_for(app).defaults.prefix, force=True)
+    except Exception:  # stats are best effort
+        log.debug("redislock: could not flush stats", exc_info=True)
+
+
+def publish_to_handoff_queue(app: Any, message: dict[str, Any]) -> None:
+    """Publish a parked task's signature to ``<its queue>.redislock``."""
+    signature = app.signature(message)
+    options = dict(signature.options)
+    # A re-built request carries its queue, or (sent through a named exchange) its routing
+    # key, which for Celery's direct exchanges is the queue's name.
+    routing_key = options.pop("routing_key", None)
+    options.pop("exchange", None)
+    queue = options.pop("queue", None) or routing_key or app.conf.task_default_queue
+    signature.options = options
+    signature.apply_async(queue=handoff_queue(queue))
+
+
+def handoff_queue(queue: str) -> str:
+    """The queue a task handed its lock is published to: ``<queue>.redislock``."""
+    return queue if queue.endswith(".redislock") else f"{queue}.redislock"

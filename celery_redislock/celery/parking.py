@@ -1,0 +1,308 @@
+"""Parking at delivery: the worker's main process parks a contended task before a pool
+process ever gets it.
+
+``LockedTask.Strategy`` wraps Celery's default task strategy (the function the worker's
+consumer calls for every message of a task type). For a message whose lock another task
+holds, it parks the broker's own message (the *envelope*) behind the holder and acks it:
+no pool process is taken, no publish is made. The holder's release (``handoff.lua``)
+hands the lock to the first parked task and pushes its envelope back to the head of its
+queue's first-read (priority 0) list in the same atomic step, so the next fetch of any
+worker consuming that queue takes it at once.
+
+It applies only where it is exact: a Redis broker on the same server and database as the
+locks (checked once per worker and broker URL, with a probe key), a queue list the locks'
+Redis user may write, messages of task protocol 2 without ``eta`` or ``expires``,
+``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
+``redislock_urls``), no parked-task fallback copies, and ``redislock_park_at_delivery``
+left on. Everything else (and any error here) goes the usual way: the pool process takes
+the lock, or parks the task itself.
+
+A message whose delivery tag says a hand-over pushed it back is run only if its signature
+verifies (:func:`accept_handed_over`): a hand-over script pushes what it finds in Redis,
+where anyone who may write the lock keys may have written it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import weakref
+from typing import Any
+
+import redis
+from celery.worker.strategy import default as default_strategy
+
+from .. import signals
+from .._core import LockKeys, OwnerFinished, lease_ms, name_from_lock_key
+from . import signing
+from .base import LockedTask
+from .clients import client_for, settings_for
+from .contention import REQUEUE_HEADER, _park_fallback
+from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
+from .handover import _report_refused, deliver_handed_over, refuse_handed_over
+from .lookahead import LOOKAHEAD_HEADER
+from .tasklock import TaskLock, request_owner
+
+log = logging.getLogger(__name__)
+
+
+def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    """Celery's default strategy, with contended messages parked before dispatch, and
+    messages a hand-over pushed run only if they verify."""
+    handler = default_strategy(task, app, consumer, **kwargs)
+    parker = Parker.for_consumer(task, app, consumer)
+    errors = consumer.connection_errors
+
+    def task_message_handler(
+        message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any
+    ) -> Any:
+        if (
+            str(message.delivery_tag).startswith(TAG_PREFIX)
+            and not accept_handed_over(task, app, message)
+        ) or (parker is not None and parker.park(message)):
+            ack(log, errors)  # as Request.acknowledge does
+            return None
+        return handler(message, body, ack, reject, callbacks, **kw)
+
+    return task_message_handler
+
+
+def accept_handed_over(task: Any, app: Any, message: Any) -> bool:
+    """Whether a message a hand-over pushed back (its delivery tag says so) may run.
+
+    A hand-over script pushes a parked envelope it read from Redis, so it runs only if a
+    worker holding the app's signing key parked it, under the lock its arguments take
+    (``signing.check_envelope``). A refused one is reported, and its hand-over taken back
+    (the lock goes to the next parked task): the caller acks it, so it never runs.
+    """
+    raw = getattr(message, "_raw", None)
+    try:
+        lock, _queue_list = signing.check_envelope(settings_for(app).signing_key, raw)
+        if envelope_lock_key(app, raw) == lock.encode():
+            return True
+        reason = "its arguments do not take the lock it was parked under"
+    except signing.Refused as exc:
+        reason = str(exc)
+    except Exception as exc:  # not a message any worker parked
+        reason = f"not a parked message ({type(exc).__name__}: {exc})"
+    try:
+        lock_key, task_id = _parked_as(app, raw)
+        if lock_key is None:
+            _report_refused(app, b"", task_id, reason)
+        else:
+            lease = lease_ms(task.lock_options().ttl, "lock_ttl")
+            handed = refuse_handed_over(app, lock_key, task_id, reason, lease)
+            deliver_handed_over(app, handed, lease)
+    except Exception:  # the sweeper hands the lock on when the hand-over's lease runs out
+        log.exception("redislock: could not take back the hand-over of a refused message")
+    return False
+
+
+def _parked_as(app: Any, raw: Any) -> tuple[bytes | None, bytes]:
+    """The lock key and task id a pushed message says it was parked as: a hand-over
+    script pushes an envelope only if they are the ones it handed the lock to
+    (envelope.lua's ``pushable``). No lock key if it names none of this app's locks."""
+    headers = raw.get("headers") if isinstance(raw, dict) else None
+    headers = headers if isinstance(headers, dict) else {}
+    parked = headers.get(signing.PARKED_HEADER)
+    task_id, lock = headers.get("id"), parked.get("lock") if isinstance(parked, dict) else None
+    task_id = request_owner(headers).encode() if isinstance(task_id, str) else b""
+    if not task_id or not isinstance(lock, str):
+        return None, task_id
+    prefixes = {t.lock_options().prefix for t in app.tasks.values() if isinstance(t, LockedTask)}
+    for prefix in prefixes:
+        name = name_from_lock_key(lock.encode(), prefix)
+        if name is not None and LockKeys.for_name(name, prefix).lock == lock.encode():
+            return lock.encode(), task_id
+    return None, task_id
+
+
+class Parker:
+    """Parks one task type's contended messages in the worker's main process."""
+
+    def __init__(self, task: Any, app: Any, revoked: Any, *, slots: int | None = None) -> None:
+        self.task = task
+        self.app = app
+        self.revoked = revoked
+        #: Look-ahead needs two worker slots here at least: a lock's tasks moved ahead
+        #: would otherwise take this worker's only one in turn.
+        self.lookahead = slots is None or slots >= 2
+        self.queues: dict[tuple[str, str], list[str]] = {}
+
+    @classmethod
+    def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
+        if not isinstance(task, LockedTask):
+            return None
+        try:
+            settings = settings_for(app)
+            if (
+                not settings.park_at_delivery
+                or settings.urls
+                or _park_fallback(app)
+                or not _same_redis(app, consumer)
+            ):
+                return None
+        except Exception:
+            log.debug("redislock: parking at delivery is off for %s", task.name, exc_info=True)
+            return None
+        # The pool's size: its largest with --autoscale (the pool's limit is its least).
+        slots = getattr(consumer.controller, "max_concurrency", None)
+        if not isinstance(slots, int) or not slots:
+            slots = getattr(getattr(consumer, "pool", None), "limit", None)
+        return cls(
+            task,
+            app,
+            consumer.controller.state.revoked,
+            slots=slots if isinstance(slots, int) else None,
+        )
+
+    def park(self, message: Any) -> bool:
+        """True if the message was parked (the caller acks it); False: deliver it."""
+        try:
+            return self._park(message)
+        except Exception:  # the pool process takes the usual way
+            log.debug("redislock: could not park at delivery", exc_info=True)
+            return False
+
+    def _park(self, message: Any) -> bool:
+        headers = message.headers or {}
+        # Only ever set here, never taken from a message (these are also the envelope's).
+        headers.pop(LOOKAHEAD_HEADER, None)
+        raw = getattr(message, "_raw", None)
+        task_id = headers.get("id")
+        if (
+            not isinstance(raw, dict)
+            or "task" not in headers  # task protocol 1
+            or headers.get("eta")
+            or headers.get("expires")
+            or not task_id
+            or task_id in self.revoked
+        ):
+            return False
+        task = self.task
+        options = task.lock_options()
+        if options.on_contention != "requeue":
+            return False
+        handed = str(message.delivery_tag).startswith(TAG_PREFIX)
+        count = int(headers.get(REQUEUE_HEADER) or 0)
+        if count >= options.max_requeues and not handed:
+            return False
+        queue_list = self._queue_list(message, raw)
+        if queue_list is None:
+            return False
+        if handed:  # pushed back by a hand-over (and verified): the lock is its own
+            if options.lookahead and self.lookahead:
+                # Its release looks in the list for the next task of its lock.
+                message.headers[LOOKAHEAD_HEADER] = queue_list
+            return False
+        args, kwargs, _embed = message.decode()
+        name = task.lock_name(args, kwargs)  # a bad value: the pool process fails the task
+        # Copies of the two parts changed (the header here, the delivery tag when parked).
+        envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
+        envelope["headers"][REQUEUE_HEADER] = count + 1
+        client = client_for(self.app)
+        lock = TaskLock(client, name, task_id=request_owner(headers), options=options)
+        keep_for = task._parking_lifetime(options)
+        key = settings_for(self.app).signing_key
+        entry = envelope_entry(queue_list, envelope, lock.keys.lock, key)
+        try:
+            outcome = lock.park(entry, keep_for, behind=True)
+        except OwnerFinished:
+            return False  # the pool process logs the duplicate and ignores it
+        if outcome is None or outcome is True:
+            return False
+        lock._contended(task_id)
+        signals.task_parked.send(task, name=name, task_id=task_id)
+        log.info(
+            "redislock: %s[%s] parked behind the holder of %r (%d) before dispatch",
+            task.name,
+            task_id,
+            name,
+            count + 1,
+        )
+        return True
+
+    def _queue_list(self, message: Any, raw: dict[str, Any]) -> str | None:
+        """The list a hand-over pushes this message to, if parking it is exact here.
+
+        That is its queue's first-read list (kombu's BRPOP reads the lists in the order of
+        priority_steps), whatever the message's priority: once handed the lock, it must
+        not wait behind a backlog while it holds it. None: the message is bound to several
+        queues, or to one this worker does not consume (dead letter), or the locks' Redis
+        user may not write the list.
+        """
+        channel = message.channel
+        info = raw["properties"]["delivery_info"]
+        queues = self._queues_for(channel, info.get("exchange") or "", info["routing_key"])
+        if len(queues) != 1 or queues[0] not in getattr(channel, "_active_queues", ()):
+            return None
+        first = channel.priority_steps[0]
+        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], first)
+        if "\n" in queue_list or not self._may_push(client_for(self.app), queue_list):
+            return None
+        return str(queue_list)
+
+    def _may_push(self, client: Any, queue_list: str) -> bool:
+        """Whether the lock's Redis user may write ``queue_list`` (the hand-over pushes
+        to it from a script): an ``LREM`` of a value that is never there, once a list per
+        app in a process (every task type asks; the ``LREM`` scans the whole list)."""
+        writable = _writable.setdefault(self.app, {})
+        found = writable.get(queue_list)
+        if found is None:
+            try:
+                client.lrem(queue_list, 0, "redislock-probe-" + uuid.uuid4().hex)
+                found = True
+            except redis.ResponseError as exc:  # NOPERM: a lock user confined to its keys
+                found = False
+                log.warning(
+                    "redislock: parking at delivery is off for queue %r: the locks' Redis "
+                    "user may not write it (%s); pool processes park its tasks instead",
+                    queue_list,
+                    exc,
+                )
+            writable[queue_list] = found
+        return found
+
+    def _queues_for(self, channel: Any, exchange: str, routing_key: str) -> list[str]:
+        found = self.queues.get((exchange, routing_key))
+        if found is None:
+            found = self.queues[(exchange, routing_key)] = list(
+                channel._lookup(exchange, routing_key)
+            )
+        return found
+
+
+_same: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
+#: Per app: queue lists the locks' Redis user may write (True) or not (False).
+_writable: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
+
+
+def _same_redis(app: Any, consumer: Any) -> bool:
+    """Whether the broker is a Redis on the same server and database as the locks: a
+    key the lock client writes (under the locks' prefix) is read back by the broker's.
+    Asked once per app and broker URL in a process (every task type asks)."""
+    connection = consumer.connection
+    if connection is None or connection.transport.driver_type != "redis":
+        return False
+    uri = connection.as_uri(include_password=True)
+    if not uri.startswith(("redis://", "rediss://", "unix://")):
+        return False
+    known = _same.setdefault(app, {})
+    if uri not in known:
+        known[uri] = _probe(app, uri)
+    return known[uri]
+
+
+def _probe(app: Any, uri: str) -> bool:
+    locks = client_for(app)
+    probe = f"{settings_for(app).defaults.prefix}probe:{uuid.uuid4().hex}"
+    nonce = uuid.uuid4().hex
+    broker = redis.Redis.from_url(uri, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        locks.set(probe, nonce, px=10_000)
+        try:
+            return bool(broker.get(probe) == nonce.encode())
+        finally:
+            locks.delete(probe)
+    finally:
+        broker.close()

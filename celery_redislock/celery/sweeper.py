@@ -1,0 +1,95 @@
+"""The sweeper: the worker main process's thread that serves parked tasks whose holder
+or hand-over was lost."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+from .._core import MIN_SECONDS, LockKeys, lease_ms, name_from_lock_key
+from .._scripts import scripts_for
+from .base import LockedTask
+from .clients import client_for, settings_for
+from .envelope import _handed, _text
+from .handover import _report_refused, deliver_handed_over
+from .lookahead import QUEUE_REACH
+
+log = logging.getLogger(__name__)
+
+
+class Sweeper(threading.Thread):
+    """The worker main process's safety net for parked tasks.
+
+    Every few seconds, for each lock with parked tasks: if its holder vanished without
+    releasing (lease expired), hand the lock to the next parked task; if a handed-over
+    task's message never started it (the releasing worker died before publishing), publish
+    it again. Several workers sweeping at once is safe: each step is one atomic script.
+    """
+
+    def __init__(self, app: Any) -> None:
+        super().__init__(name="redislock-sweeper", daemon=True)
+        self.app = app
+        self.stopping = threading.Event()
+        settings = settings_for(app)
+        self.ttl = settings.defaults.ttl
+        self.interval = max(0.5, min(self.ttl / 6, 5.0))
+        self.prefixes = sorted(
+            {t.lock_options().prefix for t in app.tasks.values() if isinstance(t, LockedTask)}
+        )
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.interval):
+            try:
+                self.sweep_once()
+            except Exception:
+                log.exception("redislock: sweeping parked tasks failed; retrying")
+
+    def sweep_once(self) -> int:
+        """One pass; returns how many messages it published."""
+        client = client_for(self.app)
+        scripts = scripts_for(client)
+        published = 0
+        for prefix in self.prefixes:
+            registry = prefix + "parked"
+            members: list[bytes] = list(client.zrange(registry, 0, -1))  # type: ignore[arg-type]
+            for lock_key in members:
+                name = name_from_lock_key(lock_key, prefix)
+                if name is None or LockKeys.for_name(name, prefix).lock != lock_key:
+                    # Anyone who may write the registry may have written it: no lock's keys.
+                    client.zrem(registry, lock_key)
+                    _report_refused(self.app, lock_key, None, "not a lock key of this prefix")
+                    continue
+                try:
+                    published += self._sweep_lock(client, scripts, registry, lock_key)
+                except Exception:  # one bad lock does not stop the pass
+                    log.exception("redislock: sweeping %r failed; retrying next pass", lock_key)
+        return published
+
+    def _sweep_lock(self, client: Any, scripts: Any, registry: str, lock_key: bytes) -> int:
+        keys = [
+            lock_key,
+            lock_key + b":released",
+            lock_key + b":fence",
+            lock_key + b":parked",
+            lock_key + b":parked:messages",
+            lock_key + b":parked:unused",
+            lock_key + b":parked:dispatched",
+            registry,
+        ]
+        stale = lease_ms(max(self.ttl / 2, MIN_SECONDS), "stale")
+        args = [lease_ms(self.ttl, "redislock_ttl"), stale, QUEUE_REACH]
+        reply = scripts.sweep(keys=keys, args=args)
+        handed = _handed(lock_key, reply) if int(reply[0]) == 1 else None
+        if handed is None:
+            return 0
+        log.warning(
+            "redislock: sweeper hands %r to parked task %r (holder or hand-over lost)",
+            lock_key,
+            _text(handed.task_id),
+        )
+        return deliver_handed_over(self.app, handed, args[0])
+
+
+_sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()

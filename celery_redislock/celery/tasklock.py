@@ -1,0 +1,368 @@
+"""The lock of one run of a task.
+
+:func:`run_owner` / :func:`request_owner` name the run that owns it; :class:`TaskLock`
+is that lock on one Redis (with parking and hand-over), :class:`QuorumTaskLock` on a
+quorum of masters (``redislock_urls``), and :func:`task_lock` picks one for an app.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._core import LINE_MARGIN_MS, OwnerFinished, OwnerRunning, decode_acquire, lease_ms
+from .._errors import LockNotOwnedError, LockQuorumError
+from .._quorum import decided_by, given_back, quorum_error, release_code
+from .._renewal import scheduler_for
+from ..lock import RedisLock
+from ..redlock import RedLock
+from ..settings import LockOptions
+from .clients import client_for, quorum_clients_for, settings_for
+from .envelope import _Handed, _handed, _text, push_targets
+
+if TYPE_CHECKING:
+    from .lookahead import _Pull
+
+log = logging.getLogger(__name__)
+
+
+def _task_argv(owner: str, lease: int, line: Any, token: str, adopt: str | None) -> list[Any]:
+    """acquire.lua's ARGV for a task run: never a re-entry ("task"), or taking over the
+    hold an earlier run kept across ``self.retry()`` ("adopt")."""
+    if adopt is None:
+        return [owner, lease, line, token, "task"]
+    return [owner, lease, line, token, "adopt", "", adopt]
+
+
+def run_owner(task_id: str, retries: Any = 0, nesting: Any = 0) -> str:
+    """The lock owner of one run of a task: its id, and the run's place among the runs
+    that share that id (``self.retry()`` sends the same id again with ``retries`` + 1,
+    ``self.replace()`` with ``replaced_task_nesting`` + 1). A redelivery of a message is
+    the same run (same owner: its duplicate is recognised); a retry or a replacement is
+    a new run that waits for the previous one like any other task, and is not taken for
+    a duplicate of it. The first run's owner is the task id itself."""
+    suffix = ""
+    for tag, value in (("n", nesting), ("r", retries)):
+        try:
+            number = int(value or 0)
+        except (TypeError, ValueError, OverflowError):  # a header no producer of ours sends
+            number = 0
+        if number > 0:
+            suffix += f"{tag}{number}"
+    return f"{task_id}~{suffix}" if suffix else task_id
+
+
+def request_owner(request: Any) -> str:
+    """:func:`run_owner` of a Celery request (or a message's headers, as a dict)."""
+    get = request.get if isinstance(request, dict) else functools.partial(getattr, request)
+    return run_owner(str(get("id", None)), get("retries", 0), get("replaced_task_nesting", 0))
+
+
+class TaskLock(RedisLock):
+    """A :class:`RedisLock` owned by one run of a task (:func:`run_owner`), with the run's
+    "done" marker beside it. A run never re-enters its lock: an attempt that finds its own
+    owner holding it (another delivery of the same run) raises ``OwnerRunning`` and
+    changes nothing."""
+
+    _adopt: str | None = None  # set during take(adopt=...)
+    _direct_grants = False  # a hold count of 0 means "handed over, not started" here
+    pulled: str | None = None  # the queued task the last finish() handed the lock to
+    #: The queue lists a hand-over may push a parked envelope to itself, and the task names
+    #: it may be for, one a line (handoff.lua's ARGV[10], ARGV[11]): ``task_lock`` sets the
+    #: app's. Other envelopes come back to the worker, which checks them first.
+    push_to: tuple[str, str] = ("", "")
+
+    def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
+        super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
+        self.done_key = self.keys.lock + b":done:" + task_id.encode()
+        self.parked = self.keys.lock + b":parked"
+        self.parked_messages = self.keys.lock + b":parked:messages"
+        self.dispatched = self.keys.lock + b":parked:dispatched"
+        self.registry = self.prefix + "parked"  # the sweeper's: locks with parked tasks
+
+    def _acquire_keys(self) -> list[bytes]:
+        return [*super()._acquire_keys(), self.done_key]
+
+    def take(self, *, adopt: str | None = None) -> bool:
+        """One attempt, renewed while held. Raises OwnerFinished (this run finished) or
+        OwnerRunning (another delivery of this run holds it; nothing changed).
+
+        ``adopt``: the owner of an earlier run of this task that kept the lock across
+        ``self.retry()``; its hold, if still there, becomes this run's.
+        """
+        self._adopt = adopt
+        try:
+            return self._try(self._current_owner(), self._lease, True) is True
+        finally:
+            self._adopt = None
+
+    def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
+        return _task_argv(owner, lease, LINE_MARGIN_MS if line else "", "", self._adopt)
+
+    def park(self, message: str, keep_for: float, *, behind: bool = False) -> bool | int | None:
+        """Take the lock, or park ``message`` behind the holder: True, or the holder's pttl.
+
+        With ``behind``, park only behind another owner's hold and never take the lock:
+        None when it is free or this task id holds it (the worker's main process parking
+        before a pool process gets the task). A parked task's lock is also entered in
+        the registry the workers' sweeper scans, in the same script.
+        """
+        owner = self._current_owner()
+        sent_at = time.monotonic()
+        keys = [
+            self.keys.lock,
+            self.keys.fence,
+            self.done_key,
+            self.parked,
+            self.parked_messages,
+            self.dispatched,
+            self.keys.waiters,
+            self.keys.claims,
+            self.keys.wake,
+            self.registry,
+        ]
+        args = [owner, self._lease, message, lease_ms(keep_for, "parking lifetime")]
+        if behind:
+            args.append("behind")
+        raw = self._scripts.park(keys=keys, args=args)
+        if int(raw[0]) == 2:
+            return None
+        reply = decode_acquire(raw)
+        if reply.finished:
+            raise OwnerFinished(self.name)
+        if reply.running:
+            raise OwnerRunning(self.name)
+        if not reply.acquired:
+            return reply.pttl
+        hold, is_new = self._record_acquired(owner, reply, sent_at, self._lease, True)
+        if is_new:
+            scheduler_for(self.client).add(hold)
+        return True
+
+    def handoff_args(
+        self,
+        owner: str,
+        mode: str,
+        done_ttl: float | None,
+        pull: _Pull | None = None,
+        token: int | None = None,
+    ) -> tuple[list[Any], list[Any]]:
+        keys: list[Any] = [
+            self.keys.lock,
+            self.keys.channel,
+            self.keys.fence,
+            self.parked,
+            self.parked_messages,
+            self.done_key,
+            self.dispatched,
+            self.keys.waiters,
+            self.keys.claims,
+            self.keys.wake,
+        ]
+        done_ms = 0 if done_ttl is None else lease_ms(done_ttl, "lock_done_ttl")
+        args: list[Any] = [owner, mode, self._lease, done_ms]
+        if pull is not None:
+            next_done = self.keys.lock + b":done:" + pull.task_id.encode()
+            keys += [pull.queue_list, self.registry, pull.chain, next_done]
+            args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms, pull.reach]
+        else:
+            args += ["", "", "", "", ""]
+        return keys, [*args, *self.push_to, "" if token is None else token]
+
+    def handed(self, reply: list[Any]) -> _Handed | None:
+        """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
+        return _handed(self.keys.lock, reply)
+
+    def finish(
+        self,
+        *,
+        hold: float,
+        done_ttl: float | None,
+        lookahead: Callable[[], _Pull | None] | None = None,
+        token: int | None = None,
+    ) -> _Handed | None:
+        """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
+
+        ``token``: only the holding with this fencing token (a release retried late must
+        not touch a later holding of the same run: another copy of its message that took
+        the lock after this one's lease ran out).
+
+        With ``done_ttl``, also mark the task id done so a later delivery of the same
+        message does not run again. Returns the parked task the lock was handed to whose
+        message the worker must check and send (:func:`deliver_handed_over`), if any.
+        Raises like :meth:`release` when the hold was lost — after recording any hand-over
+        on the exception's ``handed_to``.
+
+        ``lookahead`` (a release without ``hold``): finds the next queued task of this
+        lock, which the release hands the lock to when no task is parked or waiting;
+        ``self.pulled`` is then its task id.
+        """
+        self.pulled = None
+        owner = self._current_owner()
+        held = self._holds.get(owner)
+        if held is not None:
+            held.releasing += 1  # a renewal crossing this release must not report a loss
+        try:
+            if hold <= 0:
+                pull = None
+                if lookahead is not None:
+                    try:
+                        pull = lookahead()
+                    except Exception:  # only a shortcut: the task comes in its turn anyway
+                        log.debug("redislock: look-ahead failed for %r", self.name, exc_info=True)
+                handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull, token)
+                reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
+                code = int(reply[0])
+                message = self.handed(reply)
+                if len(reply) > 3 and reply[1] is None:  # handed to the look-ahead's queued task
+                    self.pulled = _text(reply[2])
+            else:
+                keys = self.keys.release_keys()
+                args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold"), "", ""]
+                if done_ttl is not None:
+                    keys.append(self.done_key)
+                    args[3] = lease_ms(done_ttl, "lock_done_ttl")
+                if token is not None:
+                    args.append(token)
+                code, message = int(self._scripts.release(keys=keys, args=args)), None
+        finally:
+            if held is not None:
+                held.releasing -= 1
+        try:
+            self._record_released(owner, code)
+        except LockNotOwnedError as exc:
+            exc.handed_to = message  # type: ignore[attr-defined]
+            raise
+        return message
+
+
+class QuorumTaskLock(RedLock):
+    """:class:`TaskLock` over a quorum of masters (``redislock_urls``): no parking.
+
+    Owned by the task id, with the task's "done" marker on every node; a contended task
+    is re-queued with a countdown (parked hand-over needs a single Redis).
+    """
+
+    _adopt: str | None = None  # set during take(adopt=...)
+
+    def __init__(
+        self,
+        clients: list[Any],
+        name: str,
+        *,
+        task_id: str,
+        options: LockOptions,
+        node_timeout: float,
+    ) -> None:
+        super().__init__(
+            clients,
+            name,
+            ttl=options.ttl,
+            owner=task_id,
+            prefix=options.prefix,
+            node_timeout=node_timeout,
+        )
+        self.done_key = self.keys.lock + b":done:" + task_id.encode()
+
+    def _acquire_keys(self) -> list[bytes]:
+        return [*super()._acquire_keys(), self.done_key]
+
+    def take(self, *, adopt: str | None = None) -> bool:
+        """One attempt on every node, renewed while held; raises like :meth:`TaskLock.take`."""
+        self._adopt = adopt
+        try:
+            return self._try(self._current_owner(), self._lease, True) is None
+        finally:
+            self._adopt = None
+
+    def _attempt_argv(self, owner: str, lease: int, fresh: bool) -> list[Any]:
+        return _task_argv(owner, lease, "", "new-token" if fresh else "", self._adopt)
+
+    def _each_node(self, keys: list[bytes], args: list[Any]) -> int:
+        owner = self._current_owner()
+        round_ = self._round(self._giving_back(owner, keys, args))
+        code = release_code(round_, self.quorum)
+        if code is None:
+            raise quorum_error(self.name, owner, "release", round_, self.quorum)
+        return code
+
+    def _start_group(self, hold: Any, outcome: Any, sent_at: float, signal: Any) -> Any:
+        self._granted_by = list(outcome.granted)
+        return super()._start_group(hold, outcome, sent_at, signal)
+
+    def _undo_plan(self, owner: str, outcome: Any, fresh: bool) -> tuple[list[int], list[Any]]:
+        if outcome is not None and outcome.running:
+            # Another delivery of this run holds it (there): give back only what this
+            # attempt is known to have taken, never a hold that may be the other's.
+            return sorted(outcome.granted), [owner, "one"]
+        return super()._undo_plan(owner, outcome, fresh)
+
+    def release_all(self) -> int:
+        """Every hold of the task id, on every node (its process died)."""
+        return self._each_node(self.keys.release_keys(), [self.owner, "all"])
+
+    pulled: str | None = None  # never: a quorum lock does not look ahead
+
+    def finish(
+        self,
+        *,
+        hold: float,
+        done_ttl: float | None,
+        lookahead: Callable[[], _Pull | None] | None = None,
+        token: int | None = None,
+    ) -> _Handed | None:
+        """Give the hold back on every node (or keep it ``hold`` seconds), marking the task
+        id done (``lookahead`` is unused: ``LockedTask._lookahead`` gives a quorum lock
+        none). Raises :class:`LockLostError` like :meth:`TaskLock.finish`; when too few
+        nodes answer to tell, the hold is given up with a warning (the silent nodes get
+        the release when they answer, or the lease ends there)."""
+        owner = self._current_owner()
+        keys = self.keys.release_keys()
+        args: list[Any] = (
+            [owner, "hold", lease_ms(hold, "lock_hold")]
+            if hold > 0
+            else [
+                owner,
+                "all",
+                0,
+            ]
+        )
+        if done_ttl is not None:
+            keys.append(self.done_key)
+            args.append(lease_ms(done_ttl, "lock_done_ttl"))
+        held = self._holds.get(owner)
+        valid = self._valid(held)
+        self._ack_releasing(held, 1)
+        try:
+            round_ = self._round(
+                self._giving_back(owner, keys, args), decided_by(given_back, self.quorum)
+            )
+        finally:
+            self._ack_releasing(held, -1)
+        try:
+            self._settle_release(owner, held, round_, valid)
+        except LockQuorumError as exc:
+            log.warning("redislock: %s", exc)
+        return None
+
+
+AnyTaskLock = TaskLock | QuorumTaskLock
+
+
+def task_lock(app: Any, name: str, *, task_id: str, options: LockOptions) -> AnyTaskLock:
+    """The lock of one task execution: on the app's one Redis, or its quorum of masters."""
+    settings = settings_for(app)
+    if settings.urls:
+        return QuorumTaskLock(
+            quorum_clients_for(app),
+            name,
+            task_id=task_id,
+            options=options,
+            node_timeout=settings.node_timeout,
+        )
+    lock = TaskLock(client_for(app), name, task_id=task_id, options=options)
+    lock.push_to = push_targets(app)
+    return lock

@@ -1,0 +1,174 @@
+"""The worker's main process: :class:`LockedRequest` (releases for a task whose process
+died), the settings check at worker start, and the worker signal handlers (consume the
+hand-off queues, start and stop the sweeper, flush stats at exit), connected once, when
+this module is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import urllib.parse
+from typing import Any
+
+from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
+from celery import signals as celery_signals
+from celery.worker.request import Request
+
+from .. import metrics
+from .._errors import LockConfigurationError
+from .._scripts import scripts_for
+from .base import LockedTask
+from .clients import _clients, settings_for
+from .handover import handoff_queue
+from .sweeper import Sweeper, _sweepers
+from .tasklock import QuorumTaskLock, request_owner, task_lock
+
+log = logging.getLogger(__name__)
+
+
+_CHILD_DIED = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
+
+
+class LockedRequest(Request):  # type: ignore[misc]
+    """Runs in the worker's main process: releases for a task whose process died."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        if not soft:
+            self._release_for_task("hard time limit")
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        try:
+            return super().on_failure(
+                exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+            )
+        finally:
+            exc = getattr(exc_info.exception, "exc", exc_info.exception)
+            if isinstance(exc, _CHILD_DIED):
+                self._release_for_task(type(exc).__name__)
+
+    def _announce_revoked(self, reason: Any, terminated: Any, signum: Any, expired: Any) -> None:
+        super()._announce_revoked(reason, terminated, signum, expired)
+        if not terminated:  # dropped before it ran: give back a lock handed to it
+            self._release_for_task("revoked" if not expired else "expired", "unstarted")
+
+    def _release_for_task(self, why: str, mode: str = "all") -> None:
+        """Release every hold of this task id (``mode="unstarted"``: only a lock handed
+        to it that it never took up), handing over to the next parked task."""
+        task = self.task
+        if not isinstance(task, LockedTask):
+            return
+        try:
+            options = task.lock_options()
+            name = task.lock_name(self.args, self.kwargs)
+            owner = request_owner(self.request_dict or {"id": self.id})
+            lock = task_lock(task.app, name, task_id=owner, options=options)
+            if isinstance(lock, QuorumTaskLock):
+                if mode != "all":
+                    return  # no hand-over on a quorum: nothing is handed to an unstarted task
+                code = lock.release_all()
+            else:
+                done_ttl = options.done_ttl if mode == "unstarted" else None
+                keys, args = lock.handoff_args(owner, mode, done_ttl)
+                reply = scripts_for(lock.client).handoff(keys=keys, args=args)
+                code = int(reply[0])
+                task.publish_handed_over(lock.handed(reply))
+        except Exception as exc:  # the lease still expires by itself
+            log.warning(
+                "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
+            )
+            return
+        if int(code) == 0:
+            log.warning(
+                "redislock: released %r %s %s[%s]: %s (%s)",
+                name,
+                "held by" if mode == "all" else "handed to",
+                task.name,
+                self.id,
+                "its worker process died" if mode == "all" else "it was dropped before it ran",
+                why,
+            )
+
+
+def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
+    """Fail the worker at start, not mid-task, when its app's redislock settings are bad."""
+    app = getattr(sender, "app", None)
+    if app is None or not any(isinstance(t, LockedTask) for t in app.tasks.values()):
+        return
+    metrics.enable()
+    try:
+        settings = settings_for(app)
+    except LockConfigurationError as exc:
+        # Celery logs and swallows Exceptions from signal receivers; SystemExit stops the
+        # worker here, before it takes a single task.
+        log.critical("celery_redislock: %s", exc)
+        raise SystemExit(f"celery_redislock: {exc}") from exc
+    if settings.signing_key_source != "redislock_signing_key" and not _has_password(app):
+        log.warning(
+            "redislock: redislock_signing_key is not set and the broker URL carries no "
+            "password: parked messages are signed with a key derived from that URL, which "
+            "anyone who knows it can derive. Set redislock_signing_key to a secret, the same "
+            "on every worker (docs/security.md)"
+        )
+    if settings.urls:
+        nodes = ", ".join(url.split("@")[-1] for url in settings.urls)
+        log.info("redislock: quorum locks over %d masters: %s", len(settings.urls), nodes)
+    else:
+        where = settings.url.split("@")[-1]
+        log.info("redislock: locks in %s (from %s)", where, settings.url_source)
+
+
+def _has_password(app: Any) -> bool:
+    urls = app.conf.broker_url
+    urls = urls if isinstance(urls, (list, tuple)) else str(urls or "").split(";")
+    try:
+        return bool(urls) and all(urllib.parse.urlsplit(str(url)).password for url in urls)
+    except ValueError:
+        return False
+
+
+celery_signals.worker_init.connect(_check_settings_at_worker_start, weak=False)
+
+
+def _consume_handoff_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """Every worker also consumes ``<q>.redislock`` for each queue ``q`` it consumes."""
+    app = getattr(instance, "app", None)
+    if app is None or not any(isinstance(t, LockedTask) for t in app.tasks.values()):
+        return
+    queues = app.amqp.queues
+    for name in list(queues.consume_from or queues):
+        if not name.endswith(".redislock"):
+            queues.select_add(handoff_queue(name))
+
+
+def _start_sweeper(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None or not any(isinstance(t, LockedTask) for t in app.tasks.values()):
+        return
+    if app not in _sweepers:
+        sweeper = _sweepers[app] = Sweeper(app)
+        sweeper.start()
+
+
+def _stop_sweeper(sender: Any = None, **_: Any) -> None:
+    for sweeper in list(_sweepers.values()):
+        sweeper.stopping.set()
+
+
+def _flush_stats_at_exit(**_: Any) -> None:
+    for app, (pid, client) in list(_clients.items()):
+        if pid == os.getpid():
+            try:
+                metrics.flush_to_redis(client, settings_for(app).defaults.prefix, force=True)
+            except Exception:
+                log.debug("redislock: could not flush stats at exit", exc_info=True)
+
+
+celery_signals.worker_process_shutdown.connect(_flush_stats_at_exit, weak=False)
+celery_signals.worker_shutdown.connect(_flush_stats_at_exit, weak=False)
+celery_signals.celeryd_after_setup.connect(_consume_handoff_queues, weak=False)
+celery_signals.worker_ready.connect(_start_sweeper, weak=False)
+celery_signals.worker_shutdown.connect(_stop_sweeper, weak=False)
