@@ -120,17 +120,26 @@ def _configure(
 ) -> TaskRule | None:
     """Give ``task`` the class of the first rule matching it; the rule, or None. With
     ``error`` (the setting is bad), a matching task gets a class refusing to run."""
-    rule = next((rule for rule in rules if rule.matches(name)), None)
-    if rule is None or not isinstance(task, Task):
+    if not isinstance(task, Task):
         return None
+    rule = next((rule for rule in rules if rule.matches(name)), None)
     current = type(task)
     original = current.__dict__.get("_redislock_original", current)
+    if rule is None:
+        if original is not current and error is None:  # its entry was removed: its own
+            task.__class__ = original  # class again (a bad setting never unlocks a task)
+        return None
     if issubclass(original, LockedTask):
         outcome.own_base[name] = rule.pattern
         _warn_own_base(app, name, rule.pattern)
         return rule
-    if error is not None:
-        task.__class__ = _refusing_class(original, rule, error)
+    if not original.__bound__:
+        # Registered after finalization: Celery binds the task only after this swap, so
+        # its bound state (request stack, annotations, config defaults) would land on the
+        # swapped class and be lost by a later swap. Bind its own class first.
+        original.bind(app)
+    if error is not None:  # no rule to remember: the fixed setting's rule must apply
+        task.__class__ = _refusing_class(original, None, error)
         return rule
     if current.__dict__.get("_redislock_rule") == rule:
         if current.__dict__.get("_redislock_error") is not None:
@@ -176,10 +185,11 @@ def locked_class(original: type, name: str, rule: TaskRule) -> type:
         return type(original.__name__, (LockedTask, original), namespace)
     except LockConfigurationError as exc:  # LockedTask's own checks, naming task and option
         raise LockConfigurationError(f"{where}: {exc}") from None
-    except TypeError as exc:  # no consistent MRO, a layout conflict
+    except Exception as exc:  # no consistent MRO, a layout conflict, the base's own
+        # __init_subclass__ or metaclass refusing the subclass: never left unlocked
         raise LockConfigurationError(
             f"{where}: task {name!r}: its class {original.__qualname__} cannot be combined "
-            f"with LockedTask ({exc})"
+            f"with LockedTask ({type(exc).__name__}: {exc})"
         ) from None
 
 
@@ -240,7 +250,7 @@ def _check_strategy(original: type, where: str, name: str) -> None:
     )
 
 
-def _refusing_class(original: type, rule: TaskRule, error: LockConfigurationError) -> type:
+def _refusing_class(original: type, rule: TaskRule | None, error: LockConfigurationError) -> type:
     """A class for a task whose entry is bad: every call raises the error (never unlocked)."""
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -337,7 +347,13 @@ def _at_worker_start(sender: Any = None, **_: Any) -> None:
     if app is None or app.conf.get(SETTING) is None:
         return
     had_locked = any(isinstance(t, LockedTask) for t in app.tasks.values())
-    outcome = configure_tasks(app)
+    try:
+        outcome = configure_tasks(app)
+    except Exception as failure:  # Celery would log and swallow it: the worker would run
+        log.critical("celery_redislock: %s could not be applied", SETTING, exc_info=True)
+        raise SystemExit(
+            f"celery_redislock: {SETTING} could not be applied ({failure!r})"
+        ) from None
     if outcome.errors:
         for exc in outcome.errors:
             log.critical("celery_redislock: %s", exc)
