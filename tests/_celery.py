@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+
+from ._support import wait_until as wait_until  # the one wait_until; re-exported here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,13 +99,3 @@ def worker(
     proc.start()
     proc.wait_for_log("ready.")
     return proc
-
-
-def wait_until(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")

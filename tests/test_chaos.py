@@ -18,7 +18,7 @@ Liveness: all the work completes within a bound.
 The seed of the random choices comes from ``REDISLOCK_CHAOS_SEED`` (or is drawn at
 random); it is printed and is part of every assertion message, so a failure can be
 replayed. One summary line per scenario is printed (``pytest -s`` shows it). The
-``slow`` variants run longer with more faults: ``REDISLOCK_SLOW=1`` or ``-m slow``.
+``slow`` variants run longer with more faults: ``-m slow`` (deselected by default).
 """
 
 from __future__ import annotations
@@ -56,15 +56,6 @@ def seed() -> int:
 def server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
     """A private server per scenario (DEBUG allowed from loopback: scenario 4 uses it)."""
     return redis_server_factory(extra=DEBUG_ENABLED)
-
-
-def require_slow(request: pytest.FixtureRequest) -> None:
-    markexpr = str(request.config.option.markexpr or "")
-    if os.environ.get("REDISLOCK_SLOW") == "1" or (
-        "slow" in markexpr and "not slow" not in markexpr
-    ):
-        return
-    pytest.skip("slow chaos variant: run with REDISLOCK_SLOW=1 or -m slow")
 
 
 def summary(scenario: str, seed: int, report: Report, faults: str, elapsed: float) -> None:
@@ -183,7 +174,6 @@ def test_sigkilled_holders_never_let_two_in(server: RedisServer, tmp_path: Path,
 def test_sigkilled_holders_never_let_two_in_long(
     request: pytest.FixtureRequest, server: RedisServer, tmp_path: Path, seed: int
 ) -> None:
-    require_slow(request)
     scenario_kills(
         server, tmp_path, seed, slots=8, items=60, kills=40, bound=400, label="1 sigkill (slow)"
     )
@@ -453,7 +443,6 @@ def test_a_waiter_whose_subscriber_is_killed_still_takes_the_lock_promptly(
 def test_connection_kills_long(
     request: pytest.FixtureRequest, server: RedisServer, seed: int
 ) -> None:
-    require_slow(request)
     scenario_renewal_kills(server, seed, leases=120, label="3a renewal client-kill (slow)")
     gaps = [random.Random(seed + i).uniform(0, 0.9) for i in range(40)] + [0.0] * 10
     scenario_subscriber_kills(server, seed, gaps=gaps, label="3b subscriber client-kill (slow)")
@@ -533,7 +522,6 @@ def test_a_seeded_random_fault_schedule_keeps_the_lock_safe_and_live(
 def test_a_seeded_random_fault_schedule_long(
     request: pytest.FixtureRequest, server: RedisServer, tmp_path: Path, seed: int
 ) -> None:
-    require_slow(request)
     scenario_fault_schedule(
         server, tmp_path, seed, slots=8, items=400, faults=400, budget=300, bound=700,
         label="4 random faults (slow)",

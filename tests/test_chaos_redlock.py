@@ -22,7 +22,7 @@ is the documented unsafety (``tests/test_chaos_quorum.py``) and is not exercised
 
 The seed comes from ``REDISLOCK_CHAOS_SEED`` (or is drawn at random); it is printed and
 is part of every assertion message. One summary line per scenario (``pytest -s``). The
-``slow`` variants run longer: ``REDISLOCK_SLOW=1`` or ``-m slow``.
+``slow`` variants run longer: ``-m slow`` (deselected by default).
 
 Workers use a generous ``node_timeout`` (0.5 s) and ``ttl`` (2 s) so that a busy
 machine does not turn into spurious quorum errors; safety is asserted strictly.
@@ -47,7 +47,7 @@ from celery_redislock.testing import RedisServer
 
 from . import _chaos
 from ._chaos import Fault, Swarm
-from .test_chaos import assert_safe_and_live, fault_counts, require_slow, run_swarm, summary
+from .test_chaos import assert_safe_and_live, fault_counts, run_swarm, summary
 
 TTL = 2.0
 NODE_TIMEOUT = 0.5
@@ -297,7 +297,6 @@ def test_3ab_minority_faults_long(
     request: pytest.FixtureRequest, start_nodes: Callable[[int], Nodes], tmp_path: Path,
     seed: int,
 ) -> None:  # fmt: skip
-    require_slow(request)
     for sub in ("3a", "3b"):
         (tmp_path / sub).mkdir()
     scenario_minority_faults(
@@ -475,7 +474,6 @@ def test_3c_majority_outages_long(
     request: pytest.FixtureRequest, start_nodes: Callable[[int], Nodes], tmp_path: Path,
     seed: int,
 ) -> None:  # fmt: skip
-    require_slow(request)
     scenario_majority_down(
         start_nodes, tmp_path, seed, outages=12, slots=6, items=150, bound=300,
         label="3c majority of 3 stopped (slow)",
@@ -562,7 +560,6 @@ def test_6_a_seeded_random_fault_schedule_long(
     request: pytest.FixtureRequest, start_nodes: Callable[[int], Nodes], tmp_path: Path,
     seed: int,
 ) -> None:  # fmt: skip
-    require_slow(request)
     scenario_fault_schedule(
         start_nodes, tmp_path, seed, slots=8, items=500, faults=300, budget=300, bound=700,
         label="6 random faults (quorum, slow)",

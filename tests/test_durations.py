@@ -46,6 +46,8 @@ from celery_redislock.settings import LockOptions, LockSettings, task_overrides
 from celery_redislock.task import TaskLock
 from celery_redislock.testing import RedisServer
 
+from ._support import wait_until
+
 RANGE = "between 0.001 and 31536000 seconds (365 days)"
 
 # ------------------------------------------------------------------ the bound, in Python
@@ -251,7 +253,7 @@ def test_release_lua_writes_nothing_with_a_bad_duration(
     waiter = RedisLock(redis_client, "r", owner="w", ttl=5, auto_renew=False)
     thread = threading.Thread(target=lambda: waiter.acquire(timeout=10) and waiter.release())
     thread.start()  # a waiter in line: a release would hand it the lock
-    wait_for(lambda: redis_client.llen(holder.keys.waiters) == 1)
+    wait_until(lambda: redis_client.llen(holder.keys.waiters) == 1, timeout=5)
     before = snapshot(redis_client)
     keys = [*holder.keys.release_keys(), holder.keys.lock + b":done:o"]
     script = scripts_for(redis_client).release
@@ -352,13 +354,6 @@ def test_sweep_lua_keeps_the_parked_task_when_an_argument_is_bad(
 
 
 # ------------------------------------------------------------------ the watchdog
-
-
-def wait_for(condition: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def try_to_steal(r: redis.Redis, names: list[str], seconds: float) -> tuple[int, int]:

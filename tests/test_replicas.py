@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import redis
@@ -28,17 +28,7 @@ from celery_redislock import (
 from celery_redislock._errors import LockReplicationError
 from celery_redislock.testing import RedisServer
 
-
-def wait_until(check: Callable[[], bool], within: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except redis.RedisError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what or check}")
+from ._support import wait_until
 
 
 def link_up(master: RedisServer, replica: RedisServer) -> None:
@@ -49,7 +39,9 @@ def link_up(master: RedisServer, replica: RedisServer) -> None:
                 r.info("replication").get("master_link_status") == "up"
                 and int(m.info("replication").get("connected_slaves", 0)) >= 1
             ),
+            timeout=15,
             what="the replica's link to its master",
+            ignore=(redis.RedisError,),
         )
     finally:
         m.close()
@@ -301,14 +293,17 @@ def test_sentinel_master_for_acquire_wait_release_and_failover() -> None:
             try:
                 wait_until(
                     lambda: len(probe.execute_command("SENTINEL", "REPLICAS", "m")) >= 1,
+                    timeout=15,
                     what="the sentinel to discover the replica",
+                    ignore=(redis.RedisError,),
                 )
                 probe.execute_command("SENTINEL", "FAILOVER", "m")
             finally:
                 probe.close()
             wait_until(
                 lambda: sentinel.discover_master("m")[1] == replica.port,
-                within=20,
+                timeout=20,
+                ignore=(redis.RedisError,),
                 what="the failover",
             )
             # Until the sentinel demotes the old master, clients still connected to it
@@ -317,7 +312,8 @@ def test_sentinel_master_for_acquire_wait_release_and_failover() -> None:
             try:
                 wait_until(
                     lambda: old.info("replication").get("role") == "slave",
-                    within=20,
+                    timeout=20,
+                    ignore=(redis.RedisError,),
                     what="the old master's demotion",
                 )
             finally:

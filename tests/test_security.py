@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -41,6 +41,8 @@ from celery_redislock import AsyncRedisLock, FencedResource, RedisLock, _waiting
 from celery_redislock._renewal import scheduler_for
 from celery_redislock.aio import aclose_background
 from celery_redislock.testing import RedisServer, free_port, redis_server_binary
+
+from ._support import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,17 +136,6 @@ def denials(admin: redis.Redis, user: str | None = None) -> list[dict[str, Any]]
         for e in entries
         if (user is None or e["username"] == user) and e["object"] not in HARMLESS_DENIALS
     ]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what or predicate}")
-        time.sleep(0.02)
 
 
 def numsub(admin: redis.Redis, channel: bytes) -> int:
