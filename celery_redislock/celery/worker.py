@@ -17,6 +17,7 @@ from celery.worker.request import Request
 
 from .. import metrics
 from .._errors import LockConfigurationError
+from .._replies import decode_handoff
 from .._scripts import scripts_for
 from .base import LockedTask
 from .clients import _clients, settings_for
@@ -73,15 +74,15 @@ class LockedRequest(Request):  # type: ignore[misc]
             else:
                 done_ttl = options.done_ttl if mode == "unstarted" else None
                 keys, args = lock.handoff_args(owner, mode, done_ttl)
-                reply = scripts_for(lock.client).handoff(keys=keys, args=args)
-                code = int(reply[0])
+                reply = decode_handoff(scripts_for(lock.client).handoff(keys=keys, args=args))
+                code = reply.code
                 task.publish_handed_over(lock.handed(reply))
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
             )
             return
-        if int(code) == 0:
+        if code == 0:
             log.warning(
                 "redislock: released %r %s %s[%s]: %s (%s)",
                 name,
