@@ -17,6 +17,7 @@ from celery.worker.request import Request
 
 from .. import metrics
 from .._errors import LockConfigurationError
+from .._keyspace import HANDOFF_QUEUE_SUFFIX
 from .._replies import decode_handoff
 from .._scripts import scripts_for
 from .base import LockedTask
@@ -141,7 +142,7 @@ def _consume_handoff_queues(sender: Any = None, instance: Any = None, **_: Any) 
         return
     queues = app.amqp.queues
     for name in list(queues.consume_from or queues):
-        if not name.endswith(".redislock"):
+        if not name.endswith(HANDOFF_QUEUE_SUFFIX):
             queues.select_add(handoff_queue(name))
 
 
