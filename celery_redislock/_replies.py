@@ -179,8 +179,9 @@ class Handed(NamedTuple):
 class HandoffReply(NamedTuple):
     """handoff.lua's reply."""
 
-    #: n > 0 holds left, 0 released (or handed over), -1 expired, -2 another owner's or
-    #: holding's, -3 not handed to it ("unstarted").
+    #: n > 0 holds left, 0 released (or handed over), -1 expired (a parked or queued task
+    #: may still have been handed the lock), -2 another owner's or holding's, -3 not
+    #: handed to it ("unstarted").
     code: int
     #: The parked task handed the lock, whose message the worker checks and sends.
     handed: Handed | None = None
@@ -193,25 +194,26 @@ def _absent(value: object) -> bool:
 
 
 def decode_handoff(reply: Any) -> HandoffReply:
-    """handoff.lua: ``{n}``; ``{0, message, task id, token}`` handed over (send it);
-    ``{0, nil, task id}`` handed over, its envelope pushed back; ``{0, nil, task id, 1}``
-    handed to the look-ahead's queued task."""
+    """handoff.lua: ``{n}``; ``{c, message, task id, token}`` handed over (send it);
+    ``{c, nil, task id}`` handed over, its envelope pushed back; ``{c, nil, task id, 1}``
+    handed to the look-ahead's queued task. ``c``: 0 released, or -1 when the releasing
+    hold had expired (the lock still goes to the next task)."""
     table = _table(reply, "handoff", 1, 4)
     code = _number(table[0], "handoff", reply, "the code")
     if code < 0 and code not in RELEASE_CODES:
         raise _malformed("handoff", reply, f"unknown code {code}")
     if len(table) == 1:
         return HandoffReply(code)
-    if code != 0 or len(table) < 3:
+    if code not in (0, -1) or len(table) < 3:
         raise _malformed("handoff", reply, "a hand-over without a task id")
     task_id = _string(table[2], "handoff", reply, "the task id")
     if _absent(table[1]):
         if len(table) == 4:
-            return HandoffReply(0, pulled=task_id)
-        return HandoffReply(0)
+            return HandoffReply(code, pulled=task_id)
+        return HandoffReply(code)
     message = _string(table[1], "handoff", reply, "the message")
     tag = _tag(table[3], "handoff", reply) if len(table) == 4 else b""
-    return HandoffReply(0, handed=Handed(task_id, message, tag))
+    return HandoffReply(code, handed=Handed(task_id, message, tag))
 
 
 class SweepReply(NamedTuple):

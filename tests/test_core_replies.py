@@ -67,6 +67,12 @@ def test_handoff() -> None:
     )
     assert decode_handoff([0, None, b"id"]) == HandoffReply(0)  # envelope pushed back
     assert decode_handoff([0, None, b"id", 1]) == HandoffReply(0, pulled=b"id")
+    # The releasing hold had expired: the lock still went to the next task.
+    assert decode_handoff([-1, b"msg", b"id", 3]) == HandoffReply(
+        -1, handed=Handed(b"id", b"msg", b"3")
+    )
+    assert decode_handoff([-1, None, b"id"]) == HandoffReply(-1)
+    assert decode_handoff([-1, None, b"id", 1]) == HandoffReply(-1, pulled=b"id")
 
 
 def test_sweep() -> None:
@@ -119,6 +125,7 @@ MALFORMED: list[tuple[str, object]] = [
     ("handoff", [0, b"m", b"id", None]),
     ("handoff", [0, b"m", b"id", 1, 1]),
     ("handoff", [-7]),
+    ("handoff", [-2, b"m", b"id", 1]),
     ("sweep", [1]),
     ("sweep", [1, b"m", b"id"]),
     ("sweep", [2]),
