@@ -1,8 +1,9 @@
 """I/O-free logic shared by the sync and asyncio locks.
 
-Key names, argument validation, owner ids, reply decoding, local validity deadlines
-and retry backoff live here once; :mod:`celery_redislock.lock` and
-:mod:`celery_redislock.aio` only drive I/O around them.
+Argument validation, owner ids, local validity deadlines and retry backoff live here
+once (key names: :mod:`._keyspace`; script replies: :mod:`._replies`; both
+re-exported); :mod:`celery_redislock.lock` and :mod:`celery_redislock.aio` only drive
+I/O around them.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import secrets
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ._errors import LockConfigurationError, LockLostError
 
-DEFAULT_PREFIX = "redislock:"
+# Every Redis name lives in _keyspace, every script reply's decoder in _replies; the
+# names this module has always offered are re-exported from there.
+from ._keyspace import DEFAULT_PREFIX as DEFAULT_PREFIX
+from ._keyspace import LockKeys as LockKeys
+from ._keyspace import name_from_lock_key as name_from_lock_key
+from ._replies import AcquireReply as AcquireReply
+from ._replies import decode_acquire as decode_acquire
+
 FENCE_FIELD = "__fence__"
 #: The lock hash's field naming the wait a release granted the lock to directly.
 GRANT_FIELD = "__grant__"
@@ -163,73 +170,6 @@ def _encodes(text: str) -> bool:
     return True
 
 
-# --------------------------------------------------------------------- key layout
-
-
-def _escape_name(name: bytes) -> bytes:
-    # '{' and '}' inside the hash tag would end it early and could split one lock's
-    # keys across cluster slots; '%' is escaped too so the mapping stays one-to-one.
-    return name.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
-
-
-@dataclass(frozen=True)
-class LockKeys:
-    """Every Redis name one lock uses; all share the ``{name}`` hash tag (one cluster slot).
-
-    ``<prefix>{<name>}``          the lock hash (owner -> hold count, plus the token field)
-    ``<prefix>{<name>}:fence``    the fencing counter (never expires)
-    ``<prefix>{<name>}:released`` the pub/sub channel a release is announced on
-    ``<prefix>{<name>}:waiters``  blocked acquires in arrival order (a list)
-    ``<prefix>{<name>}:claims``   how long each waiter's place in line is kept (a sorted set)
-    ``<prefix>{<name>}:waiters:wake``  waiters' wake ids for direct grants (a hash)
-    """
-
-    lock: bytes
-    fence: bytes
-    channel: bytes
-    waiters: bytes
-    claims: bytes
-    wake: bytes
-
-    @classmethod
-    def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys:
-        if isinstance(name, str):
-            try:
-                raw = name.encode("utf-8")
-            except UnicodeEncodeError:
-                raise LockConfigurationError(
-                    f"name must be bytes or a str that encodes as UTF-8, got {name!r}"
-                ) from None
-        elif isinstance(name, bytes):
-            raw = name
-        else:
-            raise LockConfigurationError(f"name must be str or bytes, got {type(name).__name__}")
-        if not raw:
-            raise LockConfigurationError("name must not be empty")
-        base = prefix.encode("utf-8") + b"{" + _escape_name(raw) + b"}"
-        return cls(
-            lock=base,
-            fence=base + b":fence",
-            channel=base + b":released",
-            waiters=base + b":waiters",
-            claims=base + b":claims",
-            wake=base + b":waiters:wake",
-        )
-
-    def release_keys(self) -> list[bytes]:
-        """KEYS of release.lua, in order."""
-        return [self.lock, self.channel, self.fence, self.waiters, self.claims, self.wake]
-
-
-def name_from_lock_key(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:
-    """Inverse of :meth:`LockKeys.for_name` for a lock hash key; None for other keys."""
-    head = prefix.encode("utf-8") + b"{"
-    if not key.startswith(head) or not key.endswith(b"}"):
-        return None
-    inner = key[len(head) : -1]
-    return inner.replace(b"%7D", b"}").replace(b"%7B", b"{").replace(b"%25", b"%")
-
-
 # --------------------------------------------------------------------- owners
 
 _process_id = secrets.token_hex(16)
@@ -318,30 +258,7 @@ abandoned_waits = AbandonedWaits()
 # --------------------------------------------------------------------- replies
 
 
-class AcquireReply(NamedTuple):
-    """acquire.lua's reply, decoded (a named tuple: built once per attempt, on the hot path)."""
-
-    acquired: bool
-    token: int = 0
-    hold_count: int = 0
-    #: Milliseconds left on another owner's lease (-1: the key has no expiry; -2: just vanished).
-    pttl: int = 0
-    #: The owner's "done" marker exists: it already finished its work under this lock.
-    finished: bool = False
-    #: A task run's attempt found its own owner holding the lock (another delivery of
-    #: the same run is running): nothing was changed.
-    running: bool = False
-
-
-def decode_acquire(reply: Sequence[Any]) -> AcquireReply:
-    code = int(reply[0])
-    if code == 1:
-        return AcquireReply(True, token=int(reply[1]), hold_count=int(reply[2]))
-    if code == -1:
-        return AcquireReply(False, finished=True)
-    if code in (2, 3):  # acquire.lua "task" / park.lua: this owner holds it already
-        return AcquireReply(False, pttl=int(reply[1]), running=True)
-    return AcquireReply(False, pttl=int(reply[1]))
+# AcquireReply and decode_acquire: _replies (every script reply's decoder), re-exported above.
 
 
 class OwnerFinished(Exception):

@@ -5,6 +5,7 @@
     RedisLockError                      root of every error raised by this package
     ├── LockConfigurationError          bad argument or setting (also a ValueError)
     ├── LockKeyError (keys.py)          a lock_key that cannot be rendered for a call (ValueError)
+    ├── MalformedReplyError (_replies.py)  a script's reply of a shape it cannot send (ValueError)
     ├── LockTimeoutError                not acquired within the timeout (also a TimeoutError)
     │   └── LockQuorumError             a quorum lock could not reach a majority of its nodes
     ├── LockContendedError              a task (or locked call) found its lock held and gave up

@@ -24,8 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._core import AcquireReply, Hold, LossSignal, validity_deadline
+from ._core import Hold, LossSignal, validity_deadline
 from ._errors import LockConfigurationError, LockQuorumError
+from ._replies import AcquireReply, decode_acquire, decode_release, decode_renew_one
 
 
 def quorum_of(nodes: int) -> int:
@@ -94,15 +95,15 @@ def decided_by(is_yes: Callable[[Any], bool], quorum: int) -> Decided:
 
 
 def granted(reply: Any) -> bool:
-    return int(reply[0]) == 1
+    return decode_acquire(reply).acquired
 
 
 def given_back(reply: Any) -> bool:
-    return int(reply) >= 0
+    return decode_release(reply) >= 0
 
 
 def renewed(reply: Any) -> bool:
-    return int(reply[0]) == 1
+    return decode_renew_one(reply) == 1
 
 
 def answered(_reply: Any) -> bool:
@@ -202,7 +203,7 @@ def release_code(
     the local clock says (-2 if some node shows another owner, -1 if it was simply
     gone). None if the silent nodes could still make a majority either way.
     """
-    codes = [int(round_.replies[i]) for i in round_.answered()]
+    codes = [decode_release(round_.replies[i]) for i in round_.answered()]
     given_back = [c for c in codes if c >= 0]
     if len(given_back) >= quorum:
         return max(given_back)
@@ -217,7 +218,7 @@ def release_code(
 
 def renew_code(round_: Round, quorum: int) -> int | None:
     """One renew code for the quorum (see renew.lua): 1, 0, -1, or None (too few answered)."""
-    codes = [int(round_.replies[i][0]) for i in round_.answered()]
+    codes = [decode_renew_one(round_.replies[i]) for i in round_.answered()]
     renewed = sum(1 for c in codes if c == 1)
     if renewed >= quorum:
         return 1
@@ -284,7 +285,7 @@ class HoldGroup:
             reply = replies[node]
             if part.lost.is_set() or isinstance(reply, BaseException):
                 continue
-            code = int(reply[0])
+            code = decode_renew_one(reply)
             if code == 1:
                 part.lease = lease
                 part.renewed(sent_at)

@@ -57,6 +57,7 @@ from ._core import (
     wait_event,
 )
 from ._errors import LockReplicationError
+from ._replies import renew_outcomes
 from ._scripts import is_cluster, scripts_for
 
 log = logging.getLogger(__name__)
@@ -253,13 +254,12 @@ class _SchedulerBase:
         renewed = 0
         acks = replies[len(chunks)] if len(replies) > len(chunks) else None
         for chunk, reply in zip(chunks, replies):
-            codes = reply if isinstance(reply, list) else [reply] * len(chunk)
-            for hold, code in zip(chunk, codes):
+            for hold, code in zip(chunk, renew_outcomes(reply, len(chunk))):
                 if id(hold) not in self._holds:
                     continue  # released (or closed) while the renewal was in flight
                 if isinstance(code, Exception):
                     self._failed([hold], code)
-                elif int(code) == RENEW_OK:
+                elif code == RENEW_OK:
                     needed = _replicated.get(hold)
                     if needed is not None and (
                         acks is None or isinstance(acks, Exception) or int(acks) < needed[0]
@@ -275,7 +275,7 @@ class _SchedulerBase:
                     self._holds.pop(id(hold), None)
                 else:
                     self._holds.pop(id(hold), None)
-                    hold.mark_lost(loss_reason_from_renew(int(code)))
+                    hold.mark_lost(loss_reason_from_renew(code))
         if renewed and signals.lock_renewed.receivers:
             signals.lock_renewed.send(self, count=renewed)
 

@@ -54,6 +54,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._core import LINE_MARGIN_MS, cancel_and_wait, wait_event
+from ._keyspace import grant_channel_tail
 from ._scripts import is_cluster
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,7 @@ class _GrantChannels:
     def _init_grants(self) -> None:
         #: This subscriber's part of direct-grant channel names (None: sharded, no grants).
         self.grant_id: bytes | None = None if self.sharded else b"g" + secrets.token_hex(8).encode()
-        self._grant_tail = b"" if self.grant_id is None else b":" + self.grant_id
+        self._grant_tail = b"" if self.grant_id is None else grant_channel_tail(self.grant_id)
 
     def _with_grants(self, names: list[bytes]) -> list[bytes]:
         """Each lock's channel, then its direct-grant channel: the second confirmation

@@ -48,6 +48,7 @@ from ._core import (
 )
 from ._deferred import UNREACHABLE, defer_async
 from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
+from ._replies import decode_release, decode_renew_one
 from ._scripts import run_async, scripts_for
 from ._waiting import async_subscribers_of, async_waiter_for
 
@@ -428,7 +429,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         if hold is not None:
             hold.releasing += 1
         try:
-            code = int(
+            code = decode_release(
                 await run_async(self.client, self._scripts.release, self._release_keys, [owner])
             )
         except UNREACHABLE as exc:
@@ -463,12 +464,12 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             codes, acks = await self._replicated(
                 self._scripts.renew, [self.keys.lock], [owner, lease]
             )
-            if int(codes[0]) == 1 and self._unreplicated(acks):
+            if decode_renew_one(codes) == 1 and self._unreplicated(acks):
                 connected = await self._connected_replicas()
                 raise self._replication_error(acks, "extend", owner, connected)
         else:
             codes = await self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
-        self._record_extended(owner, int(codes[0]), lease, sent_at)
+        self._record_extended(owner, decode_renew_one(codes), lease, sent_at)
 
     async def locked(self) -> bool:
         """Whether anyone holds the lock (server-side)."""
@@ -496,4 +497,4 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         """Operator's tool: delete the lock whoever holds it (see ``RedisLock.force_release``)."""
         keys = LockKeys.for_name(name, validate_prefix(prefix))
         code = await scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
-        return int(code) == 0
+        return decode_release(code) == 0

@@ -25,6 +25,8 @@ from typing import Any
 
 from ._core import DEFAULT_PREFIX, validate_prefix
 from ._errors import LockConfigurationError
+from ._keyspace import resource_fence_key
+from ._replies import decode_fence
 from ._scripts import is_cluster, scripts_for
 
 
@@ -41,7 +43,7 @@ class FencedResource:
             raise LockConfigurationError(f"name must be a non-empty str, got {name!r}")
         self.client = client
         self.name = name
-        self.key = f"{validate_prefix(prefix)}fence:{name}"
+        self.key = resource_fence_key(validate_prefix(prefix), name)
 
     @staticmethod
     def _check(token: object) -> int:
@@ -53,7 +55,9 @@ class FencedResource:
 
     def admit(self, token: int) -> bool:
         """True if ``token`` is at least the highest admitted so far (and record it)."""
-        return bool(scripts_for(self.client).fence(keys=[self.key], args=[self._check(token)]))
+        return decode_fence(
+            scripts_for(self.client).fence(keys=[self.key], args=[self._check(token)])
+        )
 
     def _check_slot(self, key: str | bytes) -> None:
         """On a cluster, ``key`` must share the resource's slot (one script, one slot)."""
@@ -72,18 +76,22 @@ class FencedResource:
         """
         token = self._check(token)
         self._check_slot(key)
-        return bool(scripts_for(self.client).fence(keys=[self.key, key], args=[token, value]))
+        return decode_fence(
+            scripts_for(self.client).fence(keys=[self.key, key], args=[token, value])
+        )
 
     async def admit_async(self, token: int) -> bool:
         """:meth:`admit` for a ``redis.asyncio`` client."""
         script = scripts_for(self.client).fence
-        return bool(await script(keys=[self.key], args=[self._check(token)]))
+        return decode_fence(await script(keys=[self.key], args=[self._check(token)]))
 
     async def write_async(self, token: int, key: str | bytes, value: Any) -> bool:
         """:meth:`write` for a ``redis.asyncio`` client."""
         token = self._check(token)
         self._check_slot(key)
-        return bool(await scripts_for(self.client).fence(keys=[self.key, key], args=[token, value]))
+        return decode_fence(
+            await scripts_for(self.client).fence(keys=[self.key, key], args=[token, value])
+        )
 
     def highest(self) -> int:
         """The highest token admitted so far (0: none)."""

@@ -41,6 +41,7 @@ from ._core import (
 )
 from ._deferred import UNREACHABLE, deferred_releases
 from ._renewal import RenewalScheduler, require_replicas, scheduler_for
+from ._replies import decode_release, decode_renew_one
 from ._scripts import run, scripts_for
 from ._waiting import waiter_for
 
@@ -291,7 +292,9 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         if hold is not None:
             hold.releasing += 1
         try:
-            code = int(run(self.client, self._scripts.release, self._release_keys, (owner,)))
+            code = decode_release(
+                run(self.client, self._scripts.release, self._release_keys, (owner,))
+            )
         except UNREACHABLE as exc:
             retry = self._release_unreachable(owner, hold, exc)
             if retry is None:
@@ -322,11 +325,11 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         sent_at = time.monotonic()
         if self.min_replicas:
             codes, acks = self._replicated(self._scripts.renew, [self.keys.lock], [owner, lease])
-            if int(codes[0]) == 1 and self._unreplicated(acks):
+            if decode_renew_one(codes) == 1 and self._unreplicated(acks):
                 raise self._replication_error(acks, "extend", owner, self._connected_replicas())
         else:
             codes = self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
-        self._record_extended(owner, int(codes[0]), lease, sent_at)
+        self._record_extended(owner, decode_renew_one(codes), lease, sent_at)
 
     # -- queries ---------------------------------------------------------------
 
@@ -354,4 +357,4 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         """
         keys = LockKeys.for_name(name, validate_prefix(prefix))
         code = scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
-        return int(code) == 0
+        return decode_release(code) == 0

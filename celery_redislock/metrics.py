@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import signals
+from ._keyspace import stats_key
 
 #: Upper bounds (seconds) of the wait-time histogram buckets; the last bucket is +inf.
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -117,9 +118,9 @@ def flush_to_redis(client: Any, prefix: str, *, every: float = 1.0, force: bool 
     pipe = client.pipeline(transaction=False)
     for field, amount in counts.items():
         if isinstance(amount, float) and not amount.is_integer():
-            pipe.hincrbyfloat(prefix + "stats", field, amount)
+            pipe.hincrbyfloat(stats_key(prefix), field, amount)
         else:
-            pipe.hincrby(prefix + "stats", field, int(amount))
+            pipe.hincrby(stats_key(prefix), field, int(amount))
     pipe.execute()
 
 

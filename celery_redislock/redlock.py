@@ -71,6 +71,7 @@ from ._quorum import (
     validate_nodes,
 )
 from ._renewal import async_scheduler_for, scheduler_for
+from ._replies import decode_release
 from ._scripts import scripts_for
 from ._waiting import UNCONFIRMED_POLL, async_subscriber_for, subscriber_for
 from .aio import Caller, caller, owner_turns, task_owner, to_completion
@@ -191,7 +192,7 @@ class _QuorumBase:
         self._numbers = itertools.count(1)
         self._sent: dict[str, int] = {}
         self._unanswered: dict[str, set[int]] = {}
-        self._void_prefix = self.keys.lock + b":void:" + uuid.uuid4().hex.encode() + b":"  # type: ignore[attr-defined]
+        self._void_nonce = uuid.uuid4().hex
         # Give-backs still in flight (a failed attempt's undo, the slowest nodes' share of a
         # release): the owner's next attempt waits for them, so a late "give back
         # everything" cannot land on top of its new grant.
@@ -228,7 +229,7 @@ class _QuorumBase:
         argv = self._attempt_argv(owner, lease, fresh)
         argv += [""] * (7 - len(argv))
         keys = self._acquire_keys()  # type: ignore[attr-defined]
-        return [*keys, self._void_prefix + owner.encode()], [*argv, number]
+        return [*keys, self.keys.void(self._void_nonce, owner)], [*argv, number]  # type: ignore[attr-defined]
 
     def _unanswered_in(self, owner: str, replies: Sequence[Any]) -> None:
         """Remember the nodes whose acquire reply never came (it may land later)."""
@@ -240,7 +241,7 @@ class _QuorumBase:
         """(void record key, last attempt number sent, lifetime in ms) of the owner here:
         acquire.lua refuses an attempt numbered at most what the record holds."""
         lifetime = min(self._lease * 2 + int(self.node_timeout * 4000), MAX_MS)  # type: ignore[attr-defined]
-        return self._void_prefix + owner.encode(), self._sent.get(owner, 0), lifetime
+        return self.keys.void(self._void_nonce, owner), self._sent.get(owner, 0), lifetime  # type: ignore[attr-defined]
 
     def _undo_plan(
         self, owner: str, outcome: QuorumAcquire | None, fresh: bool
@@ -647,7 +648,9 @@ class RedLock(_QuorumBase, LockBase[LeaseLost], SyncContext):
                     if isinstance(client, str)
                     else client
                 )
-                deleted |= int(scripts_for(node).release(keys=keys, args=["", "force"])) == 0
+                deleted |= (
+                    decode_release(scripts_for(node).release(keys=keys, args=["", "force"])) == 0
+                )
         return deleted
 
 

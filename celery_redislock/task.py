@@ -33,7 +33,6 @@ from .celery.envelope import _Handed as _Handed
 from .celery.envelope import _handed as _handed
 from .celery.envelope import _loads as _loads
 from .celery.envelope import _push_targets as _push_targets
-from .celery.envelope import _tag as _tag
 from .celery.envelope import _text as _text
 from .celery.envelope import envelope_entry as envelope_entry
 from .celery.envelope import envelope_lock_key as envelope_lock_key

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -39,6 +38,7 @@ from .._core import (
     validate_prefix,
 )
 from .._errors import LockConfigurationError
+from .._keyspace import lock_key_pattern, stats_key
 from .._nodes import node_label
 from .._quorum import quorum_of
 from ..lock import RedisLock
@@ -81,9 +81,8 @@ def _lock_name(_ctx: click.Context | None, param: click.Parameter, value: str) -
 
 
 def _glob(_ctx: click.Context, param: click.Parameter, value: str) -> bytes:
-    raw = _lock_name(None, param, value)
-    # Names are stored with '%', '{' and '}' escaped (see LockKeys); so is the pattern.
-    return raw.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
+    # Names are stored with '%', '{' and '}' escaped; so is the pattern (lock_key_pattern).
+    return _lock_name(None, param, value)
 
 
 def _prefix(_ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -152,7 +151,7 @@ def _describe(client: Any, prefix: str, key: bytes) -> dict[str, Any] | None:
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(key)
     pipe.pttl(key)
-    pipe.llen(key + b":parked")
+    pipe.llen(LockKeys.for_lock(key).parked)
     fields, pttl, parked = pipe.execute()
     if not fields:
         return None
@@ -221,7 +220,7 @@ def list_locks(ctx: click.Context, prefix: str | None, pattern: bytes, as_json: 
     """List held locks whose name matches PATTERN (a glob; default: all)."""
     nodes = _Nodes(ctx.obj.app, prefix)
     # The prefix is matched literally: its glob characters are escaped.
-    match = re.sub(rb"([*?\[\]\\])", rb"\\\1", nodes.prefix.encode()) + b"{" + pattern + b"}"
+    match = lock_key_pattern(nodes.prefix, pattern)
 
     def scan(client: Any) -> dict[str, dict[str, Any]]:
         found = {}
@@ -276,7 +275,7 @@ def show(ctx: click.Context, prefix: str | None, name: bytes, as_json: bool) -> 
             "holds": 0,
         }
         found["waiting_processes"] = int(dict(client.pubsub_numsub(keys.channel))[keys.channel])
-        found["parked_tasks"] = [_text(t) for t in client.lrange(keys.lock + b":parked", 0, 20)]
+        found["parked_tasks"] = [_text(t) for t in client.lrange(keys.parked, 0, 20)]
         return found
 
     results = nodes.each(look)
@@ -399,7 +398,7 @@ def stats(ctx: click.Context, prefix: str | None, as_json: bool) -> None:
     """
     nodes = _Nodes(ctx.obj.app, prefix)
     try:
-        found = nodes.clients[0].hgetall(nodes.prefix + "stats")
+        found = nodes.clients[0].hgetall(stats_key(nodes.prefix))
     except RedisError as exc:
         raise click.ClickException(
             f"{nodes.labels[0]}: unreachable ({type(exc).__name__}: {exc})"

@@ -158,9 +158,9 @@ class Contention(Task):  # type: ignore[misc]
     def _still_parked(self, call: _Call) -> bool:
         if settings_for(self.app).urls:
             return False  # no parking on a quorum
-        lock_key = LockKeys.for_name(call.name, call.options.prefix).lock
+        keys = LockKeys.for_name(call.name, call.options.prefix)
         owner = request_owner(call.request)
-        return bool(client_for(self.app).hexists(lock_key + b":parked:messages", owner))
+        return bool(client_for(self.app).hexists(keys.parked_messages, owner))
 
     def _park(
         self,

@@ -1,7 +1,7 @@
 """The parked messages' formats.
 
 A parked broker envelope (:func:`envelope_entry`), the parked task a hand-over or sweep
-script's reply names (:func:`_handed`), the queue lists and task names a hand-over script
+script's decoded reply names (:func:`_handed`), the queue lists and task names a hand-over script
 may push an envelope to itself (:func:`push_targets`), and the lock key the task of a
 broker envelope (as kombu decodes it) takes (:func:`envelope_lock_key`).
 """
@@ -17,6 +17,7 @@ from kombu import compression, serialization
 from kombu.utils import json as kombu_json
 
 from .._core import LockKeys
+from .._replies import Handed
 from . import signing
 
 
@@ -82,16 +83,12 @@ _push_targets = weakref.WeakKeyDictionary()
 _PRIORITY_SEP = "\x06\x16"
 
 
-def _handed(lock_key: bytes, reply: list[Any]) -> _Handed | None:
-    """The parked task a hand-over or sweep script's ``reply`` says to check and send."""
-    if len(reply) < 3 or reply[1] is None:
+def _handed(lock_key: bytes, handed: Handed | None) -> _Handed | None:
+    """The parked task a hand-over or sweep script's decoded reply says to check and send
+    (``_replies.decode_handoff``, ``decode_sweep``), under ``lock_key``."""
+    if handed is None:
         return None
-    tag = reply[3] if len(reply) > 3 else b""
-    return _Handed(lock_key, _bytes(reply[2]), _bytes(reply[1]), _tag(tag))
-
-
-def _tag(value: Any) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()
+    return _Handed(lock_key, handed.task_id, handed.message, handed.tag)
 
 
 def envelope_lock_key(app: Any, envelope: Any, accept: Any = None) -> bytes | None:

@@ -31,7 +31,7 @@ def _kept_hold_marker(lock: AnyTaskLock, retry_owner: str) -> tuple[Any, bytes]:
     ``retry_owner``): a key beside the lock (on the first node of a quorum), deleted by
     the one delivery that adopts the hold."""
     client = lock.clients[0] if isinstance(lock, RedLock) else lock.client
-    return client, lock.keys.lock + f":kept:{retry_owner}".encode()
+    return client, lock.keys.kept(retry_owner)
 
 
 def _mark_kept_hold(lock: AnyTaskLock, request: Any, hold: float) -> None:

@@ -18,6 +18,8 @@ from kombu.utils import json as kombu_json
 
 from .. import metrics, signals
 from .._core import LockKeys
+from .._keyspace import handoff_queue as handoff_queue
+from .._replies import decode_handoff
 from .._scripts import scripts_for
 from . import signing
 from .clients import client_for, settings_for
@@ -146,20 +148,11 @@ def refuse_handed_over(
     refused task's parked records are removed, so the sweeper never sends it again."""
     _report_refused(app, lock_key, task_id, reason)
     client = client_for(app)
-    keys = [
-        lock_key,
-        lock_key + b":released",
-        lock_key + b":fence",
-        lock_key + b":parked",
-        lock_key + b":parked:messages",
-        lock_key + b":done:" + task_id,
-        lock_key + b":parked:dispatched",
-        lock_key + b":waiters",
-        lock_key + b":claims",
-        lock_key + b":waiters:wake",
-    ]
+    keys = LockKeys.for_lock(lock_key).handoff_keys(task_id)
     args = [task_id, "unstarted", lease, 0, "", "", "", "", "", *push_targets(app)]
-    return _handed(lock_key, scripts_for(client).handoff(keys=keys, args=args))
+    return _handed(
+        lock_key, decode_handoff(scripts_for(client).handoff(keys=keys, args=args)).handed
+    )
 
 
 def _report_refused(app: Any, key: bytes, task_id: bytes | None, reason: str) -> None:
@@ -190,8 +183,3 @@ def publish_to_handoff_queue(app: Any, message: dict[str, Any]) -> None:
     queue = options.pop("queue", None) or routing_key or app.conf.task_default_queue
     signature.options = options
     signature.apply_async(queue=handoff_queue(queue))
-
-
-def handoff_queue(queue: str) -> str:
-    """The queue a task handed its lock is published to: ``<queue>.redislock``."""
-    return queue if queue.endswith(".redislock") else f"{queue}.redislock"

@@ -17,6 +17,7 @@ from kombu import serialization
 from kombu.utils import json as kombu_json
 
 from .._core import lease_ms
+from .._keyspace import lookahead_chain as lookahead_chain
 from .clients import settings_for
 from .envelope import _bytes, envelope_entry, envelope_lock_key
 from .tasklock import TaskLock, request_owner
@@ -61,11 +62,6 @@ def _lookahead_thread() -> ThreadPoolExecutor:
                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="redislock-lookahead"),
             )
         return _lookahead_executor[1]
-
-
-def lookahead_chain(prefix: str, queue_list: str) -> str:
-    """The key naming the one lock whose tasks look-ahead moves ahead in ``queue_list``."""
-    return f"{prefix}lookahead:{queue_list}"
 
 
 def _next_queued(

@@ -34,6 +34,7 @@ from celery.worker.strategy import default as default_strategy
 
 from .. import signals
 from .._core import LockKeys, OwnerFinished, lease_ms, name_from_lock_key
+from .._keyspace import probe_key
 from . import signing
 from .base import LockedTask
 from .clients import client_for, settings_for
@@ -295,7 +296,7 @@ def _same_redis(app: Any, consumer: Any) -> bool:
 
 def _probe(app: Any, uri: str) -> bool:
     locks = client_for(app)
-    probe = f"{settings_for(app).defaults.prefix}probe:{uuid.uuid4().hex}"
+    probe = probe_key(settings_for(app).defaults.prefix, uuid.uuid4().hex)
     nonce = uuid.uuid4().hex
     broker = redis.Redis.from_url(uri, socket_timeout=5, socket_connect_timeout=5)
     try:

@@ -9,6 +9,8 @@ import weakref
 from typing import Any
 
 from .._core import MIN_SECONDS, LockKeys, lease_ms, name_from_lock_key
+from .._keyspace import parked_registry
+from .._replies import decode_sweep
 from .._scripts import scripts_for
 from .base import LockedTask
 from .clients import client_for, settings_for
@@ -52,7 +54,7 @@ class Sweeper(threading.Thread):
         scripts = scripts_for(client)
         published = 0
         for prefix in self.prefixes:
-            registry = prefix + "parked"
+            registry = parked_registry(prefix)
             members: list[bytes] = list(client.zrange(registry, 0, -1))  # type: ignore[arg-type]
             for lock_key in members:
                 name = name_from_lock_key(lock_key, prefix)
@@ -68,20 +70,10 @@ class Sweeper(threading.Thread):
         return published
 
     def _sweep_lock(self, client: Any, scripts: Any, registry: str, lock_key: bytes) -> int:
-        keys = [
-            lock_key,
-            lock_key + b":released",
-            lock_key + b":fence",
-            lock_key + b":parked",
-            lock_key + b":parked:messages",
-            lock_key + b":parked:unused",
-            lock_key + b":parked:dispatched",
-            registry,
-        ]
+        keys = LockKeys.for_lock(lock_key).sweep_keys(registry)
         stale = lease_ms(max(self.ttl / 2, MIN_SECONDS), "stale")
         args = [lease_ms(self.ttl, "redislock_ttl"), stale, QUEUE_REACH]
-        reply = scripts.sweep(keys=keys, args=args)
-        handed = _handed(lock_key, reply) if int(reply[0]) == 1 else None
+        handed = _handed(lock_key, decode_sweep(scripts.sweep(keys=keys, args=args)).handed)
         if handed is None:
             return 0
         log.warning(

@@ -13,10 +13,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._core import LINE_MARGIN_MS, OwnerFinished, OwnerRunning, decode_acquire, lease_ms
+from .._core import LINE_MARGIN_MS, OwnerFinished, OwnerRunning, lease_ms
 from .._errors import LockNotOwnedError, LockQuorumError
+from .._keyspace import parked_registry
 from .._quorum import decided_by, given_back, quorum_error, release_code
 from .._renewal import scheduler_for
+from .._replies import HandoffReply, decode_handoff, decode_park, decode_release
 from ..lock import RedisLock
 from ..redlock import RedLock
 from ..settings import LockOptions
@@ -77,11 +79,11 @@ class TaskLock(RedisLock):
 
     def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
         super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
-        self.done_key = self.keys.lock + b":done:" + task_id.encode()
-        self.parked = self.keys.lock + b":parked"
-        self.parked_messages = self.keys.lock + b":parked:messages"
-        self.dispatched = self.keys.lock + b":parked:dispatched"
-        self.registry = self.prefix + "parked"  # the sweeper's: locks with parked tasks
+        self.done_key = self.keys.done(task_id)
+        self.parked = self.keys.parked
+        self.parked_messages = self.keys.parked_messages
+        self.dispatched = self.keys.parked_dispatched
+        self.registry = parked_registry(self.prefix)  # the sweeper's: locks with parked tasks
 
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]
@@ -127,10 +129,9 @@ class TaskLock(RedisLock):
         args = [owner, self._lease, message, lease_ms(keep_for, "parking lifetime")]
         if behind:
             args.append("behind")
-        raw = self._scripts.park(keys=keys, args=args)
-        if int(raw[0]) == 2:
+        reply = decode_park(self._scripts.park(keys=keys, args=args))
+        if reply is None:
             return None
-        reply = decode_acquire(raw)
         if reply.finished:
             raise OwnerFinished(self.name)
         if reply.running:
@@ -165,16 +166,16 @@ class TaskLock(RedisLock):
         done_ms = 0 if done_ttl is None else lease_ms(done_ttl, "lock_done_ttl")
         args: list[Any] = [owner, mode, self._lease, done_ms]
         if pull is not None:
-            next_done = self.keys.lock + b":done:" + pull.task_id.encode()
+            next_done = self.keys.done(pull.task_id)
             keys += [pull.queue_list, self.registry, pull.chain, next_done]
             args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms, pull.reach]
         else:
             args += ["", "", "", "", ""]
         return keys, [*args, *self.push_to, "" if token is None else token]
 
-    def handed(self, reply: list[Any]) -> _Handed | None:
+    def handed(self, reply: HandoffReply) -> _Handed | None:
         """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
-        return _handed(self.keys.lock, reply)
+        return _handed(self.keys.lock, reply.handed)
 
     def finish(
         self,
@@ -214,11 +215,11 @@ class TaskLock(RedisLock):
                     except Exception:  # only a shortcut: the task comes in its turn anyway
                         log.debug("redislock: look-ahead failed for %r", self.name, exc_info=True)
                 handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull, token)
-                reply = self._scripts.handoff(keys=handoff_keys, args=handoff_args)
-                code = int(reply[0])
+                reply = decode_handoff(self._scripts.handoff(keys=handoff_keys, args=handoff_args))
+                code = reply.code
                 message = self.handed(reply)
-                if len(reply) > 3 and reply[1] is None:  # handed to the look-ahead's queued task
-                    self.pulled = _text(reply[2])
+                if reply.pulled is not None:  # handed to the look-ahead's queued task
+                    self.pulled = _text(reply.pulled)
             else:
                 keys = self.keys.release_keys()
                 args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold"), "", ""]
@@ -227,7 +228,7 @@ class TaskLock(RedisLock):
                     args[3] = lease_ms(done_ttl, "lock_done_ttl")
                 if token is not None:
                     args.append(token)
-                code, message = int(self._scripts.release(keys=keys, args=args)), None
+                code, message = decode_release(self._scripts.release(keys=keys, args=args)), None
         finally:
             if held is not None:
                 held.releasing -= 1
@@ -265,7 +266,7 @@ class QuorumTaskLock(RedLock):
             prefix=options.prefix,
             node_timeout=node_timeout,
         )
-        self.done_key = self.keys.lock + b":done:" + task_id.encode()
+        self.done_key = self.keys.done(task_id)
 
     def _acquire_keys(self) -> list[bytes]:
         return [*super()._acquire_keys(), self.done_key]

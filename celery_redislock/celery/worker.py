@@ -17,6 +17,8 @@ from celery.worker.request import Request
 
 from .. import metrics
 from .._errors import LockConfigurationError
+from .._keyspace import HANDOFF_QUEUE_SUFFIX
+from .._replies import decode_handoff
 from .._scripts import scripts_for
 from .base import LockedTask
 from .clients import _clients, settings_for
@@ -73,15 +75,15 @@ class LockedRequest(Request):  # type: ignore[misc]
             else:
                 done_ttl = options.done_ttl if mode == "unstarted" else None
                 keys, args = lock.handoff_args(owner, mode, done_ttl)
-                reply = scripts_for(lock.client).handoff(keys=keys, args=args)
-                code = int(reply[0])
+                reply = decode_handoff(scripts_for(lock.client).handoff(keys=keys, args=args))
+                code = reply.code
                 task.publish_handed_over(lock.handed(reply))
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
             )
             return
-        if int(code) == 0:
+        if code == 0:
             log.warning(
                 "redislock: released %r %s %s[%s]: %s (%s)",
                 name,
@@ -140,7 +142,7 @@ def _consume_handoff_queues(sender: Any = None, instance: Any = None, **_: Any) 
         return
     queues = app.amqp.queues
     for name in list(queues.consume_from or queues):
-        if not name.endswith(".redislock"):
+        if not name.endswith(HANDOFF_QUEUE_SUFFIX):
             queues.select_add(handoff_queue(name))
 
 

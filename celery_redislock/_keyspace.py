@@ -1,0 +1,267 @@
+"""Every Redis name this package uses, spelled in one place (I/O-free).
+
+One lock's names all share its ``{name}`` hash tag (one cluster slot); ``<L>`` is the
+lock hash's key ``<prefix>{<name>}``:
+
+==================================  =====================================================
+``<L>``                             the lock hash (owner -> hold count, and the reserved
+                                    fields ``__fence__``, ``__grant__``, ``__chain__``)
+``<L>:fence``                       the fencing counter (never expires)
+``<L>:released``                    the pub/sub channel a release is announced on
+``<L>:released:<grant id>``         one subscriber's direct-grant channel (``_waiting``)
+``<L>:waiters``                     blocked acquires in arrival order (a list)
+``<L>:claims``                      how long each waiter's place in line is kept (zset)
+``<L>:waiters:wake``                waiters' wake ids for direct grants (a hash)
+``<L>:void:<nonce>:<owner>``        a quorum lock's record of the attempts of one owner
+                                    that must not take the lock if they land late
+``<L>:done:<owner>``                a task run's "done" marker
+``<L>:kept:<owner>``                a hold kept across ``self.retry()`` for that run
+``<L>:parked``                      the parked task ids, oldest first (a list)
+``<L>:parked:messages``             parked task id -> its message (a hash)
+``<L>:parked:dispatched``           handed-over task id -> when (a hash)
+``<L>:parked:unused``               the sweep script's unused slot (never written)
+==================================  =====================================================
+
+Names of a prefix, not of one lock:
+
+==================================  =====================================================
+``<prefix>parked``                  the sweeper's registry: locks with parked tasks (zset)
+``<prefix>lookahead:<queue list>``  the lock whose tasks look-ahead moves ahead in a list
+``<prefix>stats``                   the counters ``celery redislock stats`` reads (hash)
+``<prefix>probe:<nonce>``           the parking probe: do the locks and the broker share
+                                    a Redis?
+``<prefix>fence:<name>``            a :class:`~celery_redislock.FencedResource`'s highest
+                                    admitted token
+``<queue>.redislock``               the queue a task handed its lock is published to
+==================================  =====================================================
+
+The byte values are a running deployment's keys: ``tests/test_core_keyspace.py`` pins them.
+The Lua scripts get every name as a KEYS entry (the direct-grant channel is the one they
+build, from the release channel and the wake id's subscriber part).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ._errors import LockConfigurationError
+
+DEFAULT_PREFIX = "redislock:"
+
+#: Suffixes of one lock's names, after the lock hash's key.
+_FENCE = b":fence"
+_CHANNEL = b":released"
+_WAITERS = b":waiters"
+_CLAIMS = b":claims"
+_WAKE = b":waiters:wake"
+_VOID = b":void:"
+_DONE = b":done:"
+_KEPT = b":kept:"
+_PARKED = b":parked"
+_PARKED_MESSAGES = b":parked:messages"
+_PARKED_DISPATCHED = b":parked:dispatched"
+_PARKED_UNUSED = b":parked:unused"
+#: Handed-over tasks go to this queue (``<queue>.redislock``).
+HANDOFF_QUEUE_SUFFIX = ".redislock"
+
+
+def escape_name(name: bytes) -> bytes:
+    """A lock name as it stands inside the hash tag.
+
+    '{' and '}' inside the hash tag would end it early and could split one lock's keys
+    across cluster slots; '%' is escaped too so the mapping stays one-to-one.
+    """
+    return name.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
+
+
+def _name_bytes(name: str | bytes) -> bytes:
+    if isinstance(name, str):
+        try:
+            raw = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise LockConfigurationError(
+                f"name must be bytes or a str that encodes as UTF-8, got {name!r}"
+            ) from None
+    elif isinstance(name, bytes):
+        raw = name
+    else:
+        raise LockConfigurationError(f"name must be str or bytes, got {type(name).__name__}")
+    if not raw:
+        raise LockConfigurationError("name must not be empty")
+    return raw
+
+
+def _part(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+@dataclass(frozen=True)
+class LockKeys:
+    """Every Redis name one lock uses; all share the ``{name}`` hash tag (one cluster slot).
+
+    ``<prefix>{<name>}``          the lock hash (owner -> hold count, plus the token field)
+    ``<prefix>{<name>}:fence``    the fencing counter (never expires)
+    ``<prefix>{<name>}:released`` the pub/sub channel a release is announced on
+    ``<prefix>{<name>}:waiters``  blocked acquires in arrival order (a list)
+    ``<prefix>{<name>}:claims``   how long each waiter's place in line is kept (a sorted set)
+    ``<prefix>{<name>}:waiters:wake``  waiters' wake ids for direct grants (a hash)
+
+    The other names beside the lock (a task's done marker, its parked tasks, a quorum
+    lock's void records, ...) are methods and properties: see the module's table.
+    """
+
+    lock: bytes
+    fence: bytes
+    channel: bytes
+    waiters: bytes
+    claims: bytes
+    wake: bytes
+
+    @classmethod
+    def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys:
+        return cls.for_lock(lock_key(name, prefix))
+
+    @classmethod
+    def for_lock(cls, lock: bytes) -> LockKeys:
+        """The names of the lock whose hash is ``lock`` (a key :func:`lock_key` built)."""
+        return cls(
+            lock=lock,
+            fence=lock + _FENCE,
+            channel=lock + _CHANNEL,
+            waiters=lock + _WAITERS,
+            claims=lock + _CLAIMS,
+            wake=lock + _WAKE,
+        )
+
+    def acquire_keys(self) -> list[bytes]:
+        """KEYS of acquire.lua (and of the lock part of park.lua), in order."""
+        return [self.lock, self.fence, self.waiters, self.claims, self.wake]
+
+    def release_keys(self) -> list[bytes]:
+        """KEYS of release.lua, in order."""
+        return [self.lock, self.channel, self.fence, self.waiters, self.claims, self.wake]
+
+    # -- beside the lock: the Celery layer's and the quorum lock's ----------------------
+
+    def done(self, owner: str | bytes) -> bytes:
+        """``owner``'s "done" marker (a task run that finished under this lock)."""
+        return self.lock + _DONE + _part(owner)
+
+    def kept(self, owner: str | bytes) -> bytes:
+        """The marker of a hold kept across ``self.retry()`` for the run ``owner``."""
+        return self.lock + _KEPT + _part(owner)
+
+    def void(self, nonce: str | bytes, owner: str | bytes) -> bytes:
+        """The void record of ``owner``'s attempts from the quorum lock object ``nonce``."""
+        return self.lock + _VOID + _part(nonce) + b":" + _part(owner)
+
+    @property
+    def parked(self) -> bytes:
+        """The parked task ids, oldest first (a list)."""
+        return self.lock + _PARKED
+
+    @property
+    def parked_messages(self) -> bytes:
+        """Parked task id -> its message (a hash)."""
+        return self.lock + _PARKED_MESSAGES
+
+    @property
+    def parked_dispatched(self) -> bytes:
+        """Handed-over task id -> when it was handed the lock (a hash)."""
+        return self.lock + _PARKED_DISPATCHED
+
+    @property
+    def parked_unused(self) -> bytes:
+        """sweep.lua's KEYS[6] (the done marker's slot in handoff.lua): never written."""
+        return self.lock + _PARKED_UNUSED
+
+    def grant_channel(self, grant_id: bytes) -> bytes:
+        """The direct-grant channel of the subscriber ``grant_id``."""
+        return self.channel + grant_channel_tail(grant_id)
+
+    def handoff_keys(self, task_id: str | bytes) -> list[bytes | str]:
+        """KEYS 1-10 of handoff.lua for the releasing task ``task_id`` (a look-ahead's
+        four follow: queue list, registry, chain, the next task's done marker)."""
+        return [
+            self.lock,
+            self.channel,
+            self.fence,
+            self.parked,
+            self.parked_messages,
+            self.done(task_id),
+            self.parked_dispatched,
+            self.waiters,
+            self.claims,
+            self.wake,
+        ]
+
+    def sweep_keys(self, registry: str) -> list[bytes | str]:
+        """KEYS of sweep.lua; ``registry``: :func:`parked_registry`."""
+        return [
+            self.lock,
+            self.channel,
+            self.fence,
+            self.parked,
+            self.parked_messages,
+            self.parked_unused,
+            self.parked_dispatched,
+            registry,
+        ]
+
+
+def lock_key(name: str | bytes, prefix: str = DEFAULT_PREFIX) -> bytes:
+    """The lock hash's key: ``<prefix>{<name, escaped>}``."""
+    return prefix.encode("utf-8") + b"{" + escape_name(_name_bytes(name)) + b"}"
+
+
+def name_from_lock_key(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:
+    """Inverse of :meth:`LockKeys.for_name` for a lock hash key; None for other keys."""
+    head = prefix.encode("utf-8") + b"{"
+    if not key.startswith(head) or not key.endswith(b"}"):
+        return None
+    inner = key[len(head) : -1]
+    return inner.replace(b"%7D", b"}").replace(b"%7B", b"{").replace(b"%25", b"%")
+
+
+def lock_key_pattern(prefix: str, pattern: bytes) -> bytes:
+    """A SCAN ``MATCH`` pattern for the lock hashes whose name matches the glob
+    ``pattern``: the prefix matched literally (its glob characters escaped), the
+    pattern escaped as names are (:func:`escape_name`)."""
+    literal = re.sub(rb"([*?\[\]\\])", rb"\\\1", prefix.encode())
+    return literal + b"{" + escape_name(pattern) + b"}"
+
+
+def grant_channel_tail(grant_id: bytes) -> bytes:
+    """What a subscriber's direct-grant channel adds to a lock's release channel."""
+    return b":" + grant_id
+
+
+def parked_registry(prefix: str) -> str:
+    """The sweeper's registry: lock keys with parked or handed-over tasks (a zset)."""
+    return prefix + "parked"
+
+
+def lookahead_chain(prefix: str, queue_list: str) -> str:
+    """The key naming the one lock whose tasks look-ahead moves ahead in ``queue_list``."""
+    return f"{prefix}lookahead:{queue_list}"
+
+
+def stats_key(prefix: str) -> str:
+    """The counters every process adds to, and ``celery redislock stats`` reads."""
+    return prefix + "stats"
+
+
+def probe_key(prefix: str, nonce: str) -> str:
+    """The parking probe's key: written by the lock client, read by the broker's."""
+    return f"{prefix}probe:{nonce}"
+
+
+def resource_fence_key(prefix: str, name: str) -> str:
+    """A ``FencedResource``'s highest admitted token."""
+    return f"{prefix}fence:{name}"
+
+
+def handoff_queue(queue: str) -> str:
+    """The queue a task handed its lock is published to: ``<queue>.redislock``."""
+    return queue if queue.endswith(HANDOFF_QUEUE_SUFFIX) else queue + HANDOFF_QUEUE_SUFFIX

@@ -1,0 +1,237 @@
+"""Every Lua script's reply, decoded in one place (I/O-free).
+
+One small decoder per script (``lua/<script>.lua``'s header says what it returns). What
+Redis sends back is not trusted: anyone who can write the server (or a proxy, or a
+script of another version) can make it answer anything. A reply of the wrong shape
+raises :class:`MalformedReplyError`, naming the script and what was wrong — never an
+``IndexError`` or ``ValueError`` from deep inside a caller.
+
+A number is a Lua integer: redis-py gives it as an ``int`` (``bool`` is refused), or as
+decimal ``bytes``/``str`` from a client that decodes responses. A string is ``bytes``
+(or ``str``). A Lua ``false`` inside a table comes back as ``None``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+from ._errors import RedisLockError
+
+
+class MalformedReplyError(RedisLockError, ValueError):
+    """A script's reply does not have the shape that script can send back."""
+
+
+def _malformed(script: str, reply: object, why: str) -> MalformedReplyError:
+    shown = repr(reply)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    return MalformedReplyError(f"malformed {script}.lua reply ({why}): {shown}")
+
+
+def _number(value: object, script: str, reply: object, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, (bytes, str)):
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        body = text[1:] if text[:1] == "-" else text
+        if body.isascii() and body.isdigit() and len(body) <= 20:
+            return int(text)
+    raise _malformed(script, reply, f"{what} is not an integer")
+
+
+def _table(reply: object, script: str, low: int, high: int) -> Sequence[Any]:
+    if not isinstance(reply, (list, tuple)):
+        raise _malformed(script, reply, "not an array")
+    if not low <= len(reply) <= high:
+        raise _malformed(script, reply, f"{len(reply)} elements, expected {low} to {high}")
+    return reply
+
+
+def _string(value: object, script: str, reply: object, what: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape")
+    raise _malformed(script, reply, f"{what} is not a string")
+
+
+def _tag(value: object, script: str, reply: object) -> bytes:
+    """A delivery tag's suffix: a token (a number) or ``<token>s<ms>`` (a string)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value).encode()
+    return _string(value, script, reply, "the tag")
+
+
+# --------------------------------------------------------------------- acquire, park
+
+
+class AcquireReply(NamedTuple):
+    """acquire.lua's reply, decoded (a named tuple: built once per attempt, on the hot path)."""
+
+    acquired: bool
+    token: int = 0
+    hold_count: int = 0
+    #: Milliseconds left on another owner's lease (-1: the key has no expiry; -2: just vanished).
+    pttl: int = 0
+    #: The owner's "done" marker exists: it already finished its work under this lock.
+    finished: bool = False
+    #: A task run's attempt found its own owner holding the lock (another delivery of
+    #: the same run is running): nothing was changed.
+    running: bool = False
+
+
+def decode_acquire(reply: Any, script: str = "acquire") -> AcquireReply:
+    """acquire.lua: ``{1, token, count}`` taken, ``{0, ms}`` not taken, ``{-1, 0}`` done,
+    ``{2, ms}`` this run holds it; park.lua's ``{3, ms}`` is read as ``{2, ms}``."""
+    if not isinstance(reply, (list, tuple)) or not reply:
+        raise _malformed(script, reply, "not a non-empty array")
+    code = _number(reply[0], script, reply, "the code")
+    if code == 1:
+        _table(reply, script, 3, 3)
+        token = _number(reply[1], script, reply, "the token")
+        count = _number(reply[2], script, reply, "the hold count")
+        return AcquireReply(True, token=token, hold_count=count)
+    _table(reply, script, 2, 2)
+    if code == -1:
+        return AcquireReply(False, finished=True)
+    pttl = _number(reply[1], script, reply, "the wait")
+    if code in (2, 3):  # acquire.lua "task" / park.lua: this owner holds it already
+        return AcquireReply(False, pttl=pttl, running=True)
+    if code == 0:
+        return AcquireReply(False, pttl=pttl)
+    raise _malformed(script, reply, f"unknown code {code}")
+
+
+def decode_park(reply: Any) -> AcquireReply | None:
+    """park.lua: as :func:`decode_acquire`, and ``{2, 0}`` (with "behind": the lock is
+    free or this task id's) is None."""
+    is_table = isinstance(reply, (list, tuple)) and bool(reply)
+    if is_table and _number(reply[0], "park", reply, "the code") == 2:
+        _table(reply, "park", 2, 2)
+        return None
+    return decode_acquire(reply, "park")
+
+
+# --------------------------------------------------------------------- release, renew, fence
+
+#: The codes release.lua answers besides a count of holds left (n >= 0).
+RELEASE_CODES = (-1, -2, -3)
+
+
+def decode_release(reply: Any) -> int:
+    """release.lua: n >= 0 holds left; -1 expired, -2 another owner's, -3 held nothing."""
+    code = _number(reply, "release", reply, "the reply")
+    if code < 0 and code not in RELEASE_CODES:
+        raise _malformed("release", reply, f"unknown code {code}")
+    return code
+
+
+#: renew.lua's codes: 1 renewed, 0 the key is gone, -1 another owner's.
+RENEW_CODES = (1, 0, -1)
+
+
+def decode_renew(reply: Any, count: int) -> list[int]:
+    """renew.lua for ``count`` holds: one code per hold (:data:`RENEW_CODES`)."""
+    table = _table(reply, "renew", count, count)
+    codes = [_number(code, "renew", reply, "a code") for code in table]
+    if any(code not in RENEW_CODES for code in codes):
+        raise _malformed("renew", reply, "a code is not 1, 0 or -1")
+    return codes
+
+
+def decode_renew_one(reply: Any) -> int:
+    """renew.lua for one hold: its code (:data:`RENEW_CODES`)."""
+    (code,) = decode_renew(reply, 1)
+    return code
+
+
+def renew_outcomes(reply: Any, count: int) -> list[int | Exception]:
+    """A watchdog batch's renew.lua reply (from a pipeline that does not raise): one code
+    per hold, or the error each of them failed with (the reply's, or a malformed reply's)."""
+    if isinstance(reply, Exception):
+        return [reply] * count
+    try:
+        return list(decode_renew(reply, count))
+    except MalformedReplyError as exc:
+        return [exc] * count
+
+
+def decode_fence(reply: Any) -> bool:
+    """fence.lua: whether the token was admitted (1) or refused as stale (0)."""
+    code = _number(reply, "fence", reply, "the reply")
+    if code not in (0, 1):
+        raise _malformed("fence", reply, f"unknown code {code}")
+    return code == 1
+
+
+# --------------------------------------------------------------------- handoff, sweep
+
+
+class Handed(NamedTuple):
+    """A parked task a script handed the lock to: its message to check and send."""
+
+    task_id: bytes
+    message: bytes  # a signed parked signature, or a parked broker envelope
+    tag: bytes = b""  # an envelope's delivery tag suffix: "<placeholder>h<tag>"
+
+
+class HandoffReply(NamedTuple):
+    """handoff.lua's reply."""
+
+    #: n > 0 holds left, 0 released (or handed over), -1 expired (a parked or queued task
+    #: may still have been handed the lock), -2 another owner's or holding's, -3 not
+    #: handed to it ("unstarted").
+    code: int
+    #: The parked task handed the lock, whose message the worker checks and sends.
+    handed: Handed | None = None
+    #: The look-ahead's queued task handed the lock (its message moved, nothing to send).
+    pulled: bytes | None = None
+
+
+def _absent(value: object) -> bool:
+    return value is None or value is False
+
+
+def decode_handoff(reply: Any) -> HandoffReply:
+    """handoff.lua: ``{n}``; ``{c, message, task id, token}`` handed over (send it);
+    ``{c, nil, task id}`` handed over, its envelope pushed back; ``{c, nil, task id, 1}``
+    handed to the look-ahead's queued task. ``c``: 0 released, or -1 when the releasing
+    hold had expired (the lock still goes to the next task)."""
+    table = _table(reply, "handoff", 1, 4)
+    code = _number(table[0], "handoff", reply, "the code")
+    if code < 0 and code not in RELEASE_CODES:
+        raise _malformed("handoff", reply, f"unknown code {code}")
+    if len(table) == 1:
+        return HandoffReply(code)
+    if code not in (0, -1) or len(table) < 3:
+        raise _malformed("handoff", reply, "a hand-over without a task id")
+    task_id = _string(table[2], "handoff", reply, "the task id")
+    if _absent(table[1]):
+        if len(table) == 4:
+            return HandoffReply(code, pulled=task_id)
+        return HandoffReply(code)
+    message = _string(table[1], "handoff", reply, "the message")
+    tag = _tag(table[3], "handoff", reply) if len(table) == 4 else b""
+    return HandoffReply(code, handed=Handed(task_id, message, tag))
+
+
+class SweepReply(NamedTuple):
+    """sweep.lua's reply."""
+
+    #: 0 nothing to do, -1 nothing parked or dispatched (forget the lock), 1 send ``handed``.
+    code: int
+    handed: Handed | None = None
+
+
+def decode_sweep(reply: Any) -> SweepReply:
+    """sweep.lua: ``{0}``, ``{-1}``, or ``{1, message, task id, tag}``."""
+    table = _table(reply, "sweep", 1, 4)
+    code = _number(table[0], "sweep", reply, "the code")
+    if code in (0, -1) and len(table) == 1:
+        return SweepReply(code)
+    if code != 1 or len(table) != 4:
+        raise _malformed("sweep", reply, "not {0}, {-1} or {1, message, task id, tag}")
+    message = _string(table[1], "sweep", reply, "the message")
+    task_id = _string(table[2], "sweep", reply, "the task id")
+    return SweepReply(1, Handed(task_id, message, _tag(table[3], "sweep", reply)))
