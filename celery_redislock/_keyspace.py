@@ -35,7 +35,7 @@ Names of a prefix, not of one lock:
 ``<queue>.redislock``               the queue a task handed its lock is published to
 ==================================  =====================================================
 
-The byte values are a running deployment's keys: ``tests/test_core_keyspace.py`` pins them.
+The byte values are a running deployment's keys: ``tests/unit/test_core_keyspace.py`` pins them.
 The Lua scripts get every name as a KEYS entry (the direct-grant channel is the one they
 build, from the release channel and the wake id's subscriber part).
 """

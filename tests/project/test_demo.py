@@ -8,7 +8,7 @@ import sys
 
 from celery_redislock.testing import RedisServer
 
-from ._celery import ROOT
+from .._celery import ROOT
 
 
 def test_demo_against_a_given_redis_prints_the_table_and_cleans_up(

@@ -38,8 +38,8 @@ import redis
 from celery_redislock import FencedResource, LockLostError, RedisLock
 from celery_redislock.testing import RedisServer
 
-from . import _chaos
-from ._chaos import Report, Swarm, analyse
+from .. import _chaos
+from .._chaos import Report, Swarm, analyse
 
 DEBUG_ENABLED = ["--enable-debug-command", "local"]
 

@@ -6,7 +6,7 @@ import redis
 
 from celery_redislock.testing import RedisServer
 
-from . import _procs
+from .. import _procs
 
 PROCESSES = 8
 ITERATIONS = 40

@@ -28,7 +28,7 @@ from celery_redislock import (
 from celery_redislock._errors import LockReplicationError
 from celery_redislock.testing import RedisServer
 
-from ._support import wait_until
+from .._support import wait_until
 
 
 def link_up(master: RedisServer, replica: RedisServer) -> None:

@@ -21,7 +21,7 @@ from celery_redislock import (
 from celery_redislock._renewal import scheduler_for
 from celery_redislock.testing import RedisServer
 
-from . import _procs
+from .. import _procs
 
 
 def watchdog_threads() -> int:
@@ -309,7 +309,7 @@ def test_under_gevent_monkey_patching_greenlets_keep_their_leases(
     import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("_gevent_holder.py")
+    script = Path(__file__).parent.parent / "_gevent_holder.py"
     out = subprocess.run(
         [sys.executable, str(script), str(redis_server.port)],
         cwd=script.parent.parent,

@@ -13,9 +13,9 @@ import pytest
 
 from celery_redislock.testing import RedisServer
 
-from . import celery_app as ca
-from ._celery import CeleryProcess, wait_until, worker
-from .conftest import empty
+from .. import celery_app as ca
+from .._celery import CeleryProcess, wait_until, worker
+from ..conftest import empty
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from celery_redislock._quorum import NoReply, QuorumAcquire, Round, release_code
 from celery_redislock._scripts import scripts_for
 from celery_redislock.testing import RedisServer
 
-from . import _procs
+from .. import _procs
 
 
 @pytest.fixture(scope="module")

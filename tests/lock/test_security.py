@@ -42,9 +42,9 @@ from celery_redislock._renewal import scheduler_for
 from celery_redislock.aio import aclose_background
 from celery_redislock.testing import RedisServer, free_port, redis_server_binary
 
-from ._support import wait_until
+from .._support import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 # ------------------------------------------------------------------ the minimal ACL
 
@@ -945,7 +945,7 @@ def _trial(part: str, commands: tuple[str, ...], removed: str | None) -> tuple[i
         admin = server.client()
         set_user(admin, user, acl_rules(tuple(c for c in commands if c != removed)))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.test_security", part, str(server.port), user],
+            [sys.executable, "-m", "tests.lock.test_security", part, str(server.port), user],
             cwd=ROOT,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
             stdout=subprocess.DEVNULL,

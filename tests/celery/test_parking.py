@@ -31,9 +31,9 @@ from celery_redislock.task import (
 )
 from celery_redislock.testing import RedisServer
 
-from . import celery_app as ca
-from ._celery import wait_until, worker
-from .test_security import CELERY_COMMANDS, PASSWORD, acl_rules, denials, set_user
+from .. import celery_app as ca
+from .._celery import wait_until, worker
+from ..lock.test_security import CELERY_COMMANDS, PASSWORD, acl_rules, denials, set_user
 
 PARKED = "redislock:{job:%s}:parked"
 CHAIN = "redislock:lookahead:%s"

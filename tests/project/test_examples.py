@@ -11,7 +11,7 @@ import pytest
 
 from celery_redislock.testing import RedisServer
 
-from ._celery import ROOT, CeleryProcess
+from .._celery import ROOT, CeleryProcess
 
 
 @pytest.mark.parametrize("example", ["payments", "per_user"])

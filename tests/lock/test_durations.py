@@ -46,7 +46,7 @@ from celery_redislock.settings import LockOptions, LockSettings, task_overrides
 from celery_redislock.task import TaskLock
 from celery_redislock.testing import RedisServer
 
-from ._support import wait_until
+from .._support import wait_until
 
 RANGE = "between 0.001 and 31536000 seconds (365 days)"
 

@@ -34,9 +34,9 @@ from celery_redislock.task import (
 )
 from celery_redislock.testing import RedisServer
 
-from . import celery_app as ca
-from ._celery import wait_until, worker
-from .test_security import LOCK_COMMANDS, PASSWORD, acl_rules, set_user
+from .. import celery_app as ca
+from .._celery import wait_until, worker
+from ..lock.test_security import LOCK_COMMANDS, PASSWORD, acl_rules, set_user
 
 REFUSED = "redislock: refused the parked message of task"
 PLACEHOLDER = "rltag0123456789abcdef"

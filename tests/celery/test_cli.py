@@ -19,8 +19,8 @@ from click.testing import CliRunner, Result
 from celery_redislock import RedisLock, RedLock
 from celery_redislock.testing import RedisServer
 
-from . import celery_app as ca
-from ._celery import wait_until, worker
+from .. import celery_app as ca
+from .._celery import wait_until, worker
 
 
 def run(*args: str, input: str | None = None) -> str:
@@ -72,7 +72,9 @@ APP: Celery | None = None
 
 
 def invoke(*args: str, input: str | None = None) -> Result:
-    return CliRunner().invoke(celery, ["-A", "tests.test_cli:APP", "redislock", *args], input=input)
+    return CliRunner().invoke(
+        celery, ["-A", "tests.celery.test_cli:APP", "redislock", *args], input=input
+    )
 
 
 @contextmanager

@@ -14,8 +14,8 @@ from celery_redislock._scripts import scripts_for
 from celery_redislock.task import TaskLock, settings_for
 from celery_redislock.testing import RedisServer
 
-from . import celery_app as ca
-from ._celery import CeleryProcess, wait_until, worker
+from .. import celery_app as ca
+from .._celery import CeleryProcess, wait_until, worker
 
 
 def test_parked_tasks_survive_a_holder_that_never_releases_and_a_lost_hand_over(

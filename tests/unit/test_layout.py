@@ -11,7 +11,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "celery_redislock"
+PACKAGE = Path(__file__).resolve().parent.parent.parent / "celery_redislock"
 #: Old homes of the Celery layer, kept as re-exports of celery_redislock.celery.*
 SHIMS = {"task.py", "parking.py", "cli.py", "signing.py"}
 

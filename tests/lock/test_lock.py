@@ -22,7 +22,7 @@ from celery_redislock import (
 from celery_redislock._scripts import scripts_for
 from celery_redislock.testing import RedisServer
 
-from . import _procs
+from .. import _procs
 
 
 def in_thread(fn, *args):  # type: ignore[no-untyped-def]

@@ -20,9 +20,9 @@ from celery_redislock.settings import task_rules
 from celery_redislock.task import LockedRequest, LockedTask
 from celery_redislock.testing import RedisServer
 
-from . import configured_app as cfg
-from ._celery import CeleryProcess, wait_until, worker
-from .conftest import empty
+from .. import configured_app as cfg
+from .._celery import CeleryProcess, wait_until, worker
+from ..conftest import empty
 
 APP = "tests.configured_app"
 
@@ -382,7 +382,7 @@ def test_a_base_with_its_own_request_or_strategy(broker: RedisServer) -> None:
         Request = OwnRequest
 
     class WithStrategy(Task):  # type: ignore[misc]
-        Strategy = "tests.test_configured:eager_app"  # anything but Celery's default
+        Strategy = "tests.celery.test_configured:eager_app"  # anything but Celery's default
 
     app = eager_app(broker.url, {"own.*": {"lock_key": "job:{name}"}})
 

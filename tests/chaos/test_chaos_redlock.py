@@ -1,7 +1,7 @@
 """Chaos suite for the quorum lock (:class:`RedLock`): scenarios 3 and 6 of issue #7.
 
 The swarm, the worker bodies and the analysis are the single-node suite's
-(``tests/_chaos.py``, ``tests/test_chaos.py``); here the workers take a :class:`RedLock`
+(``tests/_chaos.py``, ``tests/chaos/test_chaos.py``); here the workers take a :class:`RedLock`
 over 3 or 5 lock nodes (independent redis-servers), and the fenced resource and the
 counter live on one more server, the "resource" server, which is never faulted. The
 same safety checks apply (fenced writes in token order, no overlap among valid-lease
@@ -10,7 +10,7 @@ completes within a bound.
 
 Lock nodes run with AOF (``appendfsync always``), so a node SIGKILLed and restarted
 keeps the locks and fence counters it had: an immediate restart *without* persistence
-is the documented unsafety (``tests/test_chaos_quorum.py``) and is not exercised here.
+is the documented unsafety (``tests/chaos/test_chaos_quorum.py``) and is not exercised here.
 
 * 3a: 3 nodes; one node at a time SIGSTOPped (0.2-1.5 s), and SIGKILLed and restarted.
 * 3b: 5 nodes; two nodes SIGSTOPped at once.
@@ -45,8 +45,8 @@ import pytest
 from celery_redislock import LockQuorumError, RedisLock, RedLock
 from celery_redislock.testing import RedisServer
 
-from . import _chaos
-from ._chaos import Fault, Swarm
+from .. import _chaos
+from .._chaos import Fault, Swarm
 from .test_chaos import assert_safe_and_live, fault_counts, run_swarm, summary
 
 TTL = 2.0

@@ -18,9 +18,9 @@ from celery_redislock._deferred import deferred_releases
 from celery_redislock.task import LockedTask, TaskLock, _finish_quietly, task_lock
 from celery_redislock.testing import FaultProxy, RedisServer
 
-from . import celery_app as ca
-from ._celery import CeleryProcess, wait_until, worker
-from .conftest import empty
+from .. import celery_app as ca
+from .._celery import CeleryProcess, wait_until, worker
+from ..conftest import empty
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from celery_redislock.celery.configured import configure_tasks
 from celery_redislock.task import LockedRequest, LockedTask
 from celery_redislock.testing import RedisServer
 
-from . import configured_attack_app as atk
-from ._celery import CeleryProcess, worker
-from .conftest import empty
+from .. import configured_attack_app as atk
+from .._celery import CeleryProcess, worker
+from ..conftest import empty
 
 APP = "tests.configured_attack_app"
 P = atk.P
