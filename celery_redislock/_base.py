@@ -37,7 +37,6 @@ from ._errors import (
     LockForkedError,
     LockLostError,
     LockNotOwnedError,
-    LockReplicationError,
     LockTimeoutError,
 )
 from ._scripts import is_cluster
@@ -481,45 +480,6 @@ class LockBase(Generic[Signal]):
     @staticmethod
     def _now() -> float:
         return time.monotonic()
-
-    # -- min_replicas ----------------------------------------------------------
-
-    def _replicated_pipeline(self, pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> Any:
-        """Queue ``script`` then ``WAIT min_replicas timeout`` on one pipeline (one round trip).
-
-        WAIT cannot run inside Lua, so it follows the script on the same connection: it
-        counts the replicas that hold every write made on that connection so far.
-        """
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
-        pipe.execute_command("WAIT", self.min_replicas, self._replica_timeout_ms)
-        return pipe
-
-    def _unreplicated(self, acks: Any) -> bool:
-        """True when a WAIT reply does not meet min_replicas (or WAIT failed)."""
-        return isinstance(acks, Exception) or int(acks) < self.min_replicas
-
-    def _replication_error(
-        self, acks: Any, what: str, owner: str, connected: int | None
-    ) -> LockReplicationError:
-        acknowledged = 0 if isinstance(acks, Exception) else int(acks)
-        if isinstance(acks, Exception):
-            detail = f"WAIT is unavailable on this server ({acks}); min_replicas cannot be met"
-        else:
-            detail = (
-                f"only {acknowledged} acknowledged within replica_timeout={self.replica_timeout}s"
-            )
-            if connected is not None and connected < self.min_replicas:
-                detail += f" (the server reports {connected} connected replicas)"
-        undone = "it was given back" if what == "acquire" else "its lease was not renewed"
-        return LockReplicationError(
-            f"lock {self.name!r}: {what} needs min_replicas={self.min_replicas} replicas to "
-            f"acknowledge it, but {detail}; {undone}",
-            name=self.name,
-            owner=owner,
-            min_replicas=self.min_replicas,
-            acknowledged=acknowledged,
-            timeout=self.replica_timeout,
-        )
 
 
 def validate_replicas(

@@ -30,25 +30,23 @@ import weakref
 from collections import deque
 from typing import Any, Awaitable, Callable, Coroutine, NamedTuple, TypeVar
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
-from ._base import DEFAULT_REPLICA_TIMEOUT, AsyncContext, LockBase
+from ._base import AsyncContext
 from ._core import (
     DEFAULT_PREFIX,
     AsyncLeaseLost,
     Hold,
-    LockKeys,
     decode_acquire,
     lease_ms,
     new_owner_suffix,
     process_id,
     thread_owner,
-    validate_prefix,
-    wait_bound,
 )
 from ._deferred import UNREACHABLE, defer_async
-from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
+from ._renewal import AsyncRenewalScheduler, async_scheduler_for
 from ._scripts import run_async, scripts_for
+from ._single import SingleBase
 from ._waiting import async_subscribers_of, async_waiter_for
 
 T = TypeVar("T")
@@ -208,41 +206,13 @@ async def aclose_background(client: Any) -> None:
         await scheduler.aclose()
 
 
-class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
+class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncContext):
     """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
 
     See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
     """
 
     _signal_type = AsyncLeaseLost
-
-    def __init__(
-        self,
-        client: Any,
-        name: str | bytes,
-        *,
-        ttl: float = 30.0,
-        owner: str | None = None,
-        auto_renew: bool = True,
-        blocking: bool = True,
-        timeout: float | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        min_replicas: int = 0,
-        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            client,
-            name,
-            ttl=ttl,
-            owner=owner,
-            auto_renew=auto_renew,
-            blocking=blocking,
-            timeout=timeout,
-            prefix=prefix,
-            min_replicas=min_replicas,
-            replica_timeout=replica_timeout,
-        )
-        self._scripts = scripts_for(client)
 
     def _default_owner(self) -> str:
         return task_owner()
@@ -315,10 +285,10 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                         acquired = True
                         return True
                     pttl = outcome
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                    bound = self._wait_for(outcome, deadline)
+                    if bound is None:
                         return False
-                    await waiter.wait(wait_bound(outcome, remaining))
+                    await waiter.wait(bound)
                     token = waiter.take_grant()
                     if token is not None and self._take_grant(
                         owner, token, sent_at, lease_millis, started, task
@@ -332,9 +302,10 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                     )
 
     async def _leave_line(self, owner: str, grant_name: bytes | None = None, pttl: int = 0) -> None:
-        args = [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
         try:
-            await self._scripts.release(keys=self.keys.release_keys(), args=args)
+            await self._scripts.release(
+                keys=self.keys.release_keys(), args=self._leave_args(owner, grant_name)
+            )
         except RedisError:  # the place lapses LINE_MARGIN_MS past the lease
             self._abandoned(owner, grant_name, pttl)
 
@@ -364,17 +335,14 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         if not reply.acquired:
             if cancelled is not None:
                 raise cancelled
-            return reply.pttl
+            return self._refused_wait(reply)
         if self.min_replicas and self._unreplicated(acks):
             await _to_completion(self._give_back(owner))
             connected = await self._connected_replicas() if cancelled is None else None
             error = self._replication_error(acks, "acquire", owner, connected)
             raise cancelled if cancelled is not None else error
-        hold, is_new = self._record_acquired(
-            owner, reply, sent_at, lease, renew, started, owner_task
-        )
-        if is_new and renew:
-            require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
+        hold = self._held(owner, reply, sent_at, lease, renew, started, owner_task)
+        if hold is not None:
             _scheduler(self.client).add(hold)
         if cancelled is not None:
             # Redis granted it, but our caller is gone: give it straight back.
@@ -391,11 +359,9 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         for attempt in range(2):
             pipe = self._replicated_pipeline(self.client.pipeline(False), script, keys, args)
             reply, acks = await pipe.execute(raise_on_error=False)
-            if isinstance(reply, NoScriptError) and attempt == 0:
+            if self._reload_first(reply, attempt):
                 await self.client.script_load(script.script)
                 continue
-            if isinstance(reply, Exception):
-                raise reply
             return reply, acks
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -404,13 +370,12 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         try:
             await self._scripts.release(keys=self.keys.release_keys(), args=[owner])
         except RedisError as exc:  # the hold's lease ends it
-            log.warning("redislock: could not give back unreplicated %r: %r", self.name, exc)
+            self._give_back_failed(exc)
 
     async def _connected_replicas(self) -> int | None:
         try:
-            info = await self.client.info("replication")
-            return int(info.get("connected_slaves", 0))
-        except (RedisError, ValueError, TypeError):
+            return self._replica_count(await self.client.info("replication"))
+        except RedisError:
             return None
 
     def release(self) -> Coroutine[Any, Any, None]:
@@ -463,7 +428,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             codes, acks = await self._replicated(
                 self._scripts.renew, [self.keys.lock], [owner, lease]
             )
-            if int(codes[0]) == 1 and self._unreplicated(acks):
+            if self._extend_unreplicated(int(codes[0]), acks):
                 connected = await self._connected_replicas()
                 raise self._replication_error(acks, "extend", owner, connected)
         else:
@@ -484,16 +449,13 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
 
     async def remaining(self) -> float | None:
         """Seconds left on the current lease, whoever holds it (None: not locked)."""
-        pttl = int(await self.client.pttl(self.keys.lock))
-        if pttl == -2:
-            return None
-        return float("inf") if pttl == -1 else pttl / 1000.0
+        return self._seconds_left(int(await self.client.pttl(self.keys.lock)))
 
     @staticmethod
     async def force_release(
         client: Any, name: str | bytes, *, prefix: str = DEFAULT_PREFIX
     ) -> bool:
         """Operator's tool: delete the lock whoever holds it (see ``RedisLock.force_release``)."""
-        keys = LockKeys.for_name(name, validate_prefix(prefix))
-        code = await scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
+        keys = AsyncRedisLock._force_keys(name, prefix)
+        code = await scripts_for(client).release(keys=keys, args=["", "force"])
         return int(code) == 0
