@@ -103,6 +103,10 @@ class LockBase(Generic[Signal]):
         )
         self._replica_timeout_ms = round(self.replica_timeout * 1000)
         warn_if_unbounded(client, self.name)
+        self._attach(client)
+
+    def _attach(self, client: Any) -> None:
+        """Hook, last in ``__init__``: a lock on one Redis registers its scripts there."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} ttl={self.ttl!r} owner={self.owner!r}>"

@@ -14,9 +14,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase, Signal
+from ._base import LockBase, Signal
 from ._core import (
-    DEFAULT_PREFIX,
     AcquireReply,
     Hold,
     LockKeys,
@@ -35,32 +34,7 @@ log = logging.getLogger(__name__)
 class SingleBase(LockBase[Signal]):
     """State and decisions of a lock on one Redis (sync or asyncio)."""
 
-    def __init__(
-        self,
-        client: Any,
-        name: str | bytes,
-        *,
-        ttl: float = 30.0,
-        owner: str | None = None,
-        auto_renew: bool = True,
-        blocking: bool = True,
-        timeout: float | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        min_replicas: int = 0,
-        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            client,
-            name,
-            ttl=ttl,
-            owner=owner,
-            auto_renew=auto_renew,
-            blocking=blocking,
-            timeout=timeout,
-            prefix=prefix,
-            min_replicas=min_replicas,
-            replica_timeout=replica_timeout,
-        )
+    def _attach(self, client: Any) -> None:
         self._scripts = scripts_for(client)
 
     # -- acquire ---------------------------------------------------------------

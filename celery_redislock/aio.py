@@ -37,6 +37,7 @@ from ._core import (
     DEFAULT_PREFIX,
     AsyncLeaseLost,
     Hold,
+    LockKeys,
     decode_acquire,
     lease_ms,
     new_owner_suffix,
@@ -192,37 +193,26 @@ async def to_completion(awaitable: Awaitable[T]) -> T:
     return future.result()
 
 
-async def aclose_background(client: Any) -> None:
-    """Stop this event loop's subscriber and watchdog tasks for ``client``.
+class AsyncCalls:
+    """The public calls of the asyncio locks (:class:`AsyncRedisLock`, ``AsyncRedLock``):
+    each checks its arguments and resolves its owner (:func:`caller`) when called, then
+    returns the coroutine that runs it; a default owner's acquires take turns.
 
-    They stop by themselves a moment after the last wait or hold ends; call this
-    before closing the client or the loop sooner (tests, shutdown hooks). Holds still
-    held stop being renewed and expire after their lease.
-    """
-    for subscriber in async_subscribers_of(client):
-        await subscriber.aclose()
-    scheduler = async_scheduler_for(client, create=False)
-    if scheduler is not None:
-        await scheduler.aclose()
-
-
-class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncContext):
-    """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
-
-    See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
+    A lock supplies ``_acquire_as``, ``_release``, ``_extend`` and ``_owned``; the
+    attributes and checks below come from :class:`~celery_redislock._base.LockBase`,
+    which precedes this class in the lock's bases.
     """
 
-    _signal_type = AsyncLeaseLost
+    owner: str | None
+    keys: LockKeys
 
-    def _default_owner(self) -> str:
-        return task_owner()
+    def _acquire_args(
+        self, blocking: object, timeout: object, lease: object
+    ) -> tuple[float | None, int, bool]:
+        raise NotImplementedError
 
-    def _renewals(self) -> AsyncRenewalScheduler:
-        return _scheduler(self.client)
-
-    def _unschedule(self, hold: Hold) -> None:
-        if hold.renew:
-            _scheduler(self.client).remove(hold)
+    def _check_not_inherited(self, owner: str) -> None:
+        raise NotImplementedError
 
     def acquire(
         self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
@@ -253,6 +243,78 @@ class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncContext):
         if self.owner is not None:  # an explicit owner may be shared: no turns
             return await attempt(wait_limit)
         return await owner_turns.run((self.keys.lock, owner), blocking, wait_limit, attempt)
+
+    async def _acquire_as(
+        self,
+        owner: str,
+        task: asyncio.Task[Any] | None,
+        blocking: bool,
+        wait_limit: float | None,
+        lease_millis: int,
+        renew: bool,
+    ) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> Coroutine[Any, Any, None]:
+        """Give back one hold of the calling owner (resolved when called, as by
+        :meth:`acquire`). See :meth:`RedisLock.release`. A cancelled release still
+        completes (and is recorded) before the cancellation goes on."""
+        return self._release_for(caller(self.owner))
+
+    async def _release_for(self, called: Caller) -> None:
+        owner = called.owner
+        self._check_not_inherited(owner)
+        await to_completion(self._release(owner))
+
+    async def _release(self, owner: str) -> None:
+        raise NotImplementedError
+
+    def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
+        """Replace the calling owner's lease with ``ttl`` seconds. See :meth:`RedisLock.extend`."""
+        return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
+
+    async def _extend(self, called: Caller, lease: int) -> None:
+        raise NotImplementedError
+
+    def owned(self) -> Coroutine[Any, Any, bool]:
+        """Whether the calling owner holds the lock (server-side)."""
+        return self._owned(caller(self.owner))
+
+    async def _owned(self, called: Caller) -> bool:
+        raise NotImplementedError
+
+
+async def aclose_background(client: Any) -> None:
+    """Stop this event loop's subscriber and watchdog tasks for ``client``.
+
+    They stop by themselves a moment after the last wait or hold ends; call this
+    before closing the client or the loop sooner (tests, shutdown hooks). Holds still
+    held stop being renewed and expire after their lease.
+    """
+    for subscriber in async_subscribers_of(client):
+        await subscriber.aclose()
+    scheduler = async_scheduler_for(client, create=False)
+    if scheduler is not None:
+        await scheduler.aclose()
+
+
+class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
+    """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
+
+    See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
+    """
+
+    _signal_type = AsyncLeaseLost
+
+    def _default_owner(self) -> str:
+        return task_owner()
+
+    def _renewals(self) -> AsyncRenewalScheduler:
+        return _scheduler(self.client)
+
+    def _unschedule(self, hold: Hold) -> None:
+        if hold.renew:
+            _scheduler(self.client).remove(hold)
 
     async def _acquire_as(
         self,
@@ -378,16 +440,6 @@ class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncContext):
         except RedisError:
             return None
 
-    def release(self) -> Coroutine[Any, Any, None]:
-        """Give back one hold of the calling owner (resolved when called, as by
-        :meth:`acquire`). See :meth:`RedisLock.release`."""
-        return self._release_for(caller(self.owner))
-
-    async def _release_for(self, called: Caller) -> None:
-        owner = called.owner
-        self._check_not_inherited(owner)
-        await to_completion(self._release(owner))
-
     async def _release(self, owner: str) -> None:
         hold = self._holds.get(owner)
         if hold is not None:
@@ -416,10 +468,6 @@ class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncContext):
                 hold.releasing -= 1
         self._record_released(owner, code)
 
-    def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
-        """Replace the calling owner's lease with ``ttl`` seconds. See :meth:`RedisLock.extend`."""
-        return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
-
     async def _extend(self, called: Caller, lease: int) -> None:
         owner = called.owner
         self._check_not_inherited(owner)
@@ -438,10 +486,6 @@ class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncContext):
     async def locked(self) -> bool:
         """Whether anyone holds the lock (server-side)."""
         return bool(await self.client.exists(self.keys.lock))
-
-    def owned(self) -> Coroutine[Any, Any, bool]:
-        """Whether the calling owner holds the lock (server-side)."""
-        return self._owned(caller(self.owner))
 
     async def _owned(self, called: Caller) -> bool:
         owner = called.owner

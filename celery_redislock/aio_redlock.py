@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from ._base import AsyncContext, LockBase
-from ._core import AsyncLeaseLost, Hold, decode_acquire, lease_ms, wait_event
+from ._core import AsyncLeaseLost, Hold, decode_acquire, wait_event
 from ._errors import LockQuorumError
 from ._quorum import (
     Decided,
@@ -31,12 +31,12 @@ from ._quorum import (
 from ._quorum_runtime import MultiWaiterBase, QuorumBase, majority_remaining, round_of
 from ._renewal import async_scheduler_for
 from ._waiting import async_subscriber_for
-from .aio import Caller, caller, owner_turns, task_owner, to_completion
+from .aio import AsyncCalls, Caller, task_owner
 
 T = TypeVar("T")
 
 
-class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
+class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
     """The asyncio twin of :class:`RedLock` over ``redis.asyncio`` clients (or URLs).
 
     Same arguments and rules; owners are asyncio tasks as for :class:`AsyncRedisLock`.
@@ -73,31 +73,6 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             if pending and decided and decided(round_of(sources, self._labels)):
                 break
         return round_of(sources, self._labels)
-
-    def acquire(
-        self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
-    ) -> Coroutine[Any, Any, bool]:
-        """Take the lock on a majority of the nodes; see :meth:`RedLock.acquire`. The
-        owner is resolved when called, as by :meth:`AsyncRedisLock.acquire`."""
-        wait_limit, lease_millis, renew = self._acquire_args(blocking, timeout, lease)
-        return self._acquire(caller(self.owner), blocking, wait_limit, lease_millis, renew)
-
-    async def _acquire(
-        self,
-        called: Caller,
-        blocking: bool,
-        wait_limit: float | None,
-        lease_millis: int,
-        renew: bool,
-    ) -> bool:
-        owner, task = called
-
-        def attempt(limit: float | None) -> Awaitable[bool]:
-            return self._acquire_as(owner, task, blocking, limit, lease_millis, renew)
-
-        if self.owner is not None:  # an explicit owner may be shared: no turns
-            return await attempt(wait_limit)
-        return await owner_turns.run((self.keys.lock, owner), blocking, wait_limit, attempt)
 
     async def _acquire_as(
         self,
@@ -214,16 +189,6 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
 
         self._track(owner, [_background(give_back())])
 
-    def release(self) -> Coroutine[Any, Any, None]:
-        """Give back one hold on every node; see :meth:`RedLock.release`. A cancelled
-        release still completes (and is recorded) before the cancellation goes on."""
-        return self._release_for(caller(self.owner))
-
-    async def _release_for(self, called: Caller) -> None:
-        owner = called.owner
-        self._check_not_inherited(owner)
-        await to_completion(self._release(owner))
-
     async def _release(self, owner: str) -> None:
         hold = self._holds.get(owner)
         keys = self.keys.release_keys()
@@ -250,10 +215,6 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
             return await self._node_scripts[i].release(keys=keys, args=args)
 
         return call
-
-    def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
-        """Replace the calling owner's lease with ``ttl`` seconds; see :meth:`RedLock.extend`."""
-        return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
 
     async def _extend(self, called: Caller, lease: int) -> None:
         owner = called.owner
@@ -286,10 +247,6 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncContext):
         """Whether a majority of the nodes shows the lock held (by anyone)."""
         round_ = await self._pttls()
         return sum(1 for i in round_.answered() if round_.replies[i] != -2) >= self.quorum
-
-    def owned(self) -> Coroutine[Any, Any, bool]:
-        """Whether a majority of the nodes shows the calling owner's hold."""
-        return self._owned(caller(self.owner))
 
     async def _owned(self, called: Caller) -> bool:
         owner = called.owner
