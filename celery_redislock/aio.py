@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable, Coroutine, NamedTuple, TypeVar
 
 from redis.exceptions import RedisError
 
+from ._async_waiting import async_subscribers_of, async_waiter_for
 from ._base import AsyncContext
 from ._core import (
     DEFAULT_PREFIX,
@@ -48,7 +49,6 @@ from ._deferred import UNREACHABLE, defer_async
 from ._renewal import AsyncRenewalScheduler, async_scheduler_for
 from ._scripts import run_async, scripts_for
 from ._single import SingleBase
-from ._waiting import async_subscribers_of, async_waiter_for
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from ._async_waiting import async_subscriber_for
 from ._base import AsyncContext, LockBase
 from ._core import AsyncLeaseLost, Hold, decode_acquire, wait_event
 from ._errors import LockQuorumError
@@ -30,7 +31,6 @@ from ._quorum import (
 )
 from ._quorum_runtime import MultiWaiterBase, QuorumBase, majority_remaining, round_of
 from ._renewal import async_scheduler_for
-from ._waiting import async_subscriber_for
 from .aio import AsyncCalls, Caller, task_owner
 
 T = TypeVar("T")
