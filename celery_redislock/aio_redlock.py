@@ -16,7 +16,15 @@ from typing import Any, TypeVar
 
 from ._async_waiting import async_subscriber_for
 from ._base import AsyncContext, LockBase
-from ._core import AsyncLeaseLost, Hold, decode_acquire, wait_event
+from ._core import (
+    DEFAULT_PREFIX,
+    AsyncLeaseLost,
+    Hold,
+    LockKeys,
+    decode_acquire,
+    validate_prefix,
+    wait_event,
+)
 from ._errors import LockQuorumError
 from ._quorum import (
     Decided,
@@ -28,9 +36,17 @@ from ._quorum import (
     granted,
     renewed,
     tally_acquire,
+    validate_nodes,
 )
-from ._quorum_runtime import MultiWaiterBase, QuorumBase, majority_remaining, round_of
+from ._quorum_runtime import (
+    MultiWaiterBase,
+    QuorumBase,
+    bounded_client,
+    majority_remaining,
+    round_of,
+)
 from ._renewal import async_scheduler_for
+from ._scripts import scripts_for
 from .aio import AsyncCalls, Caller, task_owner
 
 T = TypeVar("T")
@@ -91,9 +107,7 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
         if not blocking:
             return False
         deadline = None if wait_limit is None else started + wait_limit
-        waiter = _AsyncMultiWaiter(self.clients, self.keys.channel, owner)
-        await waiter.enter()
-        try:
+        async with _AsyncMultiWaiter(self.clients, self.keys.channel, owner) as waiter:
             while True:
                 step = self._next_wait(outcome, deadline)
                 if step is None:
@@ -107,8 +121,6 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
                 outcome = await self._try(owner, lease_millis, renew, started, owner_task=task)
                 if outcome is None:
                     return True
-        finally:
-            waiter.exit()
 
     async def _try(
         self,
@@ -261,6 +273,26 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
         """Seconds until fewer than a majority of the nodes hold the lock (None: not locked)."""
         return majority_remaining(await self._pttls(), self.quorum)
 
+    @staticmethod
+    async def force_release(
+        clients: Sequence[Any], name: str | bytes, *, prefix: str = DEFAULT_PREFIX
+    ) -> bool:
+        """Operator's tool: delete the lock on every node whoever holds it; True if any
+        had it (see ``RedLock.force_release``)."""
+        keys = LockKeys.for_name(name, validate_prefix(prefix)).release_keys()
+        deleted = False
+        for client in validate_nodes(clients):
+            node = (
+                bounded_client(client, 1.0, asyncio_client=True)
+                if isinstance(client, str)
+                else client
+            )
+            with contextlib.suppress(Exception):
+                deleted |= int(await scripts_for(node).release(keys=keys, args=["", "force"])) == 0
+            if node is not client:
+                await node.aclose()
+        return deleted
+
     async def aclose(self) -> None:
         """Close this lock's private per-node connections."""
         for client in self._fast:
@@ -292,9 +324,13 @@ class _AsyncMultiWaiter(MultiWaiterBase):
         super().__init__(clients, channel, owner)
         self._event: asyncio.Event = asyncio.Event()
 
-    async def enter(self) -> None:
+    async def __aenter__(self) -> _AsyncMultiWaiter:
         for client in self._clients:
             _background(self._subscribe(client))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.exit()
 
     async def _subscribe(self, client: Any) -> None:
         subscriber = async_subscriber_for(client)
