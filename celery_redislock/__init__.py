@@ -23,11 +23,12 @@ from ._errors import (
     RedisLockError,
 )
 from .aio import AsyncRedisLock
+from .aio_redlock import AsyncRedLock
 from .decorators import current_lock, locked
 from .fencing import FencedResource
 from .keys import KeyTemplate, LockKeyError
 from .lock import RedisLock
-from .redlock import AsyncRedLock, RedLock
+from .redlock import RedLock
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,6 @@ each script reply live here; the subclasses only send the commands.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -14,6 +13,7 @@ import weakref
 from typing import Any, Awaitable, Callable, Coroutine, Generic, TypeVar
 
 from . import _deferred, signals
+from ._clientcheck import validate_replicas, warn_if_unbounded
 from ._core import (
     DEFAULT_PREFIX,
     GRANT_MS,
@@ -37,10 +37,8 @@ from ._errors import (
     LockForkedError,
     LockLostError,
     LockNotOwnedError,
-    LockReplicationError,
     LockTimeoutError,
 )
-from ._scripts import is_cluster
 
 log = logging.getLogger("celery_redislock")
 
@@ -104,6 +102,10 @@ class LockBase(Generic[Signal]):
         )
         self._replica_timeout_ms = round(self.replica_timeout * 1000)
         warn_if_unbounded(client, self.name)
+        self._attach(client)
+
+    def _attach(self, client: Any) -> None:
+        """Hook, last in ``__init__``: a lock on one Redis registers its scripts there."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} ttl={self.ttl!r} owner={self.owner!r}>"
@@ -481,127 +483,6 @@ class LockBase(Generic[Signal]):
     @staticmethod
     def _now() -> float:
         return time.monotonic()
-
-    # -- min_replicas ----------------------------------------------------------
-
-    def _replicated_pipeline(self, pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> Any:
-        """Queue ``script`` then ``WAIT min_replicas timeout`` on one pipeline (one round trip).
-
-        WAIT cannot run inside Lua, so it follows the script on the same connection: it
-        counts the replicas that hold every write made on that connection so far.
-        """
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
-        pipe.execute_command("WAIT", self.min_replicas, self._replica_timeout_ms)
-        return pipe
-
-    def _unreplicated(self, acks: Any) -> bool:
-        """True when a WAIT reply does not meet min_replicas (or WAIT failed)."""
-        return isinstance(acks, Exception) or int(acks) < self.min_replicas
-
-    def _replication_error(
-        self, acks: Any, what: str, owner: str, connected: int | None
-    ) -> LockReplicationError:
-        acknowledged = 0 if isinstance(acks, Exception) else int(acks)
-        if isinstance(acks, Exception):
-            detail = f"WAIT is unavailable on this server ({acks}); min_replicas cannot be met"
-        else:
-            detail = (
-                f"only {acknowledged} acknowledged within replica_timeout={self.replica_timeout}s"
-            )
-            if connected is not None and connected < self.min_replicas:
-                detail += f" (the server reports {connected} connected replicas)"
-        undone = "it was given back" if what == "acquire" else "its lease was not renewed"
-        return LockReplicationError(
-            f"lock {self.name!r}: {what} needs min_replicas={self.min_replicas} replicas to "
-            f"acknowledge it, but {detail}; {undone}",
-            name=self.name,
-            owner=owner,
-            min_replicas=self.min_replicas,
-            acknowledged=acknowledged,
-            timeout=self.replica_timeout,
-        )
-
-
-def validate_replicas(
-    client: Any, min_replicas: object, replica_timeout: object
-) -> tuple[int, float]:
-    """Check ``min_replicas`` (an int >= 0) and ``replica_timeout`` (seconds, >= 1 ms)."""
-    if not isinstance(min_replicas, int) or isinstance(min_replicas, bool) or min_replicas < 0:
-        raise LockConfigurationError(
-            f"min_replicas must be an int >= 0 (0: do not wait for replicas), got {min_replicas!r}"
-        )
-    timeout_ms = lease_ms(replica_timeout, "replica_timeout")
-    if min_replicas and is_cluster(client):
-        raise LockConfigurationError(
-            f"min_replicas={min_replicas} is not supported with a Redis Cluster client: "
-            f"redis-py sends WAIT to every node, not to the node that took the write, so "
-            f"replication could not be checked (use min_replicas=0 on a cluster)"
-        )
-    return min_replicas, timeout_ms / 1000.0
-
-
-#: Connection pools already checked by :func:`warn_if_unbounded` (each is checked once).
-_checked_pools: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-_UNKNOWN = object()
-
-
-def _connection_default(connection_class: Any, option: str) -> Any:
-    """The default of ``option`` in ``connection_class``'s constructor (or ``_UNKNOWN``)."""
-    for klass in getattr(connection_class, "__mro__", ()):
-        init = vars(klass).get("__init__")
-        if init is None:
-            continue
-        try:
-            parameter = inspect.signature(init).parameters.get(option)
-        except (TypeError, ValueError):
-            return _UNKNOWN
-        if parameter is not None:
-            return parameter.default
-    return _UNKNOWN
-
-
-def warn_if_unbounded(client: Any, name: str | bytes) -> None:
-    """Log once per connection pool when its connections have no ``socket_timeout``.
-
-    Nothing else bounds a command that reached a Redis which stopped answering: the
-    lock's own timeouts bound its waits, not a command in flight (see
-    docs/guarantees.md, "How long a call can take").
-    """
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if pool is None or not isinstance(kwargs, dict):
-        return  # a cluster client, or one this cannot inspect
-    try:
-        if pool in _checked_pools:
-            return
-        _checked_pools[pool] = True
-    except TypeError:  # not weak-referenceable: not checked
-        return
-    if "socket_timeout" in kwargs:
-        timeout = kwargs["socket_timeout"]
-    else:  # redis-py's own default, which differs between its versions
-        timeout = _connection_default(getattr(pool, "connection_class", None), "socket_timeout")
-    if timeout is None:
-        log.warning(
-            "redislock: the Redis client of lock %r has no socket_timeout: if that Redis stops "
-            "answering (paused, overloaded, a network that drops packets), lock calls wait "
-            "until it answers again, acquire(timeout=...) and asyncio timeouts included. Set "
-            "socket_timeout and socket_connect_timeout on the client (see docs/guarantees.md, "
-            "'How long a call can take'). This is logged once per connection pool.",
-            name,
-        )
-    retry = kwargs.get("retry")
-    retries = getattr(retry, "_retries", 0) if retry is not None else 0
-    if isinstance(retries, int) and retries > 0:
-        log.warning(
-            "redislock: the Redis client of lock %r re-sends a command whose connection "
-            "failed (retry with %d retries). Lock scripts are not idempotent: a re-sent "
-            "release can give back two holds (an outer hold's too), a re-sent acquire can "
-            "take two. Give lock clients retry=Retry(NoBackoff(), 0) (see docs/concepts.md, "
-            "'A release that cannot reach Redis'). This is logged once per connection pool.",
-            name,
-            retries,
-        )
 
 
 class SyncContext:

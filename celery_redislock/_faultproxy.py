@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from . import _scripts
+from ._resp import Incomplete, parse, parse_command
 
 ACTIONS = ("drop", "drop_reply", "delay", "stall", "refuse", "blackhole")
 #: Actions that apply to a pushed pub/sub message (``on="message"``).
@@ -159,59 +160,6 @@ class Fault:
         return f"<Fault {self.action} on {self.on!r} #{self.nth} ({state})>"
 
 
-class _Incomplete(Exception):
-    pass
-
-
-def _line(buf: bytes, pos: int) -> tuple[bytes, int]:
-    end = buf.find(b"\r\n", pos)
-    if end < 0:
-        raise _Incomplete
-    return buf[pos:end], end + 2
-
-
-def parse(buf: bytes, pos: int = 0) -> tuple[Any, int]:
-    """One RESP2/RESP3 value from ``buf`` at ``pos``: (value, position after it).
-
-    Raises ``_Incomplete`` when ``buf`` does not hold all of it yet. Aggregates come back
-    as lists; scalars as bytes (or None); only what the proxy needs is decoded.
-    """
-    if pos >= len(buf):
-        raise _Incomplete
-    kind = buf[pos : pos + 1]
-    head, pos = _line(buf, pos + 1)
-    if kind in b"$!=":  # bulk string, blob error, verbatim string
-        size = int(head)
-        if size < 0:
-            return None, pos
-        if len(buf) < pos + size + 2:
-            raise _Incomplete
-        return buf[pos : pos + size], pos + size + 2
-    if kind in b"*~>%|":  # array, set, push, map, attribute
-        count = int(head)
-        if count < 0:
-            return None, pos
-        if kind in b"%|":
-            count *= 2
-        items = []
-        for _ in range(count):
-            item, pos = parse(buf, pos)
-            items.append(item)
-        if kind == b"|":  # an attribute comes before the value it describes
-            return parse(buf, pos)
-        return (["__push__", *items] if kind == b">" else items), pos
-    return head, pos  # + - : _ , # ( : one line
-
-
-def _parse_command(buf: bytes) -> tuple[list[bytes], int]:
-    """One request (a RESP array of bulk strings, or an inline command) from ``buf``."""
-    if buf.startswith(b"*"):
-        value, end = parse(buf)
-        return [bytes(v) for v in value or []], end
-    line, end = _line(buf, 0)
-    return line.split(), end
-
-
 class _Connection:
     """One client connection and its upstream connection, pumped by two threads."""
 
@@ -307,8 +255,8 @@ class _Connection:
                 buf += data
                 while buf:
                     try:
-                        args, end = _parse_command(buf)
-                    except _Incomplete:
+                        args, end = parse_command(buf)
+                    except Incomplete:
                         break
                     raw, buf = buf[:end], buf[end:]
                     if not args:
@@ -355,7 +303,7 @@ class _Connection:
                 while buf:
                     try:
                         value, end = parse(buf)
-                    except _Incomplete:
+                    except Incomplete:
                         break
                     raw, buf = buf[:end], buf[end:]
                     forward, fault = self._reply(value)

@@ -32,11 +32,14 @@ sharded subscription cannot span slots). When that slot moves to another node, t
 server ends the subscription (a ``sunsubscribe`` push, or MOVED for a new one); the
 channel's waiters are then woken to retry and re-register with the subscriber of the
 node that owns the slot now.
+
+This module holds what the sync and asyncio subscribers share (``SubscriberBase``,
+``WaiterBase``: every decision on names, replies and wake-ups) and the sync one, a
+reader thread per pool; :mod:`celery_redislock._async_waiting` is the asyncio twin.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -53,7 +56,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._core import LINE_MARGIN_MS, cancel_and_wait, wait_event
+from ._core import LINE_MARGIN_MS
 from ._keyspace import grant_channel_tail
 from ._scripts import is_cluster
 
@@ -71,10 +74,12 @@ UNCONFIRMED_POLL = 0.05
 LINGER = 2.0
 #: A subscription Redis refused (an ACL without the channel) is tried again this often.
 REFUSED_RETRY = 2.0
-_READ_SLICE = 0.5
+#: A reader waits this long for a reply before it checks for idle channels again.
+READ_SLICE = 0.5
 #: Nonces of blocked acquires in this process (see "Direct grants" above).
 _nonces = itertools.count(1)
-_BROKEN = (RedisConnectionError, RedisTimeoutError, OSError)
+#: What a broken subscriber connection raises.
+BROKEN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class _Channel:
@@ -136,7 +141,7 @@ class _Channel:
             self.waiters[0].nudge(time.monotonic() + GRANT_WINDOW)
 
 
-class _WaiterState:
+class WaiterBase:
     """How a waiter is woken: ``kick`` (retry now) or ``nudge`` (retry by a time)."""
 
     __slots__ = (
@@ -209,6 +214,13 @@ class _WaiterState:
             self.recheck_at = at
         self.event.set()  # the waiting side recomputes its wait with the new bound
 
+    def _end(self, timeout: float) -> float:
+        """When a wait of ``timeout`` ends (polling briefly while unconfirmed)."""
+        assert self._channel is not None
+        if not self._channel.confirmed.is_set():
+            timeout = min(timeout, UNCONFIRMED_POLL)
+        return time.monotonic() + timeout
+
     def _bound(self, end: float) -> float:
         """Seconds to sleep now: until ``end`` or the re-check time, whichever is first."""
         now = time.monotonic()
@@ -229,7 +241,7 @@ class _WaiterState:
         return False if now >= end else None
 
 
-class Waiter(_WaiterState):
+class Waiter(WaiterBase):
     """One blocked acquire's registration; use as a context manager around the retry loop."""
 
     __slots__ = ()
@@ -264,9 +276,7 @@ class Waiter(_WaiterState):
             self._subscriber._unregister(self._name, self)
             self._subscriber = self._relocate()
             self._channel = self._subscriber._register(self._name, self)
-        if not self._channel.confirmed.is_set():
-            timeout = min(timeout, UNCONFIRMED_POLL)
-        end = time.monotonic() + timeout
+        end = self._end(timeout)
         while True:
             left = self._bound(end)
             if left > 0:
@@ -276,13 +286,14 @@ class Waiter(_WaiterState):
                 return woken
 
 
-class _GrantChannels:
+class SubscriberBase:
     """What both subscribers share: the channel names (each lock channel ``<c>`` comes
     with this subscriber's direct-grant channel ``<c>:<grant_id>``, not for sharded
     pub/sub) and how a reply reaches its lock's waiters."""
 
     sharded: bool
     _channels: dict[bytes, Any]
+    _conn: Any
 
     def _init_grants(self) -> None:
         #: This subscriber's part of direct-grant channel names (None: sharded, no grants).
@@ -304,6 +315,67 @@ class _GrantChannels:
 
     def _confirms(self, kind: bytes, direct: bool) -> bool:
         return kind == b"ssubscribe" or (kind == b"subscribe" and (direct or not self._grant_tail))
+
+    def _subscribe_commands(self, names: list[bytes], unsubscribe: bool) -> list[tuple[Any, ...]]:
+        """The commands that (un)subscribe ``names``: one (UN)SUBSCRIBE with each lock's
+        grant channel, or one S(UN)SUBSCRIBE per channel (a sharded one cannot span
+        slots)."""
+        if not self.sharded:
+            return [("UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *self._with_grants(names))]
+        return [("SUNSUBSCRIBE" if unsubscribe else "SSUBSCRIBE", name) for name in names]
+
+    def _moved(self, names: list[bytes]) -> None:
+        """The node stopped serving these channels' slots: wake their waiters to move."""
+        for name in names:
+            channel = self._channels.pop(name, None)
+            if channel is not None:
+                channel.moved = True
+                channel.confirmed.clear()
+                channel.wake_all()
+
+    def _unconfirmed(self) -> list[bytes]:
+        return [n for n, ch in self._channels.items() if not ch.confirmed.is_set()]
+
+    def _drop_waiter(self, name: bytes, waiter: Any) -> None:
+        """A waiter leaves its channel (a wake-up it got and did not use is passed on);
+        the channel lingers a while after its last waiter (see :meth:`_drop_idle`)."""
+        channel = self._channels.get(name)
+        if channel is None:
+            return
+        try:
+            channel.waiters.remove(waiter)
+        except ValueError:
+            return
+        if waiter.kicked:
+            # The wake-up it got was not used for a retry: pass it on.
+            channel.wake_one()
+        if not channel.waiters:
+            channel.idle_since = time.monotonic()
+
+    def _drop_idle(self) -> list[bytes]:
+        """Forget the channels idle for LINGER; returns those to unsubscribe (none when no
+        channel is left: the connection then closes)."""
+        now = time.monotonic()
+        idle = [
+            name
+            for name, ch in self._channels.items()
+            if not ch.waiters and ch.idle_since is not None and now - ch.idle_since >= LINGER
+        ]
+        for name in idle:
+            del self._channels[name]
+        return idle if self._channels else []
+
+    def _kick_all(self) -> None:
+        """The connection broke: a release may have been missed, so everyone retries."""
+        for channel in self._channels.values():
+            channel.confirmed.clear()
+            for waiter in channel.waiters:
+                waiter.kick()
+
+    @property
+    def connections(self) -> int:
+        """Connections this subscriber has open (0 or 1)."""
+        return 0 if self._conn is None else 1
 
     def _apply(self, reply: Any) -> bytes | None:
         """Apply one reply of the subscriber's connection to its lock's channel; returns
@@ -328,7 +400,7 @@ class _GrantChannels:
         return None
 
 
-class Subscriber(_GrantChannels):
+class Subscriber(SubscriberBase):
     """The process-wide subscriber of one connection pool (see the module docstring)."""
 
     def __init__(self, pool: Any, *, sharded: bool = False) -> None:
@@ -366,43 +438,13 @@ class Subscriber(_GrantChannels):
 
     def _unregister(self, name: bytes, waiter: Waiter) -> None:
         with self._mutex:
-            channel = self._channels.get(name)
-            if channel is None:
-                return
-            try:
-                channel.waiters.remove(waiter)
-            except ValueError:
-                return
-            if waiter.kicked:
-                # The wake-up it got was not used for a retry: pass it on.
-                channel.wake_one()
-            if not channel.waiters:
-                channel.idle_since = time.monotonic()
-
-    @property
-    def connections(self) -> int:
-        """Connections this subscriber has open (0 or 1)."""
-        return 0 if self._conn is None else 1
+            self._drop_waiter(name, waiter)
 
     # -- the connection --------------------------------------------------------
 
     def _subscribe_locked(self, names: list[bytes], unsubscribe: bool = False) -> None:
-        if not self.sharded:
-            self._send_locked(
-                "UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *self._with_grants(names)
-            )
-            return
-        for name in names:  # a sharded (un)subscription cannot span slots: one per channel
-            self._send_locked("SUNSUBSCRIBE" if unsubscribe else "SSUBSCRIBE", name)
-
-    def _moved_locked(self, names: list[bytes]) -> None:
-        """The node stopped serving these channels' slots: wake their waiters to move."""
-        for name in names:
-            channel = self._channels.pop(name, None)
-            if channel is not None:
-                channel.moved = True
-                channel.confirmed.clear()
-                channel.wake_all()
+        for command in self._subscribe_commands(names, unsubscribe):
+            self._send_locked(*command)
 
     def _send_locked(self, *args: Any) -> None:
         """Send a command; on failure leave the reader thread to reconnect and resubscribe."""
@@ -413,7 +455,7 @@ class Subscriber(_GrantChannels):
                 conn.connect()
                 self._conn = conn
             self._conn.send_command(*args, check_health=False)
-        except _BROKEN as exc:
+        except BROKEN as exc:
             log.debug("redislock subscriber could not send %s: %r", args[0], exc)
             self._drop_connection_locked()
 
@@ -422,10 +464,7 @@ class Subscriber(_GrantChannels):
             with contextlib.suppress(Exception):  # best effort on a broken socket
                 self._conn.disconnect()
             self._conn = None
-        for channel in self._channels.values():
-            channel.confirmed.clear()
-            for waiter in channel.waiters:
-                waiter.kick()  # a release may have been missed: everyone retries
+        self._kick_all()
 
     def _resubscribe_unconfirmed_locked(self) -> None:
         names = [n for n, ch in self._channels.items() if ch.waiters and not ch.confirmed.is_set()]
@@ -470,7 +509,7 @@ class Subscriber(_GrantChannels):
                 time.sleep(min(1.0, 0.02 * 2**failures))
                 continue
             try:
-                if not conn.can_read(timeout=_READ_SLICE):
+                if not conn.can_read(timeout=READ_SLICE):
                     continue
                 reply = conn.read_response(disable_decoding=True, push_request=True)
             except ResponseError as exc:
@@ -478,9 +517,7 @@ class Subscriber(_GrantChannels):
                     # A new sharded subscription went to a node that no longer owns
                     # the slot: its waiters retry and follow the slot.
                     with self._mutex:
-                        self._moved_locked(
-                            [n for n, ch in self._channels.items() if not ch.confirmed.is_set()]
-                        )
+                        self._moved(self._unconfirmed())
                     continue
                 # e.g. NOPERM: the ACL grants the lock keys but not their channels. Waiters
                 # keep polling; the subscription is retried every REFUSED_RETRY seconds.
@@ -505,18 +542,11 @@ class Subscriber(_GrantChannels):
         with self._mutex:
             moved = self._apply(reply)
             if moved is not None:
-                self._moved_locked([moved])
+                self._moved([moved])
 
     def _sweep_locked(self) -> None:
-        now = time.monotonic()
-        idle = [
-            name
-            for name, ch in self._channels.items()
-            if not ch.waiters and ch.idle_since is not None and now - ch.idle_since >= LINGER
-        ]
-        for name in idle:
-            del self._channels[name]
-        if idle and self._conn is not None and self._channels:
+        idle = self._drop_idle()
+        if idle and self._conn is not None:
             self._subscribe_locked(idle, unsubscribe=True)
 
 
@@ -559,278 +589,6 @@ def _after_fork_in_child() -> None:
     global _subscribers_mutex
     _subscribers_mutex = threading.Lock()
     _subscribers.clear()
-    _async_subscribers.clear()
-    _async_cluster_subscribers.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# ----------------------------------------------------------------------------- asyncio
-
-
-class _AsyncChannel(_Channel):
-    __slots__ = ()
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.confirmed = asyncio.Event()
-
-
-class AsyncWaiter(_WaiterState):
-    """The asyncio twin of :class:`Waiter` (``async with``)."""
-
-    __slots__ = ()
-
-    def __init__(
-        self,
-        subscriber: AsyncSubscriber,
-        name: bytes,
-        owner: str,
-        relocate: Callable[[], AsyncSubscriber] | None = None,
-    ) -> None:
-        super().__init__(subscriber, name, owner, relocate, asyncio.Event())
-
-    async def __aenter__(self) -> AsyncWaiter:
-        try:
-            self._channel = await self._subscriber._register(self._name, self)
-            await wait_event(self._channel.confirmed, self.confirm_wait)
-        except BaseException:
-            self._subscriber._unregister(self._name, self)
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._subscriber._unregister(self._name, self)
-
-    async def wait(self, timeout: float) -> bool:
-        assert self._channel is not None
-        if self._channel.moved and self._relocate is not None:
-            self._subscriber._unregister(self._name, self)
-            self._subscriber = self._relocate()
-            self._channel = await self._subscriber._register(self._name, self)
-        if not self._channel.confirmed.is_set():
-            timeout = min(timeout, UNCONFIRMED_POLL)
-        end = time.monotonic() + timeout
-        while True:
-            left = self._bound(end)
-            if left > 0 and not self.event.is_set():
-                await wait_event(self.event, left)
-            woken = self._woken(end)
-            if woken is not None:
-                return woken
-
-
-class AsyncSubscriber(_GrantChannels):
-    """The subscriber of one ``redis.asyncio`` pool in one event loop; a reader task, no thread."""
-
-    def __init__(self, pool: Any, *, sharded: bool = False) -> None:
-        # ``pool``: anything with ``connection_class`` and ``connection_kwargs`` (a
-        # connection pool, or an asyncio cluster node).
-        self._pool = pool
-        self.sharded = sharded
-        self._channels: dict[bytes, _AsyncChannel] = {}
-        self._conn: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._send_lock = asyncio.Lock()  # one connection, however many tasks subscribe at once
-        self._init_grants()
-
-    def waiter(
-        self,
-        channel: bytes,
-        owner: str,
-        relocate: Callable[[], AsyncSubscriber] | None = None,
-    ) -> AsyncWaiter:
-        return AsyncWaiter(self, channel, owner, relocate)
-
-    async def _subscribe(self, names: list[bytes], unsubscribe: bool = False) -> None:
-        if not self.sharded:
-            await self._send(
-                "UNSUBSCRIBE" if unsubscribe else "SUBSCRIBE", *self._with_grants(names)
-            )
-            return
-        for name in names:
-            await self._send("SUNSUBSCRIBE" if unsubscribe else "SSUBSCRIBE", name)
-
-    def _moved(self, names: list[bytes]) -> None:
-        for name in names:
-            channel = self._channels.pop(name, None)
-            if channel is not None:
-                channel.moved = True
-                channel.confirmed.clear()
-                channel.wake_all()
-
-    @property
-    def connections(self) -> int:
-        return 0 if self._conn is None else 1
-
-    async def _register(self, name: bytes, waiter: AsyncWaiter) -> _AsyncChannel:
-        channel = self._channels.get(name)
-        if channel is None:
-            channel = self._channels[name] = _AsyncChannel()
-            channel.waiters.append(waiter)
-            await self._subscribe([name])
-        else:
-            channel.waiters.append(waiter)
-        channel.idle_since = None
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-        return channel
-
-    def _unregister(self, name: bytes, waiter: AsyncWaiter) -> None:
-        channel = self._channels.get(name)
-        if channel is None:
-            return
-        try:
-            channel.waiters.remove(waiter)
-        except ValueError:
-            return
-        if waiter.kicked:
-            channel.wake_one()
-        if not channel.waiters:
-            channel.idle_since = time.monotonic()
-
-    async def _send(self, *args: Any) -> None:
-        async with self._send_lock:
-            try:
-                if self._conn is None:
-                    conn = self._pool.connection_class(**self._pool.connection_kwargs)
-                    await conn.connect()
-                    self._conn = conn
-                await self._conn.send_command(*args, check_health=False)
-            except _BROKEN as exc:
-                log.debug("redislock subscriber could not send %s: %r", args[0], exc)
-                await self._drop_connection()
-
-    async def aclose(self) -> None:
-        """Stop the reader task and close the connection (waiters retry on their own)."""
-        await cancel_and_wait(self._task)
-
-    async def _drop_connection(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):  # best effort on a broken socket
-                await conn.disconnect(nowait=True)
-        for channel in self._channels.values():
-            channel.confirmed.clear()
-            for waiter in channel.waiters:
-                waiter.kick()
-
-    async def _run(self) -> None:
-        failures = 0
-        try:
-            while True:
-                await self._sweep()
-                if not self._channels:
-                    return
-                if self._conn is None:
-                    await self._subscribe(list(self._channels))
-                conn = self._conn
-                if conn is None:
-                    failures += 1
-                    await asyncio.sleep(min(1.0, 0.02 * 2**failures))
-                    continue
-                try:
-                    reply = await conn.read_response(
-                        disable_decoding=True, timeout=_READ_SLICE, push_request=True
-                    )
-                except _BROKEN as exc:
-                    log.warning("redislock subscriber connection lost (%r); resubscribing", exc)
-                    if self._conn is conn:
-                        await self._drop_connection()
-                    continue
-                except ResponseError as exc:
-                    if not (self.sharded and str(exc).startswith(("MOVED", "ASK"))):
-                        raise
-                    self._moved(
-                        [n for n, ch in self._channels.items() if not ch.confirmed.is_set()]
-                    )
-                    continue
-                failures = 0
-                if reply is not None:
-                    self._dispatch(reply)
-        finally:
-            self._task = None
-            conn, self._conn = self._conn, None
-            if conn is not None:
-                await conn.disconnect()
-
-    def _dispatch(self, reply: Any) -> None:
-        moved = self._apply(reply)
-        if moved is not None:
-            self._moved([moved])
-
-    async def _sweep(self) -> None:
-        now = time.monotonic()
-        idle = [
-            name
-            for name, ch in self._channels.items()
-            if not ch.waiters and ch.idle_since is not None and now - ch.idle_since >= LINGER
-        ]
-        for name in idle:
-            del self._channels[name]
-        if idle and self._conn is not None and self._channels:
-            await self._subscribe(idle, unsubscribe=True)
-
-
-_async_subscribers: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, AsyncSubscriber]]
-_async_subscribers = weakref.WeakKeyDictionary()
-
-
-_PerClient = weakref.WeakKeyDictionary[Any, dict[str, AsyncSubscriber]]
-#: Cluster clients: event loop -> client -> node name -> that node's sharded subscriber.
-_async_cluster_subscribers: weakref.WeakKeyDictionary[Any, _PerClient]
-_async_cluster_subscribers = weakref.WeakKeyDictionary()
-
-
-def async_subscriber_for(
-    client: Any, channel: bytes | None = None, *, create: bool = True
-) -> AsyncSubscriber | None:
-    """The subscriber shared by every asyncio lock on ``client``'s pool in this event loop.
-
-    For a ``redis.asyncio`` cluster client: the sharded subscriber of the node that owns
-    ``channel``'s slot (``channel`` is then required).
-    """
-    loop = asyncio.get_running_loop()
-    if is_cluster(client):
-        if channel is None:
-            raise TypeError("a Redis Cluster client's subscriber depends on the channel: pass it")
-        node = client.get_node_from_key(channel)
-        per_client = _async_cluster_subscribers.setdefault(loop, weakref.WeakKeyDictionary())
-        nodes = per_client.setdefault(client, {})
-        found = nodes.get(node.name)
-        if found is None and create:
-            found = nodes[node.name] = AsyncSubscriber(node, sharded=True)
-        return found
-    per_loop = _async_subscribers.setdefault(loop, weakref.WeakKeyDictionary())
-    found = per_loop.get(client.connection_pool)
-    if found is None and create:
-        found = per_loop[client.connection_pool] = AsyncSubscriber(client.connection_pool)
-    return found
-
-
-def async_waiter_for(
-    client: Any, channel: bytes, owner: str, within: float | None = None
-) -> AsyncWaiter:
-    """An asyncio waiter on ``channel`` for ``owner`` (follows the slot on a cluster);
-    ``within`` as :func:`waiter_for`'s."""
-
-    def relocate() -> AsyncSubscriber:
-        found = async_subscriber_for(client, channel)
-        assert found is not None
-        return found
-
-    waiter = relocate().waiter(channel, owner, relocate if is_cluster(client) else None)
-    if within is not None:
-        waiter.confirm_wait = max(0.0, min(CONFIRM_WAIT, within))
-    return waiter
-
-
-def async_subscribers_of(client: Any) -> list[AsyncSubscriber]:
-    """Every subscriber of ``client`` in the running event loop (for shutdown)."""
-    loop = asyncio.get_running_loop()
-    if is_cluster(client):
-        per_client = _async_cluster_subscribers.get(loop)
-        return [] if per_client is None else list(per_client.get(client, {}).values())
-    found = async_subscriber_for(client, create=False)
-    return [] if found is None else [found]

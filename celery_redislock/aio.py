@@ -30,9 +30,10 @@ import weakref
 from collections import deque
 from typing import Any, Awaitable, Callable, Coroutine, NamedTuple, TypeVar
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
-from ._base import DEFAULT_REPLICA_TIMEOUT, AsyncContext, LockBase
+from ._async_waiting import async_subscribers_of, async_waiter_for
+from ._base import AsyncContext
 from ._core import (
     DEFAULT_PREFIX,
     AsyncLeaseLost,
@@ -43,14 +44,12 @@ from ._core import (
     new_owner_suffix,
     process_id,
     thread_owner,
-    validate_prefix,
-    wait_bound,
 )
 from ._deferred import UNREACHABLE, defer_async
-from ._renewal import AsyncRenewalScheduler, async_scheduler_for, require_replicas
+from ._renewal import AsyncRenewalScheduler, async_scheduler_for
 from ._replies import decode_release, decode_renew_one
 from ._scripts import run_async, scripts_for
-from ._waiting import async_subscribers_of, async_waiter_for
+from ._single import SingleBase
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -195,65 +194,26 @@ async def to_completion(awaitable: Awaitable[T]) -> T:
     return future.result()
 
 
-async def aclose_background(client: Any) -> None:
-    """Stop this event loop's subscriber and watchdog tasks for ``client``.
+class AsyncCalls:
+    """The public calls of the asyncio locks (:class:`AsyncRedisLock`, ``AsyncRedLock``):
+    each checks its arguments and resolves its owner (:func:`caller`) when called, then
+    returns the coroutine that runs it; a default owner's acquires take turns.
 
-    They stop by themselves a moment after the last wait or hold ends; call this
-    before closing the client or the loop sooner (tests, shutdown hooks). Holds still
-    held stop being renewed and expire after their lease.
-    """
-    for subscriber in async_subscribers_of(client):
-        await subscriber.aclose()
-    scheduler = async_scheduler_for(client, create=False)
-    if scheduler is not None:
-        await scheduler.aclose()
-
-
-class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
-    """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
-
-    See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
+    A lock supplies ``_acquire_as``, ``_release``, ``_extend`` and ``_owned``; the
+    attributes and checks below come from :class:`~celery_redislock._base.LockBase`,
+    which precedes this class in the lock's bases.
     """
 
-    _signal_type = AsyncLeaseLost
+    owner: str | None
+    keys: LockKeys
 
-    def __init__(
-        self,
-        client: Any,
-        name: str | bytes,
-        *,
-        ttl: float = 30.0,
-        owner: str | None = None,
-        auto_renew: bool = True,
-        blocking: bool = True,
-        timeout: float | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        min_replicas: int = 0,
-        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            client,
-            name,
-            ttl=ttl,
-            owner=owner,
-            auto_renew=auto_renew,
-            blocking=blocking,
-            timeout=timeout,
-            prefix=prefix,
-            min_replicas=min_replicas,
-            replica_timeout=replica_timeout,
-        )
-        self._scripts = scripts_for(client)
+    def _acquire_args(
+        self, blocking: object, timeout: object, lease: object
+    ) -> tuple[float | None, int, bool]:
+        raise NotImplementedError
 
-    def _default_owner(self) -> str:
-        return task_owner()
-
-    def _renewals(self) -> AsyncRenewalScheduler:
-        return _scheduler(self.client)
-
-    def _unschedule(self, hold: Hold) -> None:
-        if hold.renew:
-            _scheduler(self.client).remove(hold)
+    def _check_not_inherited(self, owner: str) -> None:
+        raise NotImplementedError
 
     def acquire(
         self, blocking: bool = True, timeout: float | None = None, *, lease: float | None = None
@@ -294,6 +254,78 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         lease_millis: int,
         renew: bool,
     ) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> Coroutine[Any, Any, None]:
+        """Give back one hold of the calling owner (resolved when called, as by
+        :meth:`acquire`). See :meth:`RedisLock.release`. A cancelled release still
+        completes (and is recorded) before the cancellation goes on."""
+        return self._release_for(caller(self.owner))
+
+    async def _release_for(self, called: Caller) -> None:
+        owner = called.owner
+        self._check_not_inherited(owner)
+        await to_completion(self._release(owner))
+
+    async def _release(self, owner: str) -> None:
+        raise NotImplementedError
+
+    def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
+        """Replace the calling owner's lease with ``ttl`` seconds. See :meth:`RedisLock.extend`."""
+        return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
+
+    async def _extend(self, called: Caller, lease: int) -> None:
+        raise NotImplementedError
+
+    def owned(self) -> Coroutine[Any, Any, bool]:
+        """Whether the calling owner holds the lock (server-side)."""
+        return self._owned(caller(self.owner))
+
+    async def _owned(self, called: Caller) -> bool:
+        raise NotImplementedError
+
+
+async def aclose_background(client: Any) -> None:
+    """Stop this event loop's subscriber and watchdog tasks for ``client``.
+
+    They stop by themselves a moment after the last wait or hold ends; call this
+    before closing the client or the loop sooner (tests, shutdown hooks). Holds still
+    held stop being renewed and expire after their lease.
+    """
+    for subscriber in async_subscribers_of(client):
+        await subscriber.aclose()
+    scheduler = async_scheduler_for(client, create=False)
+    if scheduler is not None:
+        await scheduler.aclose()
+
+
+class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
+    """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
+
+    See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
+    """
+
+    _signal_type = AsyncLeaseLost
+
+    def _default_owner(self) -> str:
+        return task_owner()
+
+    def _renewals(self) -> AsyncRenewalScheduler:
+        return _scheduler(self.client)
+
+    def _unschedule(self, hold: Hold) -> None:
+        if hold.renew:
+            _scheduler(self.client).remove(hold)
+
+    async def _acquire_as(
+        self,
+        owner: str,
+        task: asyncio.Task[Any] | None,
+        blocking: bool,
+        wait_limit: float | None,
+        lease_millis: int,
+        renew: bool,
+    ) -> bool:
         started = time.monotonic()
         if await self._try(owner, lease_millis, renew, owner_task=task) is True:
             return True
@@ -316,10 +348,10 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                         acquired = True
                         return True
                     pttl = outcome
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                    bound = self._wait_for(outcome, deadline)
+                    if bound is None:
                         return False
-                    await waiter.wait(wait_bound(outcome, remaining))
+                    await waiter.wait(bound)
                     token = waiter.take_grant()
                     if token is not None and self._take_grant(
                         owner, token, sent_at, lease_millis, started, task
@@ -333,9 +365,10 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                     )
 
     async def _leave_line(self, owner: str, grant_name: bytes | None = None, pttl: int = 0) -> None:
-        args = [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
         try:
-            await self._scripts.release(keys=self.keys.release_keys(), args=args)
+            await self._scripts.release(
+                keys=self.keys.release_keys(), args=self._leave_args(owner, grant_name)
+            )
         except RedisError:  # the place lapses LINE_MARGIN_MS past the lease
             self._abandoned(owner, grant_name, pttl)
 
@@ -365,17 +398,14 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         if not reply.acquired:
             if cancelled is not None:
                 raise cancelled
-            return reply.pttl
+            return self._refused_wait(reply)
         if self.min_replicas and self._unreplicated(acks):
             await _to_completion(self._give_back(owner))
             connected = await self._connected_replicas() if cancelled is None else None
             error = self._replication_error(acks, "acquire", owner, connected)
             raise cancelled if cancelled is not None else error
-        hold, is_new = self._record_acquired(
-            owner, reply, sent_at, lease, renew, started, owner_task
-        )
-        if is_new and renew:
-            require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
+        hold = self._held(owner, reply, sent_at, lease, renew, started, owner_task)
+        if hold is not None:
             _scheduler(self.client).add(hold)
         if cancelled is not None:
             # Redis granted it, but our caller is gone: give it straight back.
@@ -392,11 +422,9 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         for attempt in range(2):
             pipe = self._replicated_pipeline(self.client.pipeline(False), script, keys, args)
             reply, acks = await pipe.execute(raise_on_error=False)
-            if isinstance(reply, NoScriptError) and attempt == 0:
+            if self._reload_first(reply, attempt):
                 await self.client.script_load(script.script)
                 continue
-            if isinstance(reply, Exception):
-                raise reply
             return reply, acks
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -405,24 +433,13 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         try:
             await self._scripts.release(keys=self.keys.release_keys(), args=[owner])
         except RedisError as exc:  # the hold's lease ends it
-            log.warning("redislock: could not give back unreplicated %r: %r", self.name, exc)
+            self._give_back_failed(exc)
 
     async def _connected_replicas(self) -> int | None:
         try:
-            info = await self.client.info("replication")
-            return int(info.get("connected_slaves", 0))
-        except (RedisError, ValueError, TypeError):
+            return self._replica_count(await self.client.info("replication"))
+        except RedisError:
             return None
-
-    def release(self) -> Coroutine[Any, Any, None]:
-        """Give back one hold of the calling owner (resolved when called, as by
-        :meth:`acquire`). See :meth:`RedisLock.release`."""
-        return self._release_for(caller(self.owner))
-
-    async def _release_for(self, called: Caller) -> None:
-        owner = called.owner
-        self._check_not_inherited(owner)
-        await to_completion(self._release(owner))
 
     async def _release(self, owner: str) -> None:
         hold = self._holds.get(owner)
@@ -452,10 +469,6 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
                 hold.releasing -= 1
         self._record_released(owner, code)
 
-    def extend(self, ttl: float) -> Coroutine[Any, Any, None]:
-        """Replace the calling owner's lease with ``ttl`` seconds. See :meth:`RedisLock.extend`."""
-        return self._extend(caller(self.owner), lease_ms(ttl, "ttl"))
-
     async def _extend(self, called: Caller, lease: int) -> None:
         owner = called.owner
         self._check_not_inherited(owner)
@@ -464,7 +477,7 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
             codes, acks = await self._replicated(
                 self._scripts.renew, [self.keys.lock], [owner, lease]
             )
-            if decode_renew_one(codes) == 1 and self._unreplicated(acks):
+            if self._extend_unreplicated(decode_renew_one(codes), acks):
                 connected = await self._connected_replicas()
                 raise self._replication_error(acks, "extend", owner, connected)
         else:
@@ -475,26 +488,19 @@ class AsyncRedisLock(LockBase[AsyncLeaseLost], AsyncContext):
         """Whether anyone holds the lock (server-side)."""
         return bool(await self.client.exists(self.keys.lock))
 
-    def owned(self) -> Coroutine[Any, Any, bool]:
-        """Whether the calling owner holds the lock (server-side)."""
-        return self._owned(caller(self.owner))
-
     async def _owned(self, called: Caller) -> bool:
         owner = called.owner
         return bool(await self.client.hexists(self.keys.lock, owner))
 
     async def remaining(self) -> float | None:
         """Seconds left on the current lease, whoever holds it (None: not locked)."""
-        pttl = int(await self.client.pttl(self.keys.lock))
-        if pttl == -2:
-            return None
-        return float("inf") if pttl == -1 else pttl / 1000.0
+        return self._seconds_left(int(await self.client.pttl(self.keys.lock)))
 
     @staticmethod
     async def force_release(
         client: Any, name: str | bytes, *, prefix: str = DEFAULT_PREFIX
     ) -> bool:
         """Operator's tool: delete the lock whoever holds it (see ``RedisLock.force_release``)."""
-        keys = LockKeys.for_name(name, validate_prefix(prefix))
-        code = await scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
+        keys = AsyncRedisLock._force_keys(name, prefix)
+        code = await scripts_for(client).release(keys=keys, args=["", "force"])
         return decode_release(code) == 0

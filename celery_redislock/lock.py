@@ -23,26 +23,22 @@ import threading
 import time
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
-from ._base import DEFAULT_REPLICA_TIMEOUT, LockBase, SyncContext
+from ._base import SyncContext
 from ._core import (
     DEFAULT_PREFIX,
     Hold,
     LeaseLost,
-    LockKeys,
-    OwnerFinished,
-    OwnerRunning,
     decode_acquire,
     lease_ms,
     thread_owner,
-    validate_prefix,
-    wait_bound,
 )
 from ._deferred import UNREACHABLE, deferred_releases
-from ._renewal import RenewalScheduler, require_replicas, scheduler_for
+from ._renewal import RenewalScheduler, scheduler_for
 from ._replies import decode_release, decode_renew_one
 from ._scripts import run, scripts_for
+from ._single import SingleBase
 from ._waiting import waiter_for
 
 log = logging.getLogger(__name__)
@@ -56,7 +52,7 @@ def _owner_thread() -> threading.Thread | None:
     return None if isinstance(thread, threading._DummyThread) else thread
 
 
-class RedisLock(LockBase[LeaseLost], SyncContext):
+class RedisLock(SingleBase[LeaseLost], SyncContext):
     """A reentrant, owner-checked, fenced lock on one Redis server.
 
     Args:
@@ -80,35 +76,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
     """
 
     _signal_type = LeaseLost
-
-    def __init__(
-        self,
-        client: Any,
-        name: str | bytes,
-        *,
-        ttl: float = 30.0,
-        owner: str | None = None,
-        auto_renew: bool = True,
-        blocking: bool = True,
-        timeout: float | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        min_replicas: int = 0,
-        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            client,
-            name,
-            ttl=ttl,
-            owner=owner,
-            auto_renew=auto_renew,
-            blocking=blocking,
-            timeout=timeout,
-            prefix=prefix,
-            min_replicas=min_replicas,
-            replica_timeout=replica_timeout,
-        )
-        self._scripts = scripts_for(client)
-        self._cached_scheduler: RenewalScheduler | None = None
+    _cached_scheduler: RenewalScheduler | None = None
 
     def _default_owner(self) -> str:
         return thread_owner()
@@ -178,10 +146,10 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
                         acquired = True
                         return True
                     pttl = outcome
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                    bound = self._wait_for(outcome, deadline)
+                    if bound is None:
                         return False
-                    waiter.wait(wait_bound(outcome, remaining))
+                    waiter.wait(bound)
                     token = waiter.take_grant()
                     if token is not None and self._take_grant(
                         owner, token, sent_at, lease_millis, started, _owner_thread()
@@ -195,9 +163,10 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
     def _leave_line(self, owner: str, grant_name: bytes | None = None, pttl: int = 0) -> None:
         """Give up a place in line (and pass on a lock granted to us meanwhile; granted
         directly, to the wait ``grant_name``)."""
-        args = [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
         try:
-            self._scripts.release(keys=self.keys.release_keys(), args=args)
+            self._scripts.release(
+                keys=self.keys.release_keys(), args=self._leave_args(owner, grant_name)
+            )
         except RedisError as exc:  # the place lapses by itself: LINE_MARGIN_MS past the lease
             log.debug("redislock: could not leave the line of %r: %r", self.name, exc)
             self._abandoned(owner, grant_name, pttl)
@@ -226,20 +195,13 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
             raw = run(self.client, self._scripts.acquire, self._acquire_keys(), argv)
         reply = decode_acquire(raw)
         if not reply.acquired:
-            if reply.finished:
-                raise OwnerFinished(self.name)
-            if reply.running:
-                raise OwnerRunning(self.name)
-            return reply.pttl
+            return self._refused_wait(reply)
         if self.min_replicas and self._unreplicated(acks):
             self._give_back(owner)
             raise self._replication_error(acks, "acquire", owner, self._connected_replicas())
         thread = _owner_thread() if self.owner is None else None
-        hold, is_new = self._record_acquired(
-            owner, reply, sent_at, lease, renew, started, owner_task=thread
-        )
-        if is_new and renew:
-            require_replicas(hold, self.min_replicas, self._replica_timeout_ms)
+        hold = self._held(owner, reply, sent_at, lease, renew, started, thread)
+        if hold is not None:
             self._scheduler().add(hold)
         return True
 
@@ -248,11 +210,9 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         for attempt in range(2):
             pipe = self._replicated_pipeline(self.client.pipeline(False), script, keys, args)
             reply, acks = pipe.execute(raise_on_error=False)
-            if isinstance(reply, NoScriptError) and attempt == 0:
+            if self._reload_first(reply, attempt):
                 self.client.script_load(script.script)
                 continue
-            if isinstance(reply, Exception):
-                raise reply
             return reply, acks
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -261,12 +221,12 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         try:
             self._scripts.release(keys=self.keys.release_keys(), args=[owner])
         except RedisError as exc:  # the hold's lease ends it
-            log.warning("redislock: could not give back unreplicated %r: %r", self.name, exc)
+            self._give_back_failed(exc)
 
     def _connected_replicas(self) -> int | None:
         try:
-            return int(self.client.info("replication").get("connected_slaves", 0))
-        except (RedisError, ValueError, TypeError):
+            return self._replica_count(self.client.info("replication"))
+        except RedisError:
             return None
 
     def release(self) -> None:
@@ -325,7 +285,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         sent_at = time.monotonic()
         if self.min_replicas:
             codes, acks = self._replicated(self._scripts.renew, [self.keys.lock], [owner, lease])
-            if decode_renew_one(codes) == 1 and self._unreplicated(acks):
+            if self._extend_unreplicated(decode_renew_one(codes), acks):
                 raise self._replication_error(acks, "extend", owner, self._connected_replicas())
         else:
             codes = self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
@@ -343,10 +303,7 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
 
     def remaining(self) -> float | None:
         """Seconds left on the current lease, whoever holds it (None: not locked)."""
-        pttl = int(self.client.pttl(self.keys.lock))
-        if pttl == -2:
-            return None
-        return float("inf") if pttl == -1 else pttl / 1000.0
+        return self._seconds_left(int(self.client.pttl(self.keys.lock)))
 
     @staticmethod
     def force_release(client: Any, name: str | bytes, *, prefix: str = DEFAULT_PREFIX) -> bool:
@@ -355,6 +312,6 @@ class RedisLock(LockBase[LeaseLost], SyncContext):
         The evicted holder learns of it at its next renewal (``lost`` with reason
         "expired"). Returns whether a lock was deleted.
         """
-        keys = LockKeys.for_name(name, validate_prefix(prefix))
-        code = scripts_for(client).release(keys=keys.release_keys(), args=["", "force"])
+        keys = RedisLock._force_keys(name, prefix)
+        code = scripts_for(client).release(keys=keys, args=["", "force"])
         return decode_release(code) == 0
