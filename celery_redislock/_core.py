@@ -27,6 +27,7 @@ from ._errors import LockConfigurationError, LockLostError
 from ._keyspace import DEFAULT_PREFIX as DEFAULT_PREFIX
 from ._keyspace import LockKeys as LockKeys
 from ._keyspace import name_from_lock_key as name_from_lock_key
+from ._keyspace import validate_prefix as validate_prefix
 from ._replies import AcquireReply as AcquireReply
 from ._replies import decode_acquire as decode_acquire
 
@@ -150,24 +151,6 @@ def validate_owner(owner: object) -> str | None:
     if owner in (FENCE_FIELD, GRANT_FIELD, CHAIN_FIELD):
         raise LockConfigurationError(f"owner must not be {owner!r} (a reserved field)")
     return owner
-
-
-def validate_prefix(prefix: object) -> str:
-    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix or not _encodes(prefix):
-        raise LockConfigurationError(
-            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag) "
-            f"that encodes as UTF-8, got {prefix!r}"
-        )
-    return prefix
-
-
-def _encodes(text: str) -> bool:
-    """Whether ``text`` encodes as UTF-8 (a lone surrogate does not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # --------------------------------------------------------------------- owners

@@ -211,8 +211,27 @@ class LockKeys:
 
 
 def lock_key(name: str | bytes, prefix: str = DEFAULT_PREFIX) -> bytes:
-    """The lock hash's key: ``<prefix>{<name, escaped>}``."""
-    return prefix.encode("utf-8") + b"{" + escape_name(_name_bytes(name)) + b"}"
+    """The lock hash's key: ``<prefix>{<name, escaped>}`` (the prefix checked: a brace in
+    it would move the cluster hash tag, and the lock's keys would land in other slots)."""
+    return validate_prefix(prefix).encode("utf-8") + b"{" + escape_name(_name_bytes(name)) + b"}"
+
+
+def validate_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix or not _encodes(prefix):
+        raise LockConfigurationError(
+            f"prefix must be a str without '{{' or '}}' (they would move the cluster hash tag) "
+            f"that encodes as UTF-8, got {prefix!r}"
+        )
+    return prefix
+
+
+def _encodes(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def name_from_lock_key(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:
