@@ -29,6 +29,7 @@ from .fencing import FencedResource
 from .keys import KeyTemplate, LockKeyError
 from .lock import RedisLock
 from .redlock import RedLock
+from .semaphore import AsyncRedisSemaphore, RedisSemaphore
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "AsyncLeaseLost",
     "AsyncRedLock",
     "AsyncRedisLock",
+    "AsyncRedisSemaphore",
     "DEFAULT_PREFIX",
     "FencedResource",
     "KeyTemplate",
@@ -71,6 +73,7 @@ __all__ = [
     "RedLock",
     "RedisLock",
     "RedisLockError",
+    "RedisSemaphore",
     "current_lock",
     "locked",
     "__version__",

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Awaitable, Callable, Coroutine, Generic, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Generic, Sequence, TypeVar
 
 from . import _deferred, signals
 from ._clientcheck import validate_replicas, warn_if_unbounded
@@ -59,6 +59,9 @@ class LockBase(Generic[Signal]):
     #: Whether blocked acquires ask for direct grants (see :meth:`RedisLock.acquire`); a
     #: task lock does not (its hold counts carry meaning of their own).
     _direct_grants = True
+    #: ARGV the release script takes after release.lua's six (a semaphore's limit and
+    #: permit keys: see :meth:`_with_tail`); none for a lock.
+    _release_tail: tuple[Any, ...] = ()
 
     def __init__(
         self,
@@ -215,6 +218,20 @@ class LockBase(Generic[Signal]):
         """ARGV of acquire.lua: a blocked acquire (``line``) joins the line when contended."""
         return [owner, lease, LINE_MARGIN_MS] if line else [owner, lease]
 
+    def _hold_keys(self, owner: str) -> LockKeys:
+        """The keys of ``owner``'s hold: ``.lock`` is the hash the watchdog renews and
+        ``extend``/``owned`` read (a lock's own; a semaphore's permit of that owner)."""
+        return self.keys
+
+    def _with_tail(self, args: Sequence[Any]) -> Sequence[Any]:
+        """release.lua's ARGV ``args``, followed by :attr:`_release_tail` (if any) at
+        ARGV[7] on: the release script of a semaphore reads its limit and permit keys
+        there, after release.lua's own arguments in their places."""
+        tail = self._release_tail
+        if not tail:
+            return args
+        return [*args, *("",) * (6 - len(args)), *tail]
+
     def _direct(self, renew: bool) -> bool:
         """Whether a blocked acquire may be granted the lock directly (no round trip):
         only a watchdog-renewed hold (the watchdog lengthens the grant's short lease),
@@ -314,7 +331,7 @@ class LockBase(Generic[Signal]):
             signal = self._signal_type()
             self._signals[owner] = signal
             hold = Hold(
-                self.keys,
+                self._hold_keys(owner),
                 owner,
                 token=reply.token,
                 lease=lease,
@@ -419,7 +436,7 @@ class LockBase(Generic[Signal]):
         what = self._unconfirmed(hold, exc)
         if self._server_count > 1:
             return None
-        return what, _deferred._retry_release_args(owner, hold.token)
+        return what, list(self._with_tail(_deferred._retry_release_args(owner, hold.token)))
 
     def _inner_unconfirmed(self, hold: Hold) -> None:
         """The release of an inner (re-entered) hold could not reach Redis: whether Redis

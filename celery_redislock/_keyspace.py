@@ -22,6 +22,19 @@ lock hash's key ``<prefix>{<name>}``:
 ``<L>:parked:unused``               the sweep script's unused slot (never written)
 ==================================  =====================================================
 
+A semaphore of the same name (:class:`SemaphoreKeys`) lives beside the lock, under
+``<S>`` = ``<L>:sem``; its line, channel and fence are named as a lock's, after ``<S>``:
+
+==================================  =====================================================
+``<S>``                             the holders: owners that hold a permit (a set)
+``<S>:permit:<owner>``              that owner's permit: a hash of a lock hash's shape
+                                    (owner -> hold count, ``__fence__``) with its lease
+``<S>:fence``                       the fencing counter of all its permits
+``<S>:released``                    the channel a freed permit is announced on
+``<S>:waiters``, ``<S>:claims``,    its line of waiters, as a lock's
+``<S>:waiters:wake``
+==================================  =====================================================
+
 Names of a prefix, not of one lock:
 
 ==================================  =====================================================
@@ -62,6 +75,8 @@ _PARKED = b":parked"
 _PARKED_MESSAGES = b":parked:messages"
 _PARKED_DISPATCHED = b":parked:dispatched"
 _PARKED_UNUSED = b":parked:unused"
+_SEMAPHORE = b":sem"
+_PERMIT = b":permit:"
 #: Handed-over tasks go to this queue (``<queue>.redislock``).
 HANDOFF_QUEUE_SUFFIX = ".redislock"
 
@@ -208,6 +223,28 @@ class LockKeys:
             self.parked_dispatched,
             registry,
         ]
+
+
+@dataclass(frozen=True)
+class SemaphoreKeys:
+    """Every Redis name one semaphore uses (all in its ``{name}`` hash tag).
+
+    ``line``: its holders set, fence, channel and line as a :class:`LockKeys` (``.lock``
+    is the holders set); ``permits``: what its permit keys start with (the scripts add
+    the owner: :meth:`permit`).
+    """
+
+    line: LockKeys
+    permits: bytes
+
+    @classmethod
+    def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> SemaphoreKeys:
+        base = lock_key(name, prefix) + _SEMAPHORE
+        return cls(line=LockKeys.for_lock(base), permits=base + _PERMIT)
+
+    def permit(self, owner: str | bytes) -> bytes:
+        """``owner``'s permit: the hash its hold lives in (and the watchdog renews)."""
+        return self.permits + _part(owner)
 
 
 def lock_key(name: str | bytes, prefix: str = DEFAULT_PREFIX) -> bytes:

@@ -103,6 +103,14 @@ def decode_acquire(reply: Any, script: str = "acquire") -> AcquireReply:
     raise _malformed(script, reply, f"unknown code {code}")
 
 
+def decode_sem_acquire(reply: Any, script: str = "sem_acquire") -> AcquireReply:
+    """sem_acquire.lua: ``{1, token, count}`` taken or re-entered, ``{0, ms}`` refused."""
+    decoded = decode_acquire(reply, script)
+    if decoded.finished or decoded.running:
+        raise _malformed(script, reply, "a code only acquire.lua sends")
+    return decoded
+
+
 def decode_park(reply: Any) -> AcquireReply | None:
     """park.lua: as :func:`decode_acquire`, and ``{2, 0}`` (with "behind": the lock is
     free or this task id's) is None."""

@@ -15,18 +15,29 @@ from __future__ import annotations
 import functools
 import weakref
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from redis.exceptions import NoScriptError
 
 from ._core import MAX_MS
 
-SCRIPT_NAMES = ("acquire", "release", "renew", "fence", "park", "handoff", "sweep")
+SCRIPT_NAMES = (
+    "acquire",
+    "release",
+    "renew",
+    "fence",
+    "park",
+    "handoff",
+    "sweep",
+    "sem_acquire",
+    "sem_release",
+)
 #: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``), in
 #: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
 #: ``lock`` reads the clock and takes or re-enters a lock, fair to its line; ``grant`` hands
 #: a freed lock to the first waiter in line (it publishes: only the releasing scripts get
-#: it); ``parked`` hands a lock to the first parked task; ``envelope`` reads parked envelopes.
+#: it); ``parked`` hands a lock to the first parked task; ``envelope`` reads parked envelopes;
+#: ``sem`` counts a semaphore's permits still held (``celery_redislock.semaphore``).
 PRELUDES: dict[str, tuple[str, ...]] = {
     "acquire": ("args", "lock"),
     "release": ("args", "lock", "grant"),
@@ -34,6 +45,8 @@ PRELUDES: dict[str, tuple[str, ...]] = {
     "park": ("args", "lock"),
     "handoff": ("args", "lock", "grant", "parked", "envelope"),
     "sweep": ("args", "lock", "parked", "envelope"),
+    "sem_acquire": ("args", "lock", "sem"),
+    "sem_release": ("args", "lock", "grant", "sem"),
 }
 #: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
 MAX_MS_NAME = "MAX_MS"
@@ -67,6 +80,15 @@ def is_cluster(client: Any) -> bool:
     return not hasattr(client, "connection_pool") and hasattr(client, "get_node_from_key")
 
 
+class SemaphoreScripts(NamedTuple):
+    """A semaphore's scripts under the names a lock's driver calls: its permits are
+    renewed by the lock's ``renew`` (a permit is a hash of the lock's shape)."""
+
+    acquire: Any
+    release: Any
+    renew: Any
+
+
 class Scripts:
     """The registered scripts of one client (sync or asyncio; redis-py picks the kind)."""
 
@@ -81,6 +103,12 @@ class Scripts:
         self.park = client.register_script(text("park"))
         self.handoff = client.register_script(text("handoff"))
         self.sweep = client.register_script(text("sweep"))
+        #: A semaphore's scripts, in a lock's places (``acquire``, ``release``, ``renew``).
+        self.semaphore = SemaphoreScripts(
+            client.register_script(text("sem_acquire")),
+            client.register_script(text("sem_release")),
+            self.renew,
+        )
 
 
 def run(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:

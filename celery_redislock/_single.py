@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError
 
@@ -21,6 +21,7 @@ from ._core import (
     LockKeys,
     OwnerFinished,
     OwnerRunning,
+    decode_acquire,
     validate_prefix,
     wait_bound,
 )
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 class SingleBase(LockBase[Signal]):
     """State and decisions of a lock on one Redis (sync or asyncio)."""
+
+    #: How an acquire script's reply is read (a semaphore's has a decoder of its own).
+    _decode_acquire = staticmethod(decode_acquire)
 
     def _attach(self, client: Any) -> None:
         self._scripts = scripts_for(client)
@@ -76,11 +80,11 @@ class SingleBase(LockBase[Signal]):
             return None
         return wait_bound(pttl, remaining)
 
-    @staticmethod
-    def _leave_args(owner: str, grant_name: bytes | None) -> list[Any]:
+    def _leave_args(self, owner: str, grant_name: bytes | None) -> Sequence[Any]:
         """release.lua's ARGV to leave the line (and pass on a lock granted meanwhile,
         directly to the wait ``grant_name``)."""
-        return [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
+        args: list[Any] = [owner, "leave"] if grant_name is None else [owner, "leave", grant_name]
+        return self._with_tail(args)
 
     def _give_back_failed(self, exc: BaseException) -> None:
         log.warning("redislock: could not give back unreplicated %r: %r", self.name, exc)

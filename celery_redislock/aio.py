@@ -39,7 +39,6 @@ from ._core import (
     AsyncLeaseLost,
     Hold,
     LockKeys,
-    decode_acquire,
     lease_ms,
     new_owner_suffix,
     process_id,
@@ -299,11 +298,9 @@ async def aclose_background(client: Any) -> None:
         await scheduler.aclose()
 
 
-class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
-    """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
-
-    See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
-    """
+class AsyncSingle(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
+    """The asyncio driver of a lock on one Redis: :class:`AsyncRedisLock`, and
+    :class:`~celery_redislock.AsyncRedisSemaphore` (see ``lock.SyncSingle``)."""
 
     _signal_type = AsyncLeaseLost
 
@@ -394,7 +391,7 @@ class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
         if cancelled is not None and future.exception() is not None:
             raise cancelled
         raw, acks = future.result()
-        reply = decode_acquire(raw)
+        reply = self._decode_acquire(raw)
         if not reply.acquired:
             if cancelled is not None:
                 raise cancelled
@@ -447,7 +444,9 @@ class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
             hold.releasing += 1
         try:
             code = decode_release(
-                await run_async(self.client, self._scripts.release, self._release_keys, [owner])
+                await run_async(
+                    self.client, self._scripts.release, self._release_keys, self._with_tail([owner])
+                )
             )
         except UNREACHABLE as exc:
             retry = self._release_unreachable(owner, hold, exc)
@@ -475,22 +474,31 @@ class AsyncRedisLock(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
         sent_at = time.monotonic()
         if self.min_replicas:
             codes, acks = await self._replicated(
-                self._scripts.renew, [self.keys.lock], [owner, lease]
+                self._scripts.renew, [self._hold_keys(owner).lock], [owner, lease]
             )
             if self._extend_unreplicated(decode_renew_one(codes), acks):
                 connected = await self._connected_replicas()
                 raise self._replication_error(acks, "extend", owner, connected)
         else:
-            codes = await self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
+            codes = await self._scripts.renew(
+                keys=[self._hold_keys(owner).lock], args=[owner, lease]
+            )
         self._record_extended(owner, decode_renew_one(codes), lease, sent_at)
+
+    async def _owned(self, called: Caller) -> bool:
+        owner = called.owner
+        return bool(await self.client.hexists(self._hold_keys(owner).lock, owner))
+
+
+class AsyncRedisLock(AsyncSingle):
+    """A reentrant, owner-checked, fenced lock on a ``redis.asyncio`` client.
+
+    See :class:`celery_redislock.RedisLock` for the arguments and guarantees.
+    """
 
     async def locked(self) -> bool:
         """Whether anyone holds the lock (server-side)."""
         return bool(await self.client.exists(self.keys.lock))
-
-    async def _owned(self, called: Caller) -> bool:
-        owner = called.owner
-        return bool(await self.client.hexists(self.keys.lock, owner))
 
     async def remaining(self) -> float | None:
         """Seconds left on the current lease, whoever holds it (None: not locked)."""

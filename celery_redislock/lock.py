@@ -30,7 +30,6 @@ from ._core import (
     DEFAULT_PREFIX,
     Hold,
     LeaseLost,
-    decode_acquire,
     lease_ms,
     thread_owner,
 )
@@ -52,28 +51,10 @@ def _owner_thread() -> threading.Thread | None:
     return None if isinstance(thread, threading._DummyThread) else thread
 
 
-class RedisLock(SingleBase[LeaseLost], SyncContext):
-    """A reentrant, owner-checked, fenced lock on one Redis server.
-
-    Args:
-        client: a ``redis.Redis`` client, a Sentinel ``master_for`` client, or a
-            ``redis.cluster.RedisCluster`` (Redis 7+: wake-ups use sharded pub/sub).
-        name: the lock's name (str or bytes, non-empty).
-        ttl: lease in seconds. With ``auto_renew`` the watchdog renews it every
-            ``ttl / 3`` while held; without, the hold ends after ``ttl``.
-        owner: who holds it. ``None`` (default) means the calling thread; pass a
-            string (a task id, say) to share one hold across threads or processes.
-        auto_renew: renew the lease in the background while held (default True).
-        blocking: default for the context-manager form (``with lock:``).
-        timeout: default wait limit of the context-manager form (None: no limit).
-        prefix: key prefix; a lock uses ``<prefix>{<name>}`` and two keys beside it.
-        min_replicas: 0 (default) or how many replicas must acknowledge each acquire,
-            extend and renewal (``WAIT``, sent in the same round trip as the script).
-            An acquire they do not acknowledge is given back and raises
-            :class:`LockReplicationError`; an unacknowledged renewal does not move the
-            hold's validity deadline. Not available with Redis Cluster clients.
-        replica_timeout: seconds the ``WAIT`` may block (default 0.5; at least 1 ms).
-    """
+class SyncSingle(SingleBase[LeaseLost], SyncContext):
+    """The synchronous driver of a lock on one Redis: :class:`RedisLock`, and
+    :class:`~celery_redislock.RedisSemaphore` (which supplies its own scripts, keys and
+    reply decoder through the hooks of ``SingleBase``/``LockBase``)."""
 
     _signal_type = LeaseLost
     _cached_scheduler: RenewalScheduler | None = None
@@ -193,7 +174,7 @@ class RedisLock(SingleBase[LeaseLost], SyncContext):
             raw, acks = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
         else:
             raw = run(self.client, self._scripts.acquire, self._acquire_keys(), argv)
-        reply = decode_acquire(raw)
+        reply = self._decode_acquire(raw)
         if not reply.acquired:
             return self._refused_wait(reply)
         if self.min_replicas and self._unreplicated(acks):
@@ -253,7 +234,12 @@ class RedisLock(SingleBase[LeaseLost], SyncContext):
             hold.releasing += 1
         try:
             code = decode_release(
-                run(self.client, self._scripts.release, self._release_keys, (owner,))
+                run(
+                    self.client,
+                    self._scripts.release,
+                    self._release_keys,
+                    self._with_tail((owner,)),
+                )
             )
         except UNREACHABLE as exc:
             retry = self._release_unreachable(owner, hold, exc)
@@ -284,22 +270,49 @@ class RedisLock(SingleBase[LeaseLost], SyncContext):
         self._check_not_inherited(owner)
         sent_at = time.monotonic()
         if self.min_replicas:
-            codes, acks = self._replicated(self._scripts.renew, [self.keys.lock], [owner, lease])
+            codes, acks = self._replicated(
+                self._scripts.renew, [self._hold_keys(owner).lock], [owner, lease]
+            )
             if self._extend_unreplicated(decode_renew_one(codes), acks):
                 raise self._replication_error(acks, "extend", owner, self._connected_replicas())
         else:
-            codes = self._scripts.renew(keys=[self.keys.lock], args=[owner, lease])
+            codes = self._scripts.renew(keys=[self._hold_keys(owner).lock], args=[owner, lease])
         self._record_extended(owner, decode_renew_one(codes), lease, sent_at)
+
+    def owned(self) -> bool:
+        """Whether the calling owner holds the lock (server-side)."""
+        owner = self._current_owner()
+        return bool(self.client.hexists(self._hold_keys(owner).lock, owner))
+
+
+class RedisLock(SyncSingle):
+    """A reentrant, owner-checked, fenced lock on one Redis server.
+
+    Args:
+        client: a ``redis.Redis`` client, a Sentinel ``master_for`` client, or a
+            ``redis.cluster.RedisCluster`` (Redis 7+: wake-ups use sharded pub/sub).
+        name: the lock's name (str or bytes, non-empty).
+        ttl: lease in seconds. With ``auto_renew`` the watchdog renews it every
+            ``ttl / 3`` while held; without, the hold ends after ``ttl``.
+        owner: who holds it. ``None`` (default) means the calling thread; pass a
+            string (a task id, say) to share one hold across threads or processes.
+        auto_renew: renew the lease in the background while held (default True).
+        blocking: default for the context-manager form (``with lock:``).
+        timeout: default wait limit of the context-manager form (None: no limit).
+        prefix: key prefix; a lock uses ``<prefix>{<name>}`` and two keys beside it.
+        min_replicas: 0 (default) or how many replicas must acknowledge each acquire,
+            extend and renewal (``WAIT``, sent in the same round trip as the script).
+            An acquire they do not acknowledge is given back and raises
+            :class:`LockReplicationError`; an unacknowledged renewal does not move the
+            hold's validity deadline. Not available with Redis Cluster clients.
+        replica_timeout: seconds the ``WAIT`` may block (default 0.5; at least 1 ms).
+    """
 
     # -- queries ---------------------------------------------------------------
 
     def locked(self) -> bool:
         """Whether anyone holds the lock (server-side)."""
         return bool(self.client.exists(self.keys.lock))
-
-    def owned(self) -> bool:
-        """Whether the calling owner holds the lock (server-side)."""
-        return bool(self.client.hexists(self.keys.lock, self._current_owner()))
 
     def remaining(self) -> float | None:
         """Seconds left on the current lease, whoever holds it (None: not locked)."""

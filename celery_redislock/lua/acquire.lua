@@ -36,18 +36,7 @@ elseif ARGV[5] == 'adopt' and ARGV[7] and ARGV[7] ~= ARGV[1] and redis.call('hex
 end
 local function join_line(wait_ms)
   if margin then
-    local keep_ms = math.max(wait_ms, 0) + margin
-    if redis.call('zadd', KEYS[4], now_ms() + keep_ms, ARGV[1]) == 1 then
-      redis.call('rpush', KEYS[3], ARGV[1])
-    end
-    if ARGV[6] and ARGV[6] ~= '' then
-      redis.call('hset', KEYS[5], ARGV[1], ARGV[6] .. ':' .. lease)
-      if redis.call('pttl', KEYS[5]) < keep_ms then
-        redis.call('pexpire', KEYS[5], keep_ms)
-      end
-    else
-      redis.call('hdel', KEYS[5], ARGV[1])
-    end
+    enter_line(KEYS[3], KEYS[4], KEYS[5], ARGV[1], math.max(wait_ms, 0) + margin, ARGV[6], lease)
   end
 end
 -- A grant to a wait of this owner (docs/concepts.md, "Direct grants") is one hold, not a

@@ -2,9 +2,11 @@
 -- first waiter in line (docs/concepts.md, "Wake-on-release").
 -- grant_lease(value)  the ms a waiter granted the lock has to take it: value, a duration
 --                     (args.lua), or 2000 when nil or ""; checked before the first write
--- grant_first(lock, channel, fence, waiters, claims, wake, grant_ms, direct) -> whether granted
+-- grant_first(lock, channel, fence, waiters, claims, wake, grant_ms, direct) -> the waiter
+--   granted (its owner id; nil: none)
 --   Pops the line up to its first place still kept (lapsed places and their wake ids go) and
---   writes the lock for that waiter with a fresh token: with `direct` and a wake id, held
+--   writes the lock for that waiter with a fresh token (`lock`: the lock's key, or a function
+--   of the waiter's owner id giving the key to write: a semaphore's permit of that owner): with `direct` and a wake id, held
 --   (count 1, for the shorter of grant_ms and the waiter's lease, "__grant__" naming the
 --   wait), told "<token>:<nonce>" on channel:<subscriber> alone; else granted (count 0, for
 --   grant_ms), its owner id published on channel. Its wake id goes either way.
@@ -22,6 +24,9 @@ local function grant_first(lock, channel, fence, waiters, claims, wake, grant_ms
       redis.call('hdel', wake, head)
     end
     if keep >= now then
+      if type(lock) == 'function' then
+        lock = lock(head)
+      end
       local token = redis.call('incr', fence)
       local sub, nonce, lease
       if direct and wake_id then
@@ -37,9 +42,9 @@ local function grant_first(lock, channel, fence, waiters, claims, wake, grant_ms
         redis.call('pexpire', lock, grant_ms)
         redis.call('publish', channel, head)
       end
-      return true
+      return head
     end
     head = redis.call('lpop', waiters)
   end
-  return false
+  return nil
 end

@@ -9,9 +9,26 @@
 --   -> nil                another owner holds the lock
 -- Places at the head of the line that have lapsed (claims score in the past) are dropped
 -- on the way, with their wake ids; the owner's own place at the head goes when it takes it.
+-- enter_line(waiters, claims, wake, owner, keep_ms, wake_id, lease)
+--   A refused blocked attempt's place in line (joined at the back, or kept where it is),
+--   kept keep_ms from now; wake_id: the waiter's, for a direct grant (kept as
+--   "<wake_id>:<lease>"), else none.
 local function now_ms()
   local t = redis.call('time')
   return t[1] * 1000 + math.floor(t[2] / 1000)
+end
+local function enter_line(waiters, claims, wake, owner, keep_ms, wake_id, lease)
+  if redis.call('zadd', claims, now_ms() + keep_ms, owner) == 1 then
+    redis.call('rpush', waiters, owner)
+  end
+  if wake_id and wake_id ~= '' then
+    redis.call('hset', wake, owner, wake_id .. ':' .. lease)
+    if redis.call('pttl', wake) < keep_ms then
+      redis.call('pexpire', wake, keep_ms)
+    end
+  else
+    redis.call('hdel', wake, owner)
+  end
 end
 local function take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token)
   if redis.call('exists', lock) == 0 then
