@@ -129,3 +129,41 @@ def hammer_quorum(ports: list[int], name: str, iterations: int, log_key: str) ->
             data.set(name, value + 1)
             leave = time.monotonic()
             data.rpush(log_key, f"{enter!r} {leave!r} {lock.token}")
+
+
+def sem_hammer(port: int, name: str, limit: int, iterations: int, log_key: str) -> None:
+    """Take a permit of the semaphore ``name`` ``iterations`` times; inside, count the
+    holders in Redis (INCR on entry, DECR on exit) and log (pid, inside, token)."""
+    from celery_redislock import RedisSemaphore
+
+    client = redis.Redis(port=port, socket_timeout=10)
+    sem = RedisSemaphore(client, name, limit=limit, ttl=10)
+    for _ in range(iterations):
+        with sem:
+            inside = client.incr(f"{name}:inside")
+            time.sleep(0.01)
+            client.decr(f"{name}:inside")
+            client.rpush(log_key, f"{os.getpid()} {inside} {sem.token}")
+    client.close()
+
+
+def sem_holder(port: int, name: str, owner: str, ttl: float, report_key: str) -> None:
+    """Take a permit (limit 3) as ``owner`` and report its token; on "go" (a push on
+    ``<report_key>:go``), write through a FencedResource with it and report the outcome."""
+    import json
+
+    from celery_redislock import FencedResource, LockLostError, RedisSemaphore
+
+    client = redis.Redis(port=port, socket_timeout=10)
+    sem = RedisSemaphore(client, name, limit=3, ttl=ttl, owner=owner)
+    assert sem.acquire(timeout=10)
+    client.rpush(report_key, json.dumps({"owner": owner, "token": sem.token}))
+    while client.blpop([f"{report_key}:go"], timeout=5) is None:
+        pass
+    wrote = FencedResource(client, f"{name}:ledger").write(sem.token, f"{name}:value", owner)
+    try:
+        sem.ensure_held()
+        held = "held"
+    except LockLostError as exc:
+        held = f"lost {exc.reason}"
+    client.rpush(report_key, json.dumps({"owner": owner, "wrote": wrote, "held": held}))

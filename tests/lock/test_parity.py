@@ -21,30 +21,38 @@ import redis.asyncio as aioredis
 
 from celery_redislock import (
     AsyncRedisLock,
+    AsyncRedisSemaphore,
     AsyncRedLock,
     LockLostError,
     LockNotOwnedError,
     RedisLock,
     RedisLockError,
+    RedisSemaphore,
     RedLock,
 )
 from celery_redislock._async_waiting import AsyncSubscriber, AsyncWaiter, _AsyncChannel
 from celery_redislock._base import AsyncContext, SyncContext
 from celery_redislock._renewal import AsyncRenewalScheduler, RenewalScheduler
 from celery_redislock._waiting import LINGER, Subscriber, Waiter, _Channel, subscriber_for
-from celery_redislock.aio import aclose_background
+from celery_redislock.aio import AsyncSingle, aclose_background
 from celery_redislock.aio_redlock import _AsyncMultiWaiter
+from celery_redislock.lock import SyncSingle
 from celery_redislock.redlock import _MultiWaiter
 from celery_redislock.testing import RedisServer
 
 #: The methods of the locks that talk to Redis: awaited on the asyncio twin.
 LOCK_IO = {"acquire", "release", "extend", "locked", "owned", "remaining", "force_release"}
 
+#: What the drivers of a lock on one Redis (and so the semaphores) send to Redis.
+SINGLE_IO = {"acquire", "release", "extend", "owned"}
+
 #: (sync, asyncio, their methods that are awaited on the asyncio side, what only the
 #: asyncio side has: closing its background tasks or connections in its event loop).
 PAIRS: list[tuple[type, type, set[str], set[str]]] = [
     (RedisLock, AsyncRedisLock, LOCK_IO, set()),
     (RedLock, AsyncRedLock, LOCK_IO, {"aclose"}),
+    (SyncSingle, AsyncSingle, SINGLE_IO, set()),
+    (RedisSemaphore, AsyncRedisSemaphore, SINGLE_IO, set()),
     (SyncContext, AsyncContext, {"acquire", "release"}, set()),
     (_Channel, _AsyncChannel, set(), set()),
     (Subscriber, AsyncSubscriber, set(), {"aclose"}),
@@ -117,11 +125,12 @@ def test_every_twin_in_the_package_is_listed() -> None:
     import celery_redislock._renewal as renewal
     import celery_redislock.aio as aio
     import celery_redislock.aio_redlock as aio_redlock
+    import celery_redislock.semaphore as semaphore
 
     listed = {aio_cls.__name__ for _, aio_cls, _, _ in PAIRS}
     found = {
         name
-        for module in (aio, aio_redlock, async_waiting, renewal)
+        for module in (aio, aio_redlock, async_waiting, renewal, semaphore)
         for name, value in vars(module).items()
         if inspect.isclass(value)
         and value.__module__ == module.__name__
