@@ -43,7 +43,7 @@ from celery_redislock import (
     RedLock,
 )
 from celery_redislock._core import GRANT_MS, LockKeys, thread_owner
-from celery_redislock._scripts import SCRIPT_NAMES, scripts_for
+from celery_redislock._scripts import SCRIPT_NAMES, source
 from celery_redislock.aio import aclose_background, task_owner
 from celery_redislock.testing import Fault, FaultProxy, RedisServer
 
@@ -329,7 +329,7 @@ def preload(admin: redis.Redis) -> None:
     reply and its retry would count as two commands)."""
     admin.flushall()
     for name in SCRIPT_NAMES:
-        admin.script_load(getattr(scripts_for(admin), name).script)
+        admin.script_load(source(name))
 
 
 @pytest.fixture
