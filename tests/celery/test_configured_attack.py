@@ -36,6 +36,14 @@ def broker(celery_broker: RedisServer) -> Iterator[RedisServer]:
     atk.app.close()
 
 
+@pytest.fixture(autouse=True)
+def attack_app_is_current() -> None:
+    """``@shared_task`` sends through the *current* app, and every ``Celery()`` made in
+    an earlier test (or module) becomes current: without this, a shared task's message
+    went to another app's broker once the whole suite ran (CI)."""
+    atk.app.set_current()
+
+
 @pytest.fixture(scope="module")
 def r(broker: RedisServer) -> Iterator[redis.Redis]:
     client = broker.client()
