@@ -48,6 +48,26 @@ def test_every_name_of_one_lock_is_pinned() -> None:
     assert ks.grant_channel_tail(b"g0f") == b":g0f"
 
 
+def test_every_name_of_one_semaphore_is_pinned() -> None:
+    """A semaphore's names sit beside the lock's (``:sem``), never on them: a lock and a
+    semaphore of one name share nothing, and every name keeps the ``{name}`` hash tag."""
+    keys = ks.SemaphoreKeys.for_name(NAME, PREFIX)
+    assert keys.line.lock == b"redislock:{account:7}:sem"
+    assert keys.line.fence == b"redislock:{account:7}:sem:fence"
+    assert keys.line.channel == b"redislock:{account:7}:sem:released"
+    assert keys.line.waiters == b"redislock:{account:7}:sem:waiters"
+    assert keys.line.claims == b"redislock:{account:7}:sem:claims"
+    assert keys.line.wake == b"redislock:{account:7}:sem:waiters:wake"
+    assert keys.permits == b"redislock:{account:7}:sem:permit:"
+    assert keys.permit(OWNER) == b"redislock:{account:7}:sem:permit:t1"
+    lock = ks.LockKeys.for_name(NAME, PREFIX)
+    assert not {keys.line.lock, keys.line.fence, keys.line.channel} & {
+        lock.lock,
+        lock.fence,
+        lock.channel,
+    }
+
+
 def test_the_scripts_key_lists_are_pinned() -> None:
     keys = ks.LockKeys.for_name(NAME, PREFIX)
     assert keys.acquire_keys() == [
