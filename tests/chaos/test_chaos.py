@@ -508,6 +508,7 @@ def scenario_fault_schedule(
     )
 
 
+@pytest.mark.slow  # the default suite's random faults on this lock: the quick soak's part A
 def test_a_seeded_random_fault_schedule_keeps_the_lock_safe_and_live(
     server: RedisServer, tmp_path: Path, seed: int
 ) -> None:
