@@ -247,6 +247,7 @@ def test_the_swapped_classes_keep_their_metaclass_hooks_and_request(broker: Redi
         assert isinstance(atk.app.tasks[P + kind], LockedTask), kind
 
 
+@pytest.mark.hypothesis  # its @given is inner: marked so conftest keeps the collector off
 def test_validation_names_the_setting_for_any_value() -> None:
     """Hypothesis: whatever redislock_tasks holds, reading it either succeeds or raises a
     LockConfigurationError naming the setting (and the pattern, when it is a str)."""
