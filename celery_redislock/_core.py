@@ -62,6 +62,8 @@ MAX_SECONDS = 365 * 24 * 3600
 #: :data:`MAX_SECONDS` in milliseconds: the Lua scripts refuse any duration above it
 #: (``lua/args.lua`` is loaded with this value).
 MAX_MS = MAX_SECONDS * 1000
+#: The largest limit of a semaphore (sem.lua's ``sem_limit``; ``lock_limit``).
+MAX_LIMIT = 2**31 - 1
 #: The shortest lease (and every other duration that must not be zero): 1 ms.
 #: ``PEXPIRE`` with 0 or less deletes the key.
 MIN_SECONDS = 0.001

@@ -20,6 +20,7 @@ lock hash's key ``<prefix>{<name>}``:
 ``<L>:parked:messages``             parked task id -> its message (a hash)
 ``<L>:parked:dispatched``           handed-over task id -> when (a hash)
 ``<L>:parked:unused``               the sweep script's unused slot (never written)
+``<L>:parked:limit``                a semaphore's: parked task id -> its limit (a hash)
 ==================================  =====================================================
 
 A semaphore of the same name (:class:`SemaphoreKeys`) lives beside the lock, under
@@ -33,6 +34,9 @@ A semaphore of the same name (:class:`SemaphoreKeys`) lives beside the lock, und
 ``<S>:released``                    the channel a freed permit is announced on
 ``<S>:waiters``, ``<S>:claims``,    its line of waiters, as a lock's
 ``<S>:waiters:wake``
+``<S>:done:<owner>``,               a limited task's run's markers and parked tasks, as a
+``<S>:kept:<owner>``, ``<S>:parked``  lock's (``<S>`` stands for the semaphore where the
+... ``<S>:parked:limit``            sweeper's registry and parked messages name a lock)
 ==================================  =====================================================
 
 Names of a prefix, not of one lock:
@@ -75,6 +79,7 @@ _PARKED = b":parked"
 _PARKED_MESSAGES = b":parked:messages"
 _PARKED_DISPATCHED = b":parked:dispatched"
 _PARKED_UNUSED = b":parked:unused"
+_PARKED_LIMIT = b":parked:limit"
 _SEMAPHORE = b":sem"
 _PERMIT = b":permit:"
 #: Handed-over tasks go to this queue (``<queue>.redislock``).
@@ -191,6 +196,11 @@ class LockKeys:
         """sweep.lua's KEYS[6] (the done marker's slot in handoff.lua): never written."""
         return self.lock + _PARKED_UNUSED
 
+    @property
+    def parked_limit(self) -> bytes:
+        """A semaphore's (``<S>``): parked task id -> the limit it parked with (a hash)."""
+        return self.lock + _PARKED_LIMIT
+
     def grant_channel(self, grant_id: bytes) -> bytes:
         """The direct-grant channel of the subscriber ``grant_id``."""
         return self.channel + grant_channel_tail(grant_id)
@@ -242,9 +252,69 @@ class SemaphoreKeys:
         base = lock_key(name, prefix) + _SEMAPHORE
         return cls(line=LockKeys.for_lock(base), permits=base + _PERMIT)
 
+    @classmethod
+    def for_key(cls, key: bytes, prefix: str = DEFAULT_PREFIX) -> SemaphoreKeys | None:
+        """The semaphore whose holders set is ``key`` (``<S>``, the key a limited task is
+        parked under); None for any other key, a lock's included."""
+        if not key.endswith(_SEMAPHORE):
+            return None
+        name = name_from_lock_key(key[: -len(_SEMAPHORE)], prefix)
+        if name is None:
+            return None
+        found = cls.for_name(name, prefix)
+        return found if found.line.lock == key else None
+
     def permit(self, owner: str | bytes) -> bytes:
         """``owner``'s permit: the hash its hold lives in (and the watchdog renews)."""
         return self.permits + _part(owner)
+
+    def park_keys(self, done: bytes, registry: str) -> list[bytes | str]:
+        """KEYS of sem_park.lua for the run whose done marker is ``done``."""
+        line = self.line
+        return [
+            line.lock,
+            line.fence,
+            done,
+            line.parked,
+            line.parked_messages,
+            line.parked_dispatched,
+            line.waiters,
+            line.claims,
+            line.wake,
+            line.parked_limit,
+            registry,
+        ]
+
+    def handoff_keys(self, task_id: str | bytes) -> list[bytes | str]:
+        """KEYS of sem_handoff.lua for the releasing run ``task_id``."""
+        return [*self.line.handoff_keys(task_id), self.line.parked_limit]
+
+    def sweep_keys(self, registry: str) -> list[bytes | str]:
+        """KEYS of sem_sweep.lua; ``registry``: :func:`parked_registry`."""
+        keys = self.line.sweep_keys(registry)
+        keys[5] = self.line.parked_limit
+        return keys
+
+
+def run_key(name: str | bytes, prefix: str = DEFAULT_PREFIX, *, limited: bool = False) -> bytes:
+    """The key a task's run holds, is parked under, and its parked messages are signed
+    for: the lock hash's, or with ``limited`` (``lock_limit``) its semaphore's holders set."""
+    if limited:
+        return SemaphoreKeys.for_name(name, prefix).line.lock
+    return lock_key(name, prefix)
+
+
+def parked_under(key: bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys | SemaphoreKeys | None:
+    """The lock or semaphore whose :func:`run_key` is ``key`` (a registry member, a parked
+    message's lock), under ``prefix``; None if it is neither (anyone who may write the
+    registry may have written it)."""
+    semaphore = SemaphoreKeys.for_key(key, prefix)
+    if semaphore is not None:
+        return semaphore
+    name = name_from_lock_key(key, prefix)
+    if name is None or lock_key(name, prefix) != key:
+        return None
+    return LockKeys.for_lock(key)
 
 
 def lock_key(name: str | bytes, prefix: str = DEFAULT_PREFIX) -> bytes:

@@ -31,22 +31,29 @@ SCRIPT_NAMES = (
     "sweep",
     "sem_acquire",
     "sem_release",
+    "sem_park",
+    "sem_handoff",
+    "sem_sweep",
 )
 #: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``), in
 #: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
 #: ``lock`` reads the clock and takes or re-enters a lock, fair to its line; ``grant`` hands
 #: a freed lock to the first waiter in line (it publishes: only the releasing scripts get
-#: it); ``parked`` hands a lock to the first parked task; ``envelope`` reads parked envelopes;
-#: ``sem`` counts a semaphore's permits still held (``celery_redislock.semaphore``).
+#: it); ``envelope`` reads parked envelopes; ``parked`` hands a lock to the first parked
+#: task and sends stale hand-overs again (after ``envelope``: it pushes them); ``sem`` counts
+#: a semaphore's permits and takes one (``celery_redislock.semaphore``).
 PRELUDES: dict[str, tuple[str, ...]] = {
     "acquire": ("args", "lock"),
     "release": ("args", "lock", "grant"),
     "renew": ("args",),
     "park": ("args", "lock"),
-    "handoff": ("args", "lock", "grant", "parked", "envelope"),
-    "sweep": ("args", "lock", "parked", "envelope"),
+    "handoff": ("args", "lock", "grant", "envelope", "parked"),
+    "sweep": ("args", "lock", "envelope", "parked"),
     "sem_acquire": ("args", "lock", "sem"),
     "sem_release": ("args", "lock", "grant", "sem"),
+    "sem_park": ("args", "lock", "sem"),
+    "sem_handoff": ("args", "lock", "grant", "sem", "envelope", "parked"),
+    "sem_sweep": ("args", "lock", "sem", "envelope", "parked"),
 }
 #: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
 MAX_MS_NAME = "MAX_MS"
@@ -81,12 +88,16 @@ def is_cluster(client: Any) -> bool:
 
 
 class SemaphoreScripts(NamedTuple):
-    """A semaphore's scripts under the names a lock's driver calls: its permits are
-    renewed by the lock's ``renew`` (a permit is a hash of the lock's shape)."""
+    """A semaphore's scripts under the names a lock's driver (and a task's lock) calls:
+    its permits are renewed by the lock's ``renew`` (a permit is a hash of the lock's
+    shape)."""
 
     acquire: Any
     release: Any
     renew: Any
+    park: Any
+    handoff: Any
+    sweep: Any
 
 
 class Scripts:
@@ -108,6 +119,9 @@ class Scripts:
             client.register_script(text("sem_acquire")),
             client.register_script(text("sem_release")),
             self.renew,
+            client.register_script(text("sem_park")),
+            client.register_script(text("sem_handoff")),
+            client.register_script(text("sem_sweep")),
         )
 
 

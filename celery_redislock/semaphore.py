@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, cast
 
-from ._core import DEFAULT_PREFIX, LINE_MARGIN_MS, AsyncLeaseLost, LeaseLost, LockKeys
+from ._core import DEFAULT_PREFIX, LINE_MARGIN_MS, MAX_LIMIT, AsyncLeaseLost, LeaseLost, LockKeys
 from ._errors import LockConfigurationError
 from ._keyspace import SemaphoreKeys
 from ._replies import decode_sem_acquire
@@ -28,9 +28,6 @@ from ._scripts import scripts_for
 from ._single import SingleBase
 from .aio import AsyncSingle
 from .lock import SyncSingle
-
-#: The largest limit the scripts accept (sem.lua's ``sem_limit``).
-MAX_LIMIT = 2**31 - 1
 
 
 def validate_limit(limit: object) -> int:

@@ -29,6 +29,11 @@ Settings (task attributes of the same meaning override them per task):
   lock to nobody, how many of the oldest messages of the task's queue to search for the next
   task of the same lock, which is then moved to the head of the queue holding the lock
   (requeue mode, where tasks are parked at delivery; ``0``: off). See docs/concepts.md.
+* ``redislock_limit`` (``1``, task: ``lock_limit``) — how many runs may hold one key at once:
+  ``1`` is the mutex (a :class:`~celery_redislock.RedisLock` per key); an int ``N`` > 1, or a
+  callable ``(args, kwargs) -> int`` computing it per call, takes one of N permits of a
+  :class:`~celery_redislock.RedisSemaphore` per key instead (docs/concepts.md, "Limits").
+  Not offered with ``redislock_urls``.
 * ``redislock_done_ttl`` (``86400.0``) — how long a finished task id is remembered (dedup).
 * ``redislock_park_fallback`` (``"auto"``) — also keep a delayed copy of each parked task in
   the broker: ``"auto"`` does when the lock Redis is not the broker's Redis.
@@ -55,7 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from ._core import DEFAULT_PREFIX, duration_error, lease_ms, seconds, validate_prefix
+from ._core import DEFAULT_PREFIX, MAX_LIMIT, duration_error, lease_ms, seconds, validate_prefix
 from ._errors import LockConfigurationError
 from ._nodes import check_distinct
 
@@ -114,6 +119,19 @@ def _lookahead(value: object, name: str) -> int:
     return value
 
 
+def _limit(value: object, name: str) -> Any:
+    """``lock_limit``: an int from 1 to ``MAX_LIMIT`` (2**31 - 1), or a
+    callable ``(args, kwargs) -> int`` (its value checked at each call)."""
+    if callable(value) and not isinstance(value, type):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise LockConfigurationError(
+            f"{name} must be an int from 1 (one at a time) to {MAX_LIMIT}, or a callable "
+            f"(args, kwargs) -> int; got {value!r}"
+        )
+    return value
+
+
 def _backoff(value: object, name: str) -> tuple[float, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise LockConfigurationError(f"{name} must be a (base, cap) pair of seconds, got {value!r}")
@@ -139,6 +157,13 @@ class LockOptions:
     done_ttl: float = 86400.0
     hold: float = 0.0
     lookahead: int = 64
+    #: 1: the mutex; an int N > 1 or a callable (args, kwargs) -> int: N permits per key.
+    limit: Any = 1
+
+    @property
+    def limited(self) -> bool:
+        """Whether runs take a permit of a semaphore (``lock_limit`` other than 1)."""
+        return bool(self.limit != 1)
 
     def merged(self, overrides: Mapping[str, Any]) -> LockOptions:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -170,6 +195,7 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
     "done_ttl": ("lock_done_ttl", "redislock_done_ttl", _lease),
     "lookahead": ("lock_lookahead", "redislock_lookahead", _lookahead),
     "hold": ("lock_hold", None, _hold),  # type: ignore[dict-item]
+    "limit": ("lock_limit", "redislock_limit", _limit),
 }
 
 
@@ -247,6 +273,12 @@ class LockSettings:
                 f"redislock_park_at_delivery must be True or False, got {at_delivery!r}"
             )
         defaults = LockOptions(**values)
+        if urls and defaults.limited:
+            raise LockConfigurationError(
+                "redislock_limit is not offered with redislock_urls: a quorum semaphore "
+                "(at most N per key over several masters) is not built yet; use one Redis "
+                "(redislock_url) for limited tasks"
+            )
         if urls and node_timeout * 2 >= defaults.ttl:
             raise LockConfigurationError(
                 f"redislock_node_timeout ({node_timeout}s) must be well below redislock_ttl "

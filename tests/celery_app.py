@@ -243,3 +243,32 @@ def nest(self: Any, name: str, inner: str | None = None, how: str = "self") -> s
 def biggest(values: list[int]) -> int:
     """A chord's body: the largest of its header's results."""
     return max(values)
+
+
+if not os.environ.get("REDISLOCK_TEST_QUORUM"):  # (lock_limit: one Redis, refused on a quorum)
+
+    @app.task(bind=True, base=LockedTask, lock_key="tenant:{tenant}", lock_limit=2)
+    def tenant_job(self: Any, tenant: str, seconds: float, fence: bool = False) -> int | None:
+        """At most two at once per tenant: records its section, and its token's fenced write."""
+        token = self.lock.token
+        enter = time.time()
+        r().rpush(f"started:{tenant}", f"{self.request.id} {token} {os.getpid()}")
+        time.sleep(seconds)
+        if fence:
+            admitted = FencedResource(r(), f"res:{tenant}").write(token, f"res:{tenant}:v", token)
+            r().rpush(f"fenced:{tenant}", f"{token} {admitted}")
+        section("limit", tenant, self.request.id, enter, time.time())
+        return token
+
+    @app.task(
+        bind=True,
+        base=LockedTask,
+        lock_key="tenant:{tenant}",
+        lock_limit=lambda args, kwargs: 3 if kwargs.get("plan") == "pro" else 1,
+    )
+    def plan_job(self: Any, tenant: str, seconds: float, plan: str = "free") -> int:
+        """Shares tenant_job's permits; its limit comes from the call's plan."""
+        enter = time.time()
+        time.sleep(seconds)
+        section("limit", tenant, self.request.id, enter, time.time())
+        return int(self.lock.token)

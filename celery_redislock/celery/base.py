@@ -107,9 +107,11 @@ from .._errors import (
     LockNotOwnedError,
     LockQuorumError,
 )
+from .._keyspace import run_key
 from ..keys import KeyTemplate
 from ..lock import RedisLock
 from ..redlock import RedLock
+from ..semaphore import RedisSemaphore, validate_limit
 from ..settings import LockOptions, task_overrides
 from . import signing
 from .clients import client_for, quorum_clients_for, settings_for
@@ -125,7 +127,7 @@ from .lookahead import (
     _Pull,
     lookahead_chain,
 )
-from .tasklock import AnyTaskLock, TaskLock, request_owner, task_lock
+from .tasklock import PARKABLE, AnyTaskLock, TaskLock, request_owner, task_lock
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +140,8 @@ class LockedTask(Contention):
     ``lock_ttl``, ``lock_prefix``, ``on_contention``, ``lock_wait``,
     ``lock_wait_fallback``, ``lock_max_requeues``, ``lock_requeue_backoff``,
     ``lock_requeue_exhausted``, ``lock_release_on_retry``, ``lock_done_ttl``,
-    ``lock_hold``, ``lock_lookahead``. See the module docstring for what each does.
+    ``lock_hold``, ``lock_lookahead``, ``lock_limit``. See the module docstring for what
+    each does.
     """
 
     abstract = True
@@ -159,6 +162,7 @@ class LockedTask(Contention):
     lock_done_ttl: ClassVar[float | None] = None
     lock_hold: ClassVar[float | None] = None
     lock_lookahead: ClassVar[int | None] = None
+    lock_limit: ClassVar[Any] = None
 
     _lock_template: ClassVar[KeyTemplate]
     _lock_overrides: ClassVar[dict[str, Any]] = {}
@@ -206,6 +210,47 @@ class LockedTask(Contention):
         """The lock name this call would take (the rendered ``lock_key``)."""
         return self._lock_template.render(tuple(args or ()), dict(kwargs or {}))
 
+    def lock_limit_for(
+        self, args: Any, kwargs: Any, options: LockOptions | None = None
+    ) -> int | None:
+        """How many runs may hold this call's key at once: None for the mutex
+        (``lock_limit=1``), else the limit (a callable's value for these arguments).
+
+        Raises :class:`LockConfigurationError` naming the task when a callable fails or
+        returns anything but an int from 1 to ``MAX_LIMIT``: nothing is taken then.
+        """
+        options = options or self.lock_options()
+        if not options.limited:
+            return None
+        limit = options.limit
+        if callable(limit):
+            try:
+                limit = limit(tuple(args or ()), dict(kwargs or {}))
+            except Exception as exc:
+                raise LockConfigurationError(
+                    f"task {self.name!r}: lock_limit({args!r}, {kwargs!r}) raised "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        try:
+            return validate_limit(limit)
+        except LockConfigurationError as exc:
+            raise LockConfigurationError(f"task {self.name!r}: lock_{exc}") from None
+
+    def run_key(self, args: Any, kwargs: Any) -> bytes:
+        """The key this call's run holds, is parked under, and is signed for: its lock's,
+        or its semaphore's (``lock_limit``)."""
+        options = self.lock_options()
+        return run_key(self.lock_name(args, kwargs), options.prefix, limited=options.limited)
+
+    def run_lock(
+        self, args: Any, kwargs: Any, owner: str, options: LockOptions | None = None
+    ) -> AnyTaskLock:
+        """The lock (or permit) of the run ``owner`` of this call."""
+        options = options or self.lock_options()
+        name = self.lock_name(args, kwargs)  # a bad value fails here: nothing taken
+        limit = self.lock_limit_for(args, kwargs, options)
+        return task_lock(self.app, name, task_id=owner, options=options, limit=limit)
+
     # -- execution -------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -227,9 +272,9 @@ class LockedTask(Contention):
     def _call_in_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
         options = self.lock_options()
-        name = self.lock_name(args, kwargs)  # a bad value fails the task here: nothing taken
         owner = request_owner(request)
-        lock = task_lock(self.app, name, task_id=owner, options=options)
+        lock = self.run_lock(args, kwargs, owner, options)  # a bad value fails the task here
+        name = str(lock.name)  # (the rendered lock_key: a str)
         call = _Call(request, args, kwargs, options, name)
         # A retry adopts the hold its previous run kept (lock_release_on_retry=False) only
         # once: the first delivery of the retry message claims the marker.
@@ -244,7 +289,7 @@ class LockedTask(Contention):
                 policy = options.on_contention
                 if policy == "wait" and self._wait_for(lock, options):
                     pass
-                elif policy == "requeue" and isinstance(lock, TaskLock) and self._park(lock, call):
+                elif policy == "requeue" and isinstance(lock, PARKABLE) and self._park(lock, call):
                     pass  # the lock came free meanwhile
                 else:
                     return self._contended(call, duplicate=False)
@@ -411,8 +456,20 @@ class LockedTask(Contention):
         request_id = self.request.id
         owner = enclosing or request_id or None
         settings = settings_for(self.app)
-        lock: RedisLock | RedLock
-        if settings.urls:
+        limit = self.lock_limit_for(args, kwargs, options)
+        lock: RedisLock | RedLock | RedisSemaphore
+        if limit is not None:
+            if settings.urls:  # (task_lock's error, for a direct call)
+                task_lock(self.app, name, task_id=owner or "", options=options, limit=limit)
+            lock = RedisSemaphore(
+                client_for(self.app),
+                name,
+                limit,
+                ttl=options.ttl,
+                owner=owner,
+                prefix=options.prefix,
+            )
+        elif settings.urls:
             lock = RedLock(
                 quorum_clients_for(self.app),
                 name,

@@ -14,11 +14,12 @@ from celery.exceptions import Ignore, Reject
 from .. import signals
 from .._core import MAX_SECONDS, LockKeys, OwnerFinished, backoff
 from .._errors import LockContendedError
+from .._keyspace import run_key
 from ..settings import LockOptions
 from . import signing
 from .clients import client_for, settings_for
 from .envelope import _dumps
-from .tasklock import AnyTaskLock, TaskLock, request_owner
+from .tasklock import AnyTaskLock, TaskLock, TaskSemaphore, request_owner
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +159,14 @@ class Contention(Task):  # type: ignore[misc]
     def _still_parked(self, call: _Call) -> bool:
         if settings_for(self.app).urls:
             return False  # no parking on a quorum
-        keys = LockKeys.for_name(call.name, call.options.prefix)
+        limited = call.options.limited
+        keys = LockKeys.for_lock(run_key(call.name, call.options.prefix, limited=limited))
         owner = request_owner(call.request)
         return bool(client_for(self.app).hexists(keys.parked_messages, owner))
 
     def _park(
         self,
-        lock: TaskLock,
+        lock: TaskLock | TaskSemaphore,
         call: _Call,
     ) -> bool:
         """Park behind the holder, who hands the lock over at release. True if acquired.

@@ -112,7 +112,7 @@ def envelope_lock_key(app: Any, envelope: Any, accept: Any = None) -> bytes | No
         args, kwargs, _embed = serialization.loads(  # type: ignore[no-untyped-call]
             body, envelope["content-type"], envelope["content-encoding"], accept=accept
         )
-        return LockKeys.for_name(task.lock_name(args, kwargs), task.lock_options().prefix).lock
+        return task.run_key(args, kwargs)
     except Exception:
         return None
 

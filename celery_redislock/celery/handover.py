@@ -18,6 +18,7 @@ from kombu.utils import json as kombu_json
 
 from .. import metrics, signals
 from .._core import LockKeys
+from .._keyspace import SemaphoreKeys, parked_under
 from .._keyspace import handoff_queue as handoff_queue
 from .._replies import decode_handoff
 from .._scripts import scripts_for
@@ -134,8 +135,7 @@ def _check_parked_under(app: Any, name: Any, lock_key: bytes, message: dict[str,
     if "headers" in message:  # a broker envelope
         rendered = envelope_lock_key(app, message)
     else:  # a signature
-        lock_name = task.lock_name(message.get("args"), message.get("kwargs"))
-        rendered = LockKeys.for_name(lock_name, task.lock_options().prefix).lock
+        rendered = task.run_key(message.get("args"), message.get("kwargs"))
     if rendered != lock_key:
         raise signing.Refused("its arguments do not take the lock it was parked under")
 
@@ -147,12 +147,29 @@ def refuse_handed_over(
     lock goes to the next parked task (returned, to be checked and sent in turn), and the
     refused task's parked records are removed, so the sweeper never sends it again."""
     _report_refused(app, lock_key, task_id, reason)
-    client = client_for(app)
-    keys = LockKeys.for_lock(lock_key).handoff_keys(task_id)
-    args = [task_id, "unstarted", lease, 0, "", "", "", "", "", *push_targets(app)]
-    return _handed(
-        lock_key, decode_handoff(scripts_for(client).handoff(keys=keys, args=args)).handed
-    )
+    scripts = scripts_for(client_for(app))
+    semaphore = SemaphoreKeys.for_key(lock_key, _prefix_of(app, lock_key))
+    if semaphore is None:
+        keys = LockKeys.for_lock(lock_key).handoff_keys(task_id)
+        args = [task_id, "unstarted", lease, 0, "", "", "", "", "", *push_targets(app)]
+        reply = scripts.handoff(keys=keys, args=args)
+    else:  # its limit: the one its parked tasks left (sem_handoff.lua)
+        keys = semaphore.handoff_keys(task_id)
+        args = [task_id, "unstarted", lease, 0, *push_targets(app), "", "", ""]
+        reply = scripts.semaphore.handoff(keys=keys, args=[*args, semaphore.permits, ""])
+    return _handed(lock_key, decode_handoff(reply).handed)
+
+
+def _prefix_of(app: Any, lock_key: bytes) -> str:
+    """The prefix (of this app's LockedTasks) that ``lock_key`` is a run key under."""
+    from .base import LockedTask  # (base imports this module)
+
+    for task in app.tasks.values():
+        if isinstance(task, LockedTask):
+            prefix = task.lock_options().prefix
+            if parked_under(lock_key, prefix) is not None:
+                return str(prefix)
+    return str(settings_for(app).defaults.prefix)
 
 
 def _report_refused(app: Any, key: bytes, task_id: bytes | None, reason: str) -> None:

@@ -33,8 +33,8 @@ import redis
 from celery.worker.strategy import default as default_strategy
 
 from .. import signals
-from .._core import LockKeys, OwnerFinished, lease_ms, name_from_lock_key
-from .._keyspace import probe_key
+from .._core import OwnerFinished, lease_ms
+from .._keyspace import parked_under, probe_key
 from . import signing
 from .base import LockedTask
 from .clients import client_for, settings_for
@@ -42,7 +42,7 @@ from .contention import REQUEUE_HEADER, _park_fallback
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
-from .tasklock import TaskLock, request_owner
+from .tasklock import PARKABLE, request_owner
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,7 @@ def _parked_as(app: Any, raw: Any) -> tuple[bytes | None, bytes]:
         return None, task_id
     prefixes = {t.lock_options().prefix for t in app.tasks.values() if isinstance(t, LockedTask)}
     for prefix in prefixes:
-        name = name_from_lock_key(lock.encode(), prefix)
-        if name is not None and LockKeys.for_name(name, prefix).lock == lock.encode():
+        if parked_under(lock.encode(), prefix) is not None:
             return lock.encode(), task_id
     return None, task_id
 
@@ -197,12 +196,14 @@ class Parker:
                 message.headers[LOOKAHEAD_HEADER] = queue_list
             return False
         args, kwargs, _embed = message.decode()
-        name = task.lock_name(args, kwargs)  # a bad value: the pool process fails the task
+        # A bad value (or limit): the pool process fails the task.
+        lock = task.run_lock(args, kwargs, request_owner(headers), options)
+        if not isinstance(lock, PARKABLE):
+            return False
+        name = lock.name
         # Copies of the two parts changed (the header here, the delivery tag when parked).
         envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
         envelope["headers"][REQUEUE_HEADER] = count + 1
-        client = client_for(self.app)
-        lock = TaskLock(client, name, task_id=request_owner(headers), options=options)
         keep_for = task._parking_lifetime(options)
         key = settings_for(self.app).signing_key
         entry = envelope_entry(queue_list, envelope, lock.keys.lock, key)

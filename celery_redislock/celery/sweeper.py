@@ -8,8 +8,8 @@ import threading
 import weakref
 from typing import Any
 
-from .._core import MIN_SECONDS, LockKeys, lease_ms, name_from_lock_key
-from .._keyspace import parked_registry
+from .._core import MIN_SECONDS, LockKeys, lease_ms
+from .._keyspace import SemaphoreKeys, parked_registry, parked_under
 from .._replies import decode_sweep
 from .._scripts import scripts_for
 from .base import LockedTask
@@ -57,23 +57,47 @@ class Sweeper(threading.Thread):
             registry = parked_registry(prefix)
             members: list[bytes] = list(client.zrange(registry, 0, -1))  # type: ignore[arg-type]
             for lock_key in members:
-                name = name_from_lock_key(lock_key, prefix)
-                if name is None or LockKeys.for_name(name, prefix).lock != lock_key:
+                keys = parked_under(lock_key, prefix)
+                if keys is None:
                     # Anyone who may write the registry may have written it: no lock's keys.
                     client.zrem(registry, lock_key)
                     _report_refused(self.app, lock_key, None, "not a lock key of this prefix")
                     continue
                 try:
-                    published += self._sweep_lock(client, scripts, registry, lock_key)
+                    if isinstance(keys, SemaphoreKeys):
+                        published += self._sweep_semaphore(client, scripts, registry, keys)
+                    else:
+                        published += self._sweep_lock(client, scripts, registry, lock_key)
                 except Exception:  # one bad lock does not stop the pass
                     log.exception("redislock: sweeping %r failed; retrying next pass", lock_key)
         return published
 
-    def _sweep_lock(self, client: Any, scripts: Any, registry: str, lock_key: bytes) -> int:
-        keys = LockKeys.for_lock(lock_key).sweep_keys(registry)
+    def _sweep_args(self) -> list[Any]:
         stale = lease_ms(max(self.ttl / 2, MIN_SECONDS), "stale")
-        args = [lease_ms(self.ttl, "redislock_ttl"), stale, QUEUE_REACH]
-        handed = _handed(lock_key, decode_sweep(scripts.sweep(keys=keys, args=args)).handed)
+        return [lease_ms(self.ttl, "redislock_ttl"), stale, QUEUE_REACH]
+
+    def _sweep_lock(self, client: Any, scripts: Any, registry: str, lock_key: bytes) -> int:
+        keys, args = LockKeys.for_lock(lock_key).sweep_keys(registry), self._sweep_args()
+        return self._send(lock_key, scripts.sweep(keys=keys, args=args), args[0])
+
+    def _sweep_semaphore(
+        self, client: Any, scripts: Any, registry: str, semaphore: SemaphoreKeys
+    ) -> int:
+        """A semaphore may have several permits free at once (a raised limit, several
+        holders gone): one script run hands out one, so it runs again while it does. The
+        messages are sent last first: each goes to the read end of its queue, so the first
+        parked is the first fetched."""
+        keys, args = semaphore.sweep_keys(registry), [*self._sweep_args(), semaphore.permits]
+        replies = []
+        for _ in range(MAX_HANDED_PER_PASS):
+            reply = scripts.semaphore.sweep(keys=keys, args=args)
+            if decode_sweep(reply).handed is None:
+                break
+            replies.append(reply)
+        return sum(self._send(semaphore.line.lock, reply, args[0]) for reply in reversed(replies))
+
+    def _send(self, lock_key: bytes, reply: Any, lease: int) -> int:
+        handed = _handed(lock_key, decode_sweep(reply).handed)
         if handed is None:
             return 0
         log.warning(
@@ -81,7 +105,11 @@ class Sweeper(threading.Thread):
             lock_key,
             _text(handed.task_id),
         )
-        return deliver_handed_over(self.app, handed, args[0])
+        return deliver_handed_over(self.app, handed, lease)
+
+
+#: Hand-overs one pass makes per semaphore at most (the next pass goes on).
+MAX_HANDED_PER_PASS = 100
 
 
 _sweepers: weakref.WeakKeyDictionary[Any, Sweeper] = weakref.WeakKeyDictionary()

@@ -14,13 +14,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._core import LINE_MARGIN_MS, OwnerFinished, OwnerRunning, lease_ms
-from .._errors import LockNotOwnedError, LockQuorumError
+from .._errors import LockConfigurationError, LockNotOwnedError, LockQuorumError
 from .._keyspace import parked_registry
 from .._quorum import decided_by, given_back, quorum_error, release_code
 from .._renewal import scheduler_for
-from .._replies import HandoffReply, decode_handoff, decode_park, decode_release
-from ..lock import RedisLock
+from .._replies import (
+    HandoffReply,
+    decode_acquire,
+    decode_handoff,
+    decode_park,
+    decode_release,
+)
+from ..lock import RedisLock, SyncSingle
 from ..redlock import RedLock
+from ..semaphore import RedisSemaphore
 from ..settings import LockOptions
 from .clients import client_for, quorum_clients_for, settings_for
 from .envelope import _Handed, _handed, _text, push_targets
@@ -63,22 +70,37 @@ def request_owner(request: Any) -> str:
     return run_owner(str(get("id", None)), get("retries", 0), get("replaced_task_nesting", 0))
 
 
-class TaskLock(RedisLock):
-    """A :class:`RedisLock` owned by one run of a task (:func:`run_owner`), with the run's
-    "done" marker beside it. A run never re-enters its lock: an attempt that finds its own
-    owner holding it (another delivery of the same run) raises ``OwnerRunning`` and
-    changes nothing."""
+class _ParkedRun(SyncSingle):
+    """What the two task locks of one Redis share, the mutex's (:class:`TaskLock`) and the
+    permit's (:class:`TaskSemaphore`): parking a run, and a run's end with its hand-over.
+    Each gives its scripts' keys and arguments (``_park_call``, ``handoff_args``,
+    ``_keep``); ``self._scripts`` names them alike (``park``, ``handoff``)."""
+
+    pulled: str | None = None  # the queued task the last finish() handed the lock to
+    #: The queue lists a hand-over may push a parked envelope to itself, and the task names
+    #: it may be for, one a line (the hand-over scripts' ``lists``, ``tasks``): ``task_lock``
+    #: sets the app's. Other envelopes come back to the worker, which checks them first.
+    push_to: tuple[str, str] = ("", "")
+
+    if TYPE_CHECKING:
+
+        def _park_call(self, owner: str, message: str, keep_ms: int, behind: bool) -> Any: ...
+        def _keep(
+            self, owner: str, hold: float, done_ttl: float | None, token: int | None
+        ) -> int: ...
+        def handoff_args(
+            self,
+            owner: str,
+            mode: str,
+            done_ttl: float | None,
+            pull: _Pull | None = None,
+            token: int | None = None,
+        ) -> tuple[list[Any], list[Any]]: ...
 
     _adopt: str | None = None  # set during take(adopt=...)
     _direct_grants = False  # a hold count of 0 means "handed over, not started" here
-    pulled: str | None = None  # the queued task the last finish() handed the lock to
-    #: The queue lists a hand-over may push a parked envelope to itself, and the task names
-    #: it may be for, one a line (handoff.lua's ARGV[10], ARGV[11]): ``task_lock`` sets the
-    #: app's. Other envelopes come back to the worker, which checks them first.
-    push_to: tuple[str, str] = ("", "")
 
-    def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
-        super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
+    def _run_keys(self, task_id: str) -> None:
         self.done_key = self.keys.done(task_id)
         self.parked = self.keys.parked
         self.parked_messages = self.keys.parked_messages
@@ -92,8 +114,8 @@ class TaskLock(RedisLock):
         """One attempt, renewed while held. Raises OwnerFinished (this run finished) or
         OwnerRunning (another delivery of this run holds it; nothing changed).
 
-        ``adopt``: the owner of an earlier run of this task that kept the lock across
-        ``self.retry()``; its hold, if still there, becomes this run's.
+        ``adopt``: the owner of an earlier run of this task that kept the lock (permit)
+        across ``self.retry()``; its hold, if still there, becomes this run's.
         """
         self._adopt = adopt
         try:
@@ -101,35 +123,19 @@ class TaskLock(RedisLock):
         finally:
             self._adopt = None
 
-    def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
-        return _task_argv(owner, lease, LINE_MARGIN_MS if line else "", "", self._adopt)
-
     def park(self, message: str, keep_for: float, *, behind: bool = False) -> bool | int | None:
-        """Take the lock, or park ``message`` behind the holder: True, or the holder's pttl.
+        """Take the lock (a permit), or park ``message`` until a release hands it over:
+        True, or ms to wait for a change (the holder's lease left).
 
-        With ``behind``, park only behind another owner's hold and never take the lock:
-        None when it is free or this task id holds it (the worker's main process parking
-        before a pool process gets the task). A parked task's lock is also entered in
-        the registry the workers' sweeper scans, in the same script.
+        With ``behind``, park only behind other owners' holds and never take it: None when
+        it is free (a permit is) or this task id holds it (the worker's main process
+        parking before a pool process gets the task). A parked task's lock is also entered
+        in the registry the workers' sweeper scans, in the same script.
         """
         owner = self._current_owner()
         sent_at = time.monotonic()
-        keys = [
-            self.keys.lock,
-            self.keys.fence,
-            self.done_key,
-            self.parked,
-            self.parked_messages,
-            self.dispatched,
-            self.keys.waiters,
-            self.keys.claims,
-            self.keys.wake,
-            self.registry,
-        ]
-        args = [owner, self._lease, message, lease_ms(keep_for, "parking lifetime")]
-        if behind:
-            args.append("behind")
-        reply = decode_park(self._scripts.park(keys=keys, args=args))
+        keep_ms = lease_ms(keep_for, "parking lifetime")
+        reply = decode_park(self._park_call(owner, message, keep_ms, behind))
         if reply is None:
             return None
         if reply.finished:
@@ -142,6 +148,104 @@ class TaskLock(RedisLock):
         if is_new:
             scheduler_for(self.client).add(hold)
         return True
+
+    def handed(self, reply: HandoffReply) -> _Handed | None:
+        """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
+        return _handed(self.keys.lock, reply.handed)
+
+    def handoff(self, owner: str, mode: str, done_ttl: float | None) -> HandoffReply:
+        """One hand-over script run for ``owner`` (mode "all": its process died;
+        "unstarted": a hand-over to it it never took up), without look-ahead."""
+        keys, args = self.handoff_args(owner, mode, done_ttl)
+        return decode_handoff(self._scripts.handoff(keys=keys, args=args))
+
+    def finish(
+        self,
+        *,
+        hold: float,
+        done_ttl: float | None,
+        lookahead: Callable[[], _Pull | None] | None = None,
+        token: int | None = None,
+    ) -> _Handed | None:
+        """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
+
+        ``token``: only the holding with this fencing token (a release retried late must
+        not touch a later holding of the same run: another copy of its message that took
+        the lock after this one's lease ran out).
+
+        With ``done_ttl``, also mark the task id done so a later delivery of the same
+        message does not run again. Returns the parked task the lock was handed to whose
+        message the worker must check and send (:func:`deliver_handed_over`), if any.
+        Raises like :meth:`release` when the hold was lost — after recording any hand-over
+        on the exception's ``handed_to``.
+
+        ``lookahead`` (a release without ``hold``; a mutex's only): finds the next queued
+        task of this lock, which the release hands the lock to when no task is parked or
+        waiting; ``self.pulled`` is then its task id.
+        """
+        self.pulled = None
+        owner = self._current_owner()
+        held = self._holds.get(owner)
+        if held is not None:
+            held.releasing += 1  # a renewal crossing this release must not report a loss
+        message = None
+        try:
+            if hold <= 0:
+                pull = None
+                if lookahead is not None:
+                    try:
+                        pull = lookahead()
+                    except Exception:  # only a shortcut: the task comes in its turn anyway
+                        log.debug("redislock: look-ahead failed for %r", self.name, exc_info=True)
+                handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull, token)
+                reply = decode_handoff(self._scripts.handoff(keys=handoff_keys, args=handoff_args))
+                code = reply.code
+                message = self.handed(reply)
+                if reply.pulled is not None:  # handed to the look-ahead's queued task
+                    self.pulled = _text(reply.pulled)
+            else:
+                code = self._keep(owner, hold, done_ttl, token)
+        finally:
+            if held is not None:
+                held.releasing -= 1
+        try:
+            self._record_released(owner, code)
+        except LockNotOwnedError as exc:
+            exc.handed_to = message  # type: ignore[attr-defined]
+            raise
+        return message
+
+
+class TaskLock(_ParkedRun, RedisLock):
+    """A :class:`RedisLock` owned by one run of a task (:func:`run_owner`), with the run's
+    "done" marker beside it. A run never re-enters its lock: an attempt that finds its own
+    owner holding it (another delivery of the same run) raises ``OwnerRunning`` and
+    changes nothing."""
+
+    def __init__(self, client: Any, name: str, *, task_id: str, options: LockOptions) -> None:
+        super().__init__(client, name, ttl=options.ttl, owner=task_id, prefix=options.prefix)
+        self._run_keys(task_id)
+
+    def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
+        return _task_argv(owner, lease, LINE_MARGIN_MS if line else "", "", self._adopt)
+
+    def _park_call(self, owner: str, message: str, keep_ms: int, behind: bool) -> Any:
+        keys = [
+            self.keys.lock,
+            self.keys.fence,
+            self.done_key,
+            self.parked,
+            self.parked_messages,
+            self.dispatched,
+            self.keys.waiters,
+            self.keys.claims,
+            self.keys.wake,
+            self.registry,
+        ]
+        args = [owner, self._lease, message, keep_ms]
+        if behind:
+            args.append("behind")
+        return self._scripts.park(keys=keys, args=args)
 
     def handoff_args(
         self,
@@ -173,71 +277,61 @@ class TaskLock(RedisLock):
             args += ["", "", "", "", ""]
         return keys, [*args, *self.push_to, "" if token is None else token]
 
-    def handed(self, reply: HandoffReply) -> _Handed | None:
-        """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
-        return _handed(self.keys.lock, reply.handed)
+    def _keep(self, owner: str, hold: float, done_ttl: float | None, token: int | None) -> int:
+        """Keep the hold ``hold`` seconds more, unrenewed (release.lua "hold")."""
+        keys = self.keys.release_keys()
+        args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold"), "", ""]
+        if done_ttl is not None:
+            keys.append(self.done_key)
+            args[3] = lease_ms(done_ttl, "lock_done_ttl")
+        if token is not None:
+            args.append(token)
+        return decode_release(self._scripts.release(keys=keys, args=args))
 
-    def finish(
+
+class TaskSemaphore(_ParkedRun, RedisSemaphore):
+    """A permit of a :class:`RedisSemaphore` owned by one run of a task (``lock_limit``):
+    :class:`TaskLock`'s rules (one hold per run, the done marker, parking and hand-over)
+    with ``limit`` runs at once per key. Its ``keys`` are the semaphore's (``keys.lock``
+    is its holders set: the key the run is parked under and its messages signed for)."""
+
+    _decode_acquire = staticmethod(functools.partial(decode_acquire, script="sem_acquire"))
+
+    def __init__(
+        self, client: Any, name: str, *, task_id: str, options: LockOptions, limit: int
+    ) -> None:
+        super().__init__(client, name, limit, ttl=options.ttl, owner=task_id, prefix=options.prefix)
+        self._run_keys(task_id)
+
+    def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
+        argv = super()._acquire_argv(owner, lease, line)
+        return [*argv, "task", ""] if self._adopt is None else [*argv, "adopt", self._adopt]
+
+    def _park_call(self, owner: str, message: str, keep_ms: int, behind: bool) -> Any:
+        keys = self.semaphore_keys.park_keys(self.done_key, self.registry)
+        args = [owner, self._lease, message, keep_ms, "behind" if behind else "", self.limit]
+        return self._scripts.park(keys=keys, args=[*args, self.semaphore_keys.permits])
+
+    def handoff_args(
         self,
-        *,
-        hold: float,
+        owner: str,
+        mode: str,
         done_ttl: float | None,
-        lookahead: Callable[[], _Pull | None] | None = None,
+        pull: _Pull | None = None,
         token: int | None = None,
-    ) -> _Handed | None:
-        """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
+        hold_ms: int | str = "",
+    ) -> tuple[list[Any], list[Any]]:
+        """sem_handoff.lua's KEYS and ARGV (``pull`` is unused: no look-ahead for permits)."""
+        done_ms = 0 if done_ttl is None else lease_ms(done_ttl, "lock_done_ttl")
+        args: list[Any] = [owner, mode, self._lease, done_ms, *self.push_to]
+        args += ["" if token is None else token, "", self.limit, self.semaphore_keys.permits]
+        return self.semaphore_keys.handoff_keys(owner), [*args, hold_ms]
 
-        ``token``: only the holding with this fencing token (a release retried late must
-        not touch a later holding of the same run: another copy of its message that took
-        the lock after this one's lease ran out).
-
-        With ``done_ttl``, also mark the task id done so a later delivery of the same
-        message does not run again. Returns the parked task the lock was handed to whose
-        message the worker must check and send (:func:`deliver_handed_over`), if any.
-        Raises like :meth:`release` when the hold was lost — after recording any hand-over
-        on the exception's ``handed_to``.
-
-        ``lookahead`` (a release without ``hold``): finds the next queued task of this
-        lock, which the release hands the lock to when no task is parked or waiting;
-        ``self.pulled`` is then its task id.
-        """
-        self.pulled = None
-        owner = self._current_owner()
-        held = self._holds.get(owner)
-        if held is not None:
-            held.releasing += 1  # a renewal crossing this release must not report a loss
-        try:
-            if hold <= 0:
-                pull = None
-                if lookahead is not None:
-                    try:
-                        pull = lookahead()
-                    except Exception:  # only a shortcut: the task comes in its turn anyway
-                        log.debug("redislock: look-ahead failed for %r", self.name, exc_info=True)
-                handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull, token)
-                reply = decode_handoff(self._scripts.handoff(keys=handoff_keys, args=handoff_args))
-                code = reply.code
-                message = self.handed(reply)
-                if reply.pulled is not None:  # handed to the look-ahead's queued task
-                    self.pulled = _text(reply.pulled)
-            else:
-                keys = self.keys.release_keys()
-                args: list[Any] = [owner, "hold", lease_ms(hold, "lock_hold"), "", ""]
-                if done_ttl is not None:
-                    keys.append(self.done_key)
-                    args[3] = lease_ms(done_ttl, "lock_done_ttl")
-                if token is not None:
-                    args.append(token)
-                code, message = decode_release(self._scripts.release(keys=keys, args=args)), None
-        finally:
-            if held is not None:
-                held.releasing -= 1
-        try:
-            self._record_released(owner, code)
-        except LockNotOwnedError as exc:
-            exc.handed_to = message  # type: ignore[attr-defined]
-            raise
-        return message
+    def _keep(self, owner: str, hold: float, done_ttl: float | None, token: int | None) -> int:
+        """Keep the permit ``hold`` seconds more, unrenewed (sem_handoff.lua "hold")."""
+        hold_ms = lease_ms(hold, "lock_hold")
+        keys, args = self.handoff_args(owner, "hold", done_ttl, None, token, hold_ms)
+        return decode_handoff(self._scripts.handoff(keys=keys, args=args)).code
 
 
 class QuorumTaskLock(RedLock):
@@ -350,12 +444,26 @@ class QuorumTaskLock(RedLock):
         return None
 
 
-AnyTaskLock = TaskLock | QuorumTaskLock
+AnyTaskLock = TaskLock | TaskSemaphore | QuorumTaskLock
+#: The task locks a run can park behind (a single Redis).
+PARKABLE = (TaskLock, TaskSemaphore)
 
 
-def task_lock(app: Any, name: str, *, task_id: str, options: LockOptions) -> AnyTaskLock:
-    """The lock of one task execution: on the app's one Redis, or its quorum of masters."""
+def task_lock(
+    app: Any, name: str, *, task_id: str, options: LockOptions, limit: int | None = None
+) -> AnyTaskLock:
+    """The lock of one task execution: on the app's one Redis, or its quorum of masters;
+    with ``limit`` (``lock_limit``), a permit of that key's semaphore on the one Redis."""
     settings = settings_for(app)
+    if limit is not None:
+        if settings.urls:
+            raise LockConfigurationError(
+                f"lock_limit is not offered with redislock_urls (the lock {name!r} would need "
+                f"a quorum semaphore, which is not built yet): use one Redis for limited tasks"
+            )
+        permit = TaskSemaphore(client_for(app), name, task_id=task_id, options=options, limit=limit)
+        permit.push_to = push_targets(app)
+        return permit
     if settings.urls:
         return QuorumTaskLock(
             quorum_clients_for(app),

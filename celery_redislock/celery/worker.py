@@ -18,13 +18,11 @@ from celery.worker.request import Request
 from .. import metrics
 from .._errors import LockConfigurationError
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
-from .._replies import decode_handoff
-from .._scripts import scripts_for
 from .base import LockedTask
 from .clients import _clients, settings_for
 from .handover import handoff_queue
 from .sweeper import Sweeper, _sweepers
-from .tasklock import QuorumTaskLock, request_owner, task_lock
+from .tasklock import QuorumTaskLock, request_owner
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +63,16 @@ class LockedRequest(Request):  # type: ignore[misc]
             return
         try:
             options = task.lock_options()
-            name = task.lock_name(self.args, self.kwargs)
             owner = request_owner(self.request_dict or {"id": self.id})
-            lock = task_lock(task.app, name, task_id=owner, options=options)
+            lock = task.run_lock(self.args, self.kwargs, owner, options)
+            name = lock.name
             if isinstance(lock, QuorumTaskLock):
                 if mode != "all":
                     return  # no hand-over on a quorum: nothing is handed to an unstarted task
                 code = lock.release_all()
             else:
                 done_ttl = options.done_ttl if mode == "unstarted" else None
-                keys, args = lock.handoff_args(owner, mode, done_ttl)
-                reply = decode_handoff(scripts_for(lock.client).handoff(keys=keys, args=args))
+                reply = lock.handoff(owner, mode, done_ttl)
                 code = reply.code
                 task.publish_handed_over(lock.handed(reply))
         except Exception as exc:  # the lease still expires by itself
@@ -103,6 +100,17 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
     metrics.enable()
     try:
         settings = settings_for(app)
+        limited = sorted(
+            task.name
+            for task in app.tasks.values()
+            if isinstance(task, LockedTask) and task.lock_options().limited
+        )
+        if settings.urls and limited:
+            raise LockConfigurationError(
+                f"lock_limit is not offered with redislock_urls (a quorum semaphore is not "
+                f"built yet), but {', '.join(map(repr, limited))} set it: use one Redis "
+                f"(redislock_url) for limited tasks"
+            )
     except LockConfigurationError as exc:
         # Celery logs and swallows Exceptions from signal receivers; SystemExit stops the
         # worker here, before it takes a single task.

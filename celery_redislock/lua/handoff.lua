@@ -37,20 +37,15 @@ local code = exists and 0 or -1
 if exists and ARGV[2] == 'one' and tonumber(redis.call('hget', KEYS[1], ARGV[1])) > 1 then
   return {redis.call('hincrby', KEYS[1], ARGV[1], -1)}
 end
-local next_id, message = pop_parked(KEYS[4], KEYS[5])
 if done_ms > 0 then
   redis.call('set', KEYS[6], '1', 'px', done_ms)
 end
 redis.call('hdel', KEYS[5], ARGV[1])
 redis.call('hdel', KEYS[7], ARGV[1])
 redis.call('del', KEYS[1])
+local message, next_id, token = serve_parked(KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[7], lease,
+  KEYS[1], ARGV[10] or '', ARGV[11] or '')
 if next_id then
-  local token = hand_to(KEYS[1], KEYS[3], KEYS[7], next_id, lease)
-  if string.sub(message, 1, 1) == 'E' and pushable(message, KEYS[1], next_id, ARGV[10] or '', ARGV[11] or '') then
-    local queue_list, envelope = pushed_envelope(message, token)
-    redis.call('rpush', queue_list, envelope)  -- next for BRPOP
-    return {code, false, next_id}
-  end
   return {code, message, next_id, token}
 end
 if grant_first(KEYS[1], KEYS[2], KEYS[3], KEYS[8], KEYS[9], KEYS[10], grant_ms, false) then

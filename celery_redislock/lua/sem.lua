@@ -6,6 +6,21 @@
 -- live_permits(holders, prefix) -> n, soonest
 --   Counts the permits still held (a permit whose lease ran out is dropped from the set on
 --   the way); soonest: the shortest lease left among them in ms (nil: none held).
+-- parked_fits(parked, messages, limits, held) -> whether the first parked task may be handed a
+--   permit while `held` are held: fewer than its own limit (limits: task id -> the limit it
+--   parked with; 1 if missing or not a limit: anyone may have written it). Parked ids whose
+--   message is gone are dropped on the way (as pop_parked does).
+-- take_permit(holders, fence, waiters, claims, wake, owner, lease, limit, prefix, margin)
+--   -> {1, token, count} | {0, ms}
+--   Take or re-enter a permit, fair to the line of waiters: an owner holding a permit
+--   re-enters it (count + 1, its token; the lease extended to `lease` if shorter); a permit
+--   granted or handed to it (count 0) is taken up; otherwise a permit is taken (a fresh
+--   token) when fewer than `limit` are held and fewer places still kept are ahead of the
+--   owner in line than permits are free. Refused: {0, ms}, the wait for a change (the
+--   shortest lease left of the permits held; or, with permits free but others first in line,
+--   the wait for the first of them, at most 1000); with `margin`, the owner joins the line
+--   (or keeps its place), kept that long past the wait.
+-- give_permit(holders, prefix, owner, count, token, lease) -> the permit written for owner
 local function sem_limit(value)
   return whole_arg(value, 'limit', 1, 2147483647)
 end
@@ -23,4 +38,79 @@ local function live_permits(holders, prefix)
     end
   end
   return held, soonest
+end
+local function parked_fits(parked, messages, limits, held)
+  while true do
+    local head = redis.call('lindex', parked, 0)
+    if not head then
+      return false
+    end
+    if redis.call('hexists', messages, head) == 1 then
+      local value = redis.call('hget', limits, head)
+      local n = value and string.match(value, '^%d+$') and tonumber(value)
+      return held < ((n and n >= 1 and n <= 2147483647 and n) or 1)
+    end
+    redis.call('lpop', parked)
+  end
+end
+local function give_permit(holders, prefix, owner, count, token, lease)
+  local permit = prefix .. owner
+  redis.call('hset', permit, owner, count, '__fence__', token)
+  redis.call('pexpire', permit, lease)
+  redis.call('sadd', holders, owner)
+  return permit
+end
+local function take_permit(holders, fence, waiters, claims, wake, owner, lease, limit, prefix, margin)
+  local permit = prefix .. owner
+  local count = redis.call('hget', permit, owner)
+  if count then
+    if count == '0' then  -- granted or handed over: taken up
+      count = 1
+      redis.call('hset', permit, owner, 1)
+    else
+      count = redis.call('hincrby', permit, owner, 1)
+    end
+    if redis.call('pttl', permit) < lease then
+      redis.call('pexpire', permit, lease)
+    end
+    redis.call('sadd', holders, owner)
+    return {1, tonumber(redis.call('hget', permit, '__fence__')), tonumber(count)}
+  end
+  local held, soonest = live_permits(holders, prefix)
+  local free = limit - held
+  local wait = soonest or 1000
+  if free > 0 then
+    local now = now_ms()
+    local ahead, first_keep = 0, nil
+    for _, waiter in ipairs(redis.call('lrange', waiters, 0, -1)) do
+      if waiter == owner then
+        break
+      end
+      local keep = tonumber(redis.call('zscore', claims, waiter) or '0')
+      if keep < now then  -- a lapsed place (its waiter gone): dropped
+        redis.call('lrem', waiters, 0, waiter)
+        redis.call('zrem', claims, waiter)
+        redis.call('hdel', wake, waiter)
+      else
+        ahead = ahead + 1
+        first_keep = first_keep or keep
+        if ahead >= free then
+          break
+        end
+      end
+    end
+    if ahead < free then
+      redis.call('lrem', waiters, 0, owner)
+      redis.call('zrem', claims, owner)
+      redis.call('hdel', wake, owner)
+      local token = redis.call('incr', fence)
+      give_permit(holders, prefix, owner, 1, token, lease)
+      return {1, token, 1}
+    end
+    wait = math.min(first_keep - now, 1000)
+  end
+  if margin then
+    enter_line(waiters, claims, wake, owner, math.max(wait, 0) + margin)
+  end
+  return {0, wait}
 end

@@ -1,73 +1,39 @@
--- sem_acquire(keys=[holders, fence, waiters, claims, wake],
---             args=[owner, lease_ms, margin_ms?, limit, permit_prefix]) -> {1, token, count} | {0, ms}
--- Take or re-enter a permit of a semaphore (sem.lua), fair to its line of waiters (the
--- lock's line: list, places, wake ids; a semaphore's waiters take no direct grants).
--- owner: the caller; lease_ms: the permit's lease; margin_ms: join the line when refused,
--- keeping the place this long past the wait ("": a single try); limit: how many permits
--- may be held at once, read at each acquire; permit_prefix: the owner's permit key is
--- permit_prefix .. owner.
--- An owner that holds a permit re-enters it (count + 1, its token; the lease extended to
--- lease_ms if shorter); a permit a release granted it (count 0) is taken up. Otherwise a
--- permit is taken (a fresh token from fence) when fewer than limit are held and fewer
--- places still kept are ahead of the owner in line than permits are free.
--- Replies: {1, token, count} taken or re-entered; {0, ms} refused: ms, the wait for a
--- change (the shortest lease left of the permits held; or, with permits free but others
--- first in line, the wait for the first of them, at most 1000).
+-- sem_acquire(keys=[holders, fence, waiters, claims, wake, done?],
+--             args=[owner, lease_ms, margin_ms?, limit, permit_prefix, mode?, adopted?])
+--   -> {1, token, count} | {0, ms} | {-1, 0} | {2, ms}
+-- Take or re-enter a permit of a semaphore (sem.lua's take_permit), fair to its line of
+-- waiters (the lock's line: list, places, wake ids; a semaphore's waiters take no direct
+-- grants). owner: the caller; lease_ms: the permit's lease; margin_ms: join the line when
+-- refused, keeping the place this long past the wait ("": a single try); limit: how many
+-- permits may be held at once, read at each acquire; permit_prefix: the owner's permit key is
+-- permit_prefix .. owner. A task run's attempt (the Celery layer's, as acquire.lua's): done,
+-- its done marker (it exists: take nothing); mode "task" (one hold per run: a permit the
+-- owner holds already is left alone, {2, ms}) or "adopt" (take over the permit of `adopted`,
+-- an earlier run that kept it across a retry, as one hold).
+-- Replies: {1, token, count} taken or re-entered; {0, ms} refused (take_permit's wait);
+-- {-1, 0} done; {2, ms} "task": this owner holds a permit (ms: its lease left).
 local lease = ms_arg(ARGV[2], 'lease')
 local margin = ARGV[3] and ARGV[3] ~= '' and ms_arg(ARGV[3], 'line margin', 0)
 local limit = sem_limit(ARGV[4])
 local prefix = ARGV[5]
-local permit = prefix .. ARGV[1]
-local count = redis.call('hget', permit, ARGV[1])
-if count then
-  if count == '0' then  -- granted by a release: taken up
-    count = 1
-    redis.call('hset', permit, ARGV[1], 1)
-  else
-    count = redis.call('hincrby', permit, ARGV[1], 1)
-  end
-  if redis.call('pttl', permit) < lease then
-    redis.call('pexpire', permit, lease)
-  end
-  redis.call('sadd', KEYS[1], ARGV[1])
-  return {1, tonumber(redis.call('hget', permit, '__fence__')), tonumber(count)}
+if KEYS[6] and redis.call('exists', KEYS[6]) == 1 then
+  return {-1, 0}
 end
-local held, soonest = live_permits(KEYS[1], prefix)
-local free = limit - held
-local wait = soonest or 1000
-if free > 0 then
-  local now = now_ms()
-  local ahead, first_keep = 0, nil
-  for _, waiter in ipairs(redis.call('lrange', KEYS[3], 0, -1)) do
-    if waiter == ARGV[1] then
-      break
-    end
-    local keep = tonumber(redis.call('zscore', KEYS[4], waiter) or '0')
-    if keep < now then  -- a lapsed place (its waiter gone): dropped
-      redis.call('lrem', KEYS[3], 0, waiter)
-      redis.call('zrem', KEYS[4], waiter)
-      redis.call('hdel', KEYS[5], waiter)
-    else
-      ahead = ahead + 1
-      first_keep = first_keep or keep
-      if ahead >= free then
-        break
-      end
-    end
+local permit = prefix .. ARGV[1]
+if ARGV[6] == 'task' then
+  local count = redis.call('hget', permit, ARGV[1])
+  if count and count ~= '0' then
+    return {2, redis.call('pttl', permit)}
   end
-  if ahead < free then
-    redis.call('lrem', KEYS[3], 0, ARGV[1])
-    redis.call('zrem', KEYS[4], ARGV[1])
-    redis.call('hdel', KEYS[5], ARGV[1])
-    local token = redis.call('incr', KEYS[2])
-    redis.call('hset', permit, ARGV[1], 1, '__fence__', token)
-    redis.call('pexpire', permit, lease)
-    redis.call('sadd', KEYS[1], ARGV[1])
+elseif ARGV[6] == 'adopt' and ARGV[7] and ARGV[7] ~= ARGV[1]
+    and redis.call('hexists', prefix .. ARGV[7], ARGV[7]) == 1 then
+  local kept = prefix .. ARGV[7]
+  local token = tonumber(redis.call('hget', kept, '__fence__') or '')
+  if token then  -- (a permit without a token was not written by these scripts: not adopted)
+    redis.call('del', kept)
+    redis.call('srem', KEYS[1], ARGV[7])
+    give_permit(KEYS[1], prefix, ARGV[1], 1, token, lease)
     return {1, token, 1}
   end
-  wait = math.min(first_keep - now, 1000)
 end
-if margin then
-  enter_line(KEYS[3], KEYS[4], KEYS[5], ARGV[1], math.max(wait, 0) + margin)
-end
-return {0, wait}
+return take_permit(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], lease, limit, prefix, margin)

@@ -23,40 +23,12 @@ if redis.call('exists', KEYS[1]) == 0 then
     return {1, message, next_id, hand_to(KEYS[1], KEYS[3], KEYS[7], next_id, lease)}
   end
 end
--- Whether the envelope pushed for this hand-over (tag "<token>") or re-sent at <sent> (tag
--- "<token>s<sent>") still waits within `reach` of its queue list's read end (LPOS MAXLEN;
--- pcall: a lock user without LPOS just sends it again).
-local function still_queued(message, token, sent)
-  if string.sub(message, 1, 1) ~= 'E' then
-    return false
-  end
-  for _, tag in ipairs({token, token .. 's' .. sent}) do
-    local queue_list, pushed = pushed_envelope(message, tag)
-    local found = queue_list and redis.pcall('lpos', queue_list, pushed, 'RANK', -1, 'MAXLEN', reach)
-    if type(found) == 'number' then
-      return true
-    end
-  end
-  return false
+local function hold_of()
+  return KEYS[1]
 end
-local dispatched = redis.call('hgetall', KEYS[7])
-for i = 1, #dispatched, 2 do
-  local task_id = dispatched[i]
-  if redis.call('hget', KEYS[1], task_id) == '0' then
-    if now - tonumber(dispatched[i + 1]) > stale_ms then
-      local message = redis.call('hget', KEYS[5], task_id)
-      if message then  -- (its record gone: nothing to send; the hand-over's lease runs out)
-        redis.call('pexpire', KEYS[1], lease)  -- the hand-over's lease, renewed either way
-        local token = redis.call('hget', KEYS[1], '__fence__') or '0'
-        if not still_queued(message, token, dispatched[i + 1]) then
-          redis.call('hset', KEYS[7], task_id, now)  -- the time a re-sent copy's tag names
-          return {1, message, task_id, token .. 's' .. now}
-        end
-      end
-    end
-  else
-    redis.call('hdel', KEYS[7], task_id)
-  end
+local message, task_id, tag = resend_stale(hold_of, KEYS[5], KEYS[7], lease, stale_ms, reach, now)
+if message then
+  return {1, message, task_id, tag}
 end
 if redis.call('llen', KEYS[4]) == 0 and redis.call('hlen', KEYS[7]) == 0 then
   if KEYS[8] then
