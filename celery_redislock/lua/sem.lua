@@ -7,7 +7,7 @@
 --   Counts the permits still held (a permit whose lease ran out is dropped from the set on
 --   the way); soonest: the shortest lease left among them in ms (nil: none held).
 -- parked_fits(parked, messages, limits, held) -> whether the first parked task may be handed a
---   permit while `held` are held: fewer than its own limit (limits: task id -> the limit it
+--   permit while `held` are held, and its limit: fewer than its own limit (limits: task id -> the limit it
 --   parked with; 1 if missing or not a limit: anyone may have written it). Parked ids whose
 --   message is gone are dropped on the way (as pop_parked does).
 -- take_permit(holders, fence, waiters, claims, wake, owner, lease, limit, prefix, margin)
@@ -20,7 +20,9 @@
 --   shortest lease left of the permits held; or, with permits free but others first in line,
 --   the wait for the first of them, at most 1000); with `margin`, the owner joins the line
 --   (or keeps its place), kept that long past the wait.
--- give_permit(holders, prefix, owner, count, token, lease) -> the permit written for owner
+-- give_permit(holders, prefix, owner, count, token, lease, limit) -> the permit written for owner
+--   (its hash: owner -> count, "__fence__" -> token, "__limit__" -> the limit it was taken
+--   under, which `celery redislock` shows; the lease), entered in the holders set
 local function sem_limit(value)
   return whole_arg(value, 'limit', 1, 2147483647)
 end
@@ -48,14 +50,15 @@ local function parked_fits(parked, messages, limits, held)
     if redis.call('hexists', messages, head) == 1 then
       local value = redis.call('hget', limits, head)
       local n = value and string.match(value, '^%d+$') and tonumber(value)
-      return held < ((n and n >= 1 and n <= 2147483647 and n) or 1)
+      n = (n and n >= 1 and n <= 2147483647 and n) or 1
+      return held < n, n
     end
     redis.call('lpop', parked)
   end
 end
-local function give_permit(holders, prefix, owner, count, token, lease)
+local function give_permit(holders, prefix, owner, count, token, lease, limit)
   local permit = prefix .. owner
-  redis.call('hset', permit, owner, count, '__fence__', token)
+  redis.call('hset', permit, owner, count, '__fence__', token, '__limit__', limit)
   redis.call('pexpire', permit, lease)
   redis.call('sadd', holders, owner)
   return permit
@@ -104,7 +107,7 @@ local function take_permit(holders, fence, waiters, claims, wake, owner, lease, 
       redis.call('zrem', claims, owner)
       redis.call('hdel', wake, owner)
       local token = redis.call('incr', fence)
-      give_permit(holders, prefix, owner, 1, token, lease)
+      give_permit(holders, prefix, owner, 1, token, lease, limit)
       return {1, token, 1}
     end
     wait = math.min(first_keep - now, 1000)

@@ -32,7 +32,7 @@ elseif ARGV[6] == 'adopt' and ARGV[7] and ARGV[7] ~= ARGV[1]
   if token then  -- (a permit without a token was not written by these scripts: not adopted)
     redis.call('del', kept)
     redis.call('srem', KEYS[1], ARGV[7])
-    give_permit(KEYS[1], prefix, ARGV[1], 1, token, lease)
+    give_permit(KEYS[1], prefix, ARGV[1], 1, token, lease, limit)
     return {1, token, 1}
   end
 end

@@ -52,9 +52,10 @@ end
 redis.call('del', permit)
 redis.call('srem', KEYS[1], ARGV[1])
 local held = live_permits(KEYS[1], prefix)
-if parked_fits(KEYS[4], KEYS[5], KEYS[11], held) then
+local fits, parked_limit = parked_fits(KEYS[4], KEYS[5], KEYS[11], held)
+if fits then
   local function permit_of(task_id, token, task_lease)
-    give_permit(KEYS[1], prefix, task_id, 0, token, task_lease)
+    give_permit(KEYS[1], prefix, task_id, 0, token, task_lease, parked_limit)
     redis.call('hdel', KEYS[11], task_id)
   end
   local message, next_id, token = serve_parked(permit_of, KEYS[3], KEYS[4], KEYS[5], KEYS[7],
@@ -65,6 +66,7 @@ if held >= limit or redis.call('llen', KEYS[4]) > 0 then
   return {code}  -- a lowered limit, or parked tasks first: the freed permit stays free
 end
 local function granted(owner)
+  redis.call('hset', prefix .. owner, '__limit__', limit)
   return prefix .. owner
 end
 local head = grant_first(granted, KEYS[2], KEYS[3], KEYS[8], KEYS[9], KEYS[10], grant_ms, false)

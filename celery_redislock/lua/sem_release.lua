@@ -41,6 +41,7 @@ redis.call('srem', KEYS[1], ARGV[1])
 local held = live_permits(KEYS[1], prefix)
 if held < limit then
   local function permit_of(owner)
+    redis.call('hset', prefix .. owner, '__limit__', limit)
     return prefix .. owner
   end
   local head = grant_first(permit_of, KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], grant_ms, false)

@@ -11,10 +11,11 @@ local stale_ms = ms_arg(ARGV[2], 'hand-over staleness')
 local reach = whole_arg(ARGV[3] or '1000', 'queue reach', 1, 2147483647)
 local prefix = ARGV[4]
 local now = now_ms()
-if parked_fits(KEYS[4], KEYS[5], KEYS[6], live_permits(KEYS[1], prefix)) then
+local fits, parked_limit = parked_fits(KEYS[4], KEYS[5], KEYS[6], live_permits(KEYS[1], prefix))
+if fits then
   local next_id, message = pop_parked(KEYS[4], KEYS[5])
   local function permit_of(task_id, token, task_lease)
-    give_permit(KEYS[1], prefix, task_id, 0, token, task_lease)
+    give_permit(KEYS[1], prefix, task_id, 0, token, task_lease, parked_limit)
     redis.call('hdel', KEYS[6], task_id)
   end
   return {1, message, next_id, hand_to(permit_of, KEYS[3], KEYS[7], next_id, lease)}
