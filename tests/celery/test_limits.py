@@ -310,3 +310,32 @@ def test_a_child_killed_mid_task_frees_its_permit_at_once(
         proc.stop()
         for result in long:
             result.forget()
+
+
+def test_a_limit_by_configuration_takes_permits(broker: RedisServer) -> None:
+    """``lock_limit`` in ``redislock_tasks``: a task whose base cannot change gets permits."""
+    from celery_redislock.celery.configured import configure_tasks
+
+    app = Celery("limits-configured", broker=broker.url, set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        redislock_tasks={"cfg.*": {"lock_key": "tenant:{tenant}", "lock_limit": 2}},
+    )
+    seen: list[Any] = []
+
+    @app.task(bind=True, name="cfg.job")
+    def job(self: Any, tenant: str) -> None:
+        seen.append((type(self.lock).__name__, self.lock.limit, self.lock.name))
+
+    app.finalize()
+    configure_tasks(app)
+    assert isinstance(app.tasks["cfg.job"], LockedTask)
+    lock = app.tasks["cfg.job"].run_lock(("t",), {}, "run-1")
+    assert isinstance(lock, TaskSemaphore) and lock.limit == 2
+    app.tasks["cfg.job"].delay("t").get()
+    assert seen == [("RedisSemaphore", 2, "tenant:t")]  # an eager call: a plain permit
+    with pytest.raises(LockConfigurationError, match=r"redislock_tasks\['cfg.\*'\].*lock_limit"):
+        from celery_redislock.settings import task_rules
+
+        task_rules({"redislock_tasks": {"cfg.*": {"lock_limit": 0}}})
+    app.close()
