@@ -298,14 +298,17 @@ def test_a_child_killed_mid_task_frees_its_permit_at_once(
         wait_until(lambda: r.llen(keys.line.parked) == 1, timeout=30)
         victim = r.lindex("started:kill", 0).decode().split()
         os.kill(int(victim[2]), signal.SIGKILL)
-        waiting.get(timeout=20)  # handed the killed run's permit, long before 60 s
-        assert "its worker process died" in proc.text()  # released by the worker
+        waiting.get(timeout=30)
+        # Freed by the worker's main process once it saw the child die (billiard reports
+        # a lost child within seconds), not by the end of the permit's 60 s lease.
+        assert "its worker process died" in proc.text()
         # ...and the killed run, its message rejected back to the queue
         # (task_reject_on_worker_lost), runs again once a permit is free: not lost.
         wait_until(lambda: r.llen("started:kill") == 4, timeout=30)
         started = [line.decode().split()[0] for line in r.lrange("started:kill", 0, -1)]
-        assert started[2] == waiting.id and started[3] == victim[0]
-        assert _holders(r, keys) == {started[1], victim[0]}
+        assert set(started[2:]) == {waiting.id, victim[0]}  # (whichever permit came first)
+        waited = [line.decode().split() for line in r.lrange("sections:limit", 0, -1)]
+        assert _overlap([(float(e), float(x)) for k, _i, e, x in waited if k == "kill"]) <= 2
     finally:
         proc.stop()
         for result in long:
