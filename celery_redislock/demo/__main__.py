@@ -13,8 +13,8 @@ payments   the same payments published twice, first to a task that updates balan
            and the time taken against the ideal.
 tenants    a hot tenant floods the pool and small tenants send a few jobs just after
            it, first as a plain task, then under LockedTask(lock_key="tenant:{tenant}",
-           lock_limit=2); the table shows each tenant's wait (median and max) and the
-           most of its jobs seen running at once.
+           lock_limit=2, or --limit); the table shows each tenant's wait (median and
+           max) and the most of its jobs seen running at once.
 
 Everything it writes lives under one random key prefix and its own queue, and is deleted
 at the end; it stops every process it started.

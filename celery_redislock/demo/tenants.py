@@ -136,6 +136,16 @@ def conclusion(without: dict[str, Stats], limited: dict[str, Stats], limit: int)
     )
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """One run of the scene: its label, stats per tenant, jobs run exactly once, seconds."""
+
+    label: str
+    stats: dict[str, Stats]
+    ran_once: int
+    seconds: float
+
+
 def _send(task: Any, sent: list[tuple[str, int]], work: float) -> None:
     for tenant, job in sent:
         task.delay(tenant, job, time.time(), work)
@@ -145,6 +155,32 @@ def _runs(store: redis.Redis, key: str) -> list[Run]:
     return [Run(*json.loads(line)) for line in store.lrange(key, 0, -1)]
 
 
+def _print_table(
+    without: Outcome, limited: Outcome, small: list[str], sent: list[tuple[str, int]], parked: int
+) -> None:
+    print()
+    print(f"{'':17}{without.label:>30}{limited.label:>30}")
+    column = f"{'p50 wait':>11}{'max wait':>10}{'at once':>9}"
+    print(f"{'tenant':<11}{'jobs':>6}{column}{column}")
+    for tenant in [HOT, *small, ALL_SMALL]:
+        jobs_sent = sum(1 for t, _ in sent if t == tenant or (tenant == ALL_SMALL and t != HOT))
+        cells = ""
+        for outcome in (without, limited):
+            row = outcome.stats.get(tenant)
+            if row is None:  # none of its jobs ran: reported as a failure
+                cells += f"{'-':>11}{'-':>10}{'-':>9}"
+                continue
+            at_once = "-" if tenant == ALL_SMALL else str(row.at_once)
+            cells += f"{_seconds(row.wait_p50):>11}{_seconds(row.wait_max):>10}{at_once:>9}"
+        print(f"{tenant:<11}{jobs_sent:>6}{cells}")
+    for label, left, right in (
+        ("jobs run once", f"{without.ran_once} / {len(sent)}", f"{limited.ran_once} / {len(sent)}"),
+        ("parked", "-", str(parked)),
+        ("time", _seconds(without.seconds), _seconds(limited.seconds)),
+    ):
+        print(f"{label:17}{left:>30}{right:>30}")
+
+
 def run(args: argparse.Namespace, store: redis.Redis, demo: ModuleType) -> bool:
     """Run the scene and print its table; True when every job ran once in both runs and
     no tenant ran more than the limit at once under it."""
@@ -152,19 +188,16 @@ def run(args: argparse.Namespace, store: redis.Redis, demo: ModuleType) -> bool:
     small = small_tenants(args.small_tenants)
     sent = jobs(args.hot_jobs, small, args.small_jobs)
     print(
-        f"\ntenants: a hot tenant sends {args.hot_jobs} jobs, then {len(small)} small tenants "
-        f"{args.small_jobs} each; {args.tenant_work * 1000:.0f} ms per job; wait: sent to started"
+        f"\ntenants: a hot tenant sends {args.hot_jobs} jobs, then {len(small)} small ones "
+        f"{args.small_jobs} each, {args.tenant_work * 1000:.0f} ms per job (wait: sent -> started)"
     )
-    phases = (
+    outcomes = []
+    problems: list[str] = []
+    for phase, label, task in (
         ("unlimited", "without lock_limit", demo.tenant_job),
         ("limited", f"lock_limit={limit}", demo.tenant_job_limited),
-    )
-    times: dict[str, float] = {}
-    stats: dict[str, dict[str, Stats]] = {}
-    once: dict[str, int] = {}
-    problems: list[str] = []
-    for phase, label, task in phases:
-        times[phase] = send_and_follow(
+    ):
+        seconds = send_and_follow(
             label,
             functools.partial(_send, task, sent, args.tenant_work),
             len(sent),
@@ -173,41 +206,20 @@ def run(args: argparse.Namespace, store: redis.Redis, demo: ModuleType) -> bool:
             args.timeout,
         )
         runs = _runs(store, demo.tenant_runs_key(phase))
-        stats[phase] = by_tenant(runs, small)
         counts = Counter((r.tenant, r.job) for r in runs)
-        once[phase] = sum(counts[job] == 1 for job in sent)
+        ran_once = sum(counts[job] == 1 for job in sent)
+        outcomes.append(Outcome(label, by_tenant(runs, small), ran_once, seconds))
         problems += [f"{label}: {problem}" for problem in miscounted(runs, sent)]
+    without, limited = outcomes
     problems += [
-        f"{phases[1][1]}: {tenant} ran {row.at_once} at once"
-        for tenant, row in stats["limited"].items()
+        f"{limited.label}: {tenant} ran {row.at_once} at once"
+        for tenant, row in limited.stats.items()
         if tenant != ALL_SMALL and row.at_once > limit
     ]
-    parked = demo.parked_count(demo.tenant_job_limited)
-
-    print()
-    print(f"{'':17}{phases[0][1]:>30}{phases[1][1]:>30}")
-    column = f"{'p50 wait':>11}{'max wait':>10}{'at once':>9}"
-    print(f"{'tenant':<11}{'jobs':>6}{column}{column}")
-    for tenant in [HOT, *small, ALL_SMALL]:
-        jobs_sent = sum(1 for t, _ in sent if t == tenant or (tenant == ALL_SMALL and t != HOT))
-        cells = ""
-        for phase, _, _ in phases:
-            row = stats[phase].get(tenant)
-            if row is None:  # none of its jobs ran: counted in the problems
-                cells += f"{'-':>11}{'-':>10}{'-':>9}"
-                continue
-            at_once = "-" if tenant == ALL_SMALL else str(row.at_once)
-            cells += f"{_seconds(row.wait_p50):>11}{_seconds(row.wait_max):>10}{at_once:>9}"
-        print(f"{tenant:<11}{jobs_sent:>6}{cells}")
-    for label, left, right in (
-        ("jobs run once", f"{once['unlimited']} / {len(sent)}", f"{once['limited']} / {len(sent)}"),
-        ("parked", "-", str(parked)),
-        ("time", _seconds(times["unlimited"]), _seconds(times["limited"])),
-    ):
-        print(f"{label:17}{left:>30}{right:>30}")
-    if all({HOT, ALL_SMALL} <= set(rows) for rows in stats.values()):
+    _print_table(without, limited, small, sent, demo.parked_count(demo.tenant_job_limited))
+    if all({HOT, ALL_SMALL} <= set(outcome.stats) for outcome in outcomes):
         print()
-        print(conclusion(stats["unlimited"], stats["limited"], limit))
+        print(conclusion(without.stats, limited.stats, limit))
     for problem in problems:
         print(f"FAILED: {problem}")
     return not problems
