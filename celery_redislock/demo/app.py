@@ -1,8 +1,13 @@
-"""The demo's Celery app: the same payment settlement, without and with ``LockedTask``.
+"""The demo's Celery app: its two scenes' tasks, each without and with ``LockedTask``.
 
-Each account's record is a JSON list of the payment ids applied to it, updated with a
-non-atomic read-modify-write that takes ``DEMO_WORK`` seconds, so a lost update shows up
-as a payment id missing from its account.
+Payments: each account's record is a JSON list of the payment ids applied to it, updated
+with a non-atomic read-modify-write that takes ``DEMO_WORK`` seconds, so a lost update
+shows up as a payment id missing from its account.
+
+Tenants: one job body sent as a plain task and as a ``LockedTask`` with
+``lock_limit=DEMO_LIMIT`` per tenant; each run records its tenant, job number, when it was
+sent, when it started and when it ended (``time.time()``, inside the permit), so the
+scene can tell each job's wait and how many of one tenant's jobs ran at once.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from celery_redislock import LockedTask
 
 PREFIX = os.environ.get("DEMO_PREFIX", "redislock-demo:")
 WORK = float(os.environ.get("DEMO_WORK", "0.02"))
+LIMIT = int(os.environ.get("DEMO_LIMIT", "2"))
 
 app = Celery("celery_redislock.demo.app")
 app.conf.update(
@@ -68,13 +74,43 @@ def settle_locked(account: int, payment: int) -> None:
     _apply("locked", account, payment)
 
 
-def parked_count() -> int:
-    """How many times a locked settlement was parked behind its account's holder."""
-    return int(store().get(f"{PREFIX}parked") or 0)
+def tenant_runs_key(phase: str) -> str:
+    return f"{PREFIX}tenants:{phase}:runs"
+
+
+def tenant_done_key(phase: str) -> str:
+    return f"{PREFIX}tenants:{phase}:done"
+
+
+def _run_tenant_job(phase: str, tenant: str, job: int, sent: float, work: float) -> None:
+    started = time.time()
+    time.sleep(work)
+    run = json.dumps([tenant, job, sent, started, time.time()])  # ended inside the permit
+    pipe = store().pipeline(transaction=False)
+    pipe.rpush(tenant_runs_key(phase), run)
+    pipe.incr(tenant_done_key(phase))
+    pipe.execute()
+
+
+@app.task(name="demo.tenant_job")
+def tenant_job(tenant: str, job: int, sent: float, work: float) -> None:
+    _run_tenant_job("unlimited", tenant, job, sent, work)
+
+
+@app.task(
+    name="demo.tenant_job_limited", base=LockedTask, lock_key="tenant:{tenant}", lock_limit=LIMIT
+)
+def tenant_job_limited(tenant: str, job: int, sent: float, work: float) -> None:
+    _run_tenant_job("limited", tenant, job, sent, work)
+
+
+def parked_count(task: Any) -> int:
+    """How many times ``task`` was parked behind its key's holders."""
+    return int(store().get(f"{PREFIX}parked:{task.name}") or 0)
 
 
 def _count_parked(sender: Any = None, **_: Any) -> None:
-    store().incr(f"{PREFIX}parked")
+    store().incr(f"{PREFIX}parked:{getattr(sender, 'name', '?')}")
 
 
 def _announce_ready(sender: Any = None, **_: Any) -> None:
