@@ -91,6 +91,17 @@ def _finish_quietly(
         log.warning(
             "redislock: %s[%s] could not release %r: %s", task.name, task.request.id, lock.name, exc
         )
+    except redis.ResponseError as exc:
+        # The release script failed (hostile data under the prefix): the hold no longer
+        # renews (TaskLock.finish), so its lease ends it; the run's outcome stands.
+        log.error(
+            "redislock: %s[%s] could not release %r: %s; its lease ends it",
+            task.name,
+            task.request.id,
+            lock.name,
+            exc,
+        )
+        signals.lock_release_failed.send(lock, name=lock.name, owner=lock.owner, error=exc)
     except UNREACHABLE as exc:
         # Redis did not answer: the run's outcome stands (a body that succeeded is not
         # failed for it). The hold stops renewing now, so its lease ends it at the latest,

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from .._core import LINE_MARGIN_MS, OwnerFinished, OwnerRunning, lease_ms
 from .._errors import LockConfigurationError, LockNotOwnedError, LockQuorumError
 from .._keyspace import parked_registry
@@ -205,6 +207,14 @@ class _ParkedRun(SyncSingle):
                     self.pulled = _text(reply.pulled)
             else:
                 code = self._keep(owner, hold, done_ttl, token)
+        except redis.ResponseError:
+            # The script failed (a key of the wrong type where it writes: whoever may write
+            # the prefix wrote it), maybe after some of its writes. The run is over: its
+            # hold stops renewing, so its lease ends it at the latest.
+            if held is not None:
+                self._forget(held)
+                self._signals.pop(owner, None)
+            raise
         finally:
             if held is not None:
                 held.releasing -= 1
