@@ -31,13 +31,15 @@ SCRIPT_NAMES = (
     "sweep",
     "sem_acquire",
     "sem_release",
+    "rate",
 )
 #: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``), in
 #: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
 #: ``lock`` reads the clock and takes or re-enters a lock, fair to its line; ``grant`` hands
 #: a freed lock to the first waiter in line (it publishes: only the releasing scripts get
 #: it); ``parked`` hands a lock to the first parked task; ``envelope`` reads parked envelopes;
-#: ``sem`` counts a semaphore's permits still held (``celery_redislock.semaphore``).
+#: ``sem`` counts a semaphore's permits still held (``celery_redislock.semaphore``). The rate
+#: limiter's ``rate`` needs only ``args`` (``celery_redislock.ratelimit``).
 PRELUDES: dict[str, tuple[str, ...]] = {
     "acquire": ("args", "lock"),
     "release": ("args", "lock", "grant"),
@@ -47,6 +49,7 @@ PRELUDES: dict[str, tuple[str, ...]] = {
     "sweep": ("args", "lock", "parked", "envelope"),
     "sem_acquire": ("args", "lock", "sem"),
     "sem_release": ("args", "lock", "grant", "sem"),
+    "rate": ("args",),
 }
 #: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
 MAX_MS_NAME = "MAX_MS"
@@ -109,6 +112,8 @@ class Scripts:
             client.register_script(text("sem_release")),
             self.renew,
         )
+        #: A rate limiter's one script (``celery_redislock.ratelimit``).
+        self.rate = client.register_script(text("rate"))
 
 
 def run(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
