@@ -182,9 +182,9 @@ def validate_cost(cost: object, burst: int) -> int:
 
 
 def wait_us(seconds: float | None) -> int:
-    """A wait allowed for a slot, in whole microseconds (rounded down: a slot is never
-    booked later than allowed); None: as long as any (:data:`MAX_US`)."""
-    return MAX_US if seconds is None else math.floor(seconds * 1_000_000)
+    """A wait allowed for a slot, in microseconds (the nearest whole one); None: as long as
+    any (:data:`MAX_US`)."""
+    return MAX_US if seconds is None else round(seconds * 1_000_000)
 
 
 def acquire_wait_us(blocking: object, timeout: object) -> int:
