@@ -3,9 +3,9 @@
 No timing is asserted here (speed is shown by the benchmarks themselves, see
 docs/benchmarks.md); only that each script runs to the end, prints its table, and that
 the rows which are correctness checks (overlapping sections, lost updates, completed
-tasks, a rate limiter's bound) show what they must. Peer libraries of the ``bench`` extra are not needed: the
-runs below use ``celery_redislock`` and redis-py only. Nothing is written to
-bench/results.
+tasks, a rate limiter's bound) show what they must. Peer libraries of the ``bench``
+extra are not needed: the runs below use ``celery_redislock`` and redis-py only.
+Nothing is written to bench/results.
 """
 
 from __future__ import annotations
