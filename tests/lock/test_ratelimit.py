@@ -163,9 +163,9 @@ def test_a_bad_burst_is_refused_with_its_range(
 
 def test_the_largest_values_are_accepted_and_work(client: redis.Redis) -> None:
     most = 2**31 - 1
-    fastest = RedisRateLimiter(client, "fast", f"{most}/s", burst=most)
+    fastest = RedisRateLimiter(client, "fast", f"{most}/m", burst=most)
     assert fastest.acquire(blocking=False, cost=most)  # the whole burst at once
-    assert fastest.acquire(blocking=False, cost=most) is False  # a second of it later
+    assert fastest.acquire(blocking=False, cost=most) is False  # a minute of it later
     daily = RedisRateLimiter(client, "daily", "1/d", burst=365)
     assert daily.acquire(blocking=False, cost=365)
     slot = daily.reserve(max_wait=0)
@@ -322,15 +322,17 @@ def test_the_script_refuses_bad_arguments_before_any_write(
 
 
 def test_a_burst_goes_at_once_then_calls_are_one_interval_apart(client: redis.Redis) -> None:
-    limiter = RedisRateLimiter(client, "r", "50/s", burst=5)
+    # 5 a minute: 12 s apart, so that no pause of this machine between calls matters.
+    limiter = RedisRateLimiter(client, "r", "5/m", burst=5)
     slots = [limiter.reserve(max_wait=0) for _ in range(5)]
     assert all(slot.admitted and slot.wait == 0.0 for slot in slots)
     refused = limiter.reserve(max_wait=0)
-    assert not refused.admitted and 0 < refused.wait <= 0.02
-    # The sixth is due one interval (20 ms) after the first, by the server's clock.
-    assert refused.due_us == slots[0].due_us + 20_000
+    assert not refused.admitted and 0 < refused.wait <= 12
+    # The sixth is due one interval after the first, by the server's clock.
+    assert refused.due_us == slots[0].due_us + 12_000_000
     booked = [limiter.reserve() for _ in range(3)]
-    assert [slot.due_us - slots[0].due_us for slot in booked] == [20_000, 40_000, 60_000]
+    offsets = [slot.due_us - slots[0].due_us for slot in booked]
+    assert offsets == [12_000_000, 24_000_000, 36_000_000]
     assert all(slot.admitted for slot in booked)
     assert not limiter.acquire(blocking=False)
 
@@ -346,7 +348,7 @@ def test_a_blocked_acquire_sleeps_to_its_slot_in_one_round_trip(
 
     real_time = ratelimit.time
     monkeypatch.setattr(ratelimit, "time", types.SimpleNamespace(sleep=sleep))
-    limiter = RedisRateLimiter(client, "r", "20/s")
+    limiter = RedisRateLimiter(client, "r", "4/s")
     assert limiter.acquire() and slept == []  # due at once: no sleep
     due = limiter.reserve(max_wait=0)
     assert not due.admitted
@@ -377,13 +379,13 @@ def test_a_timeout_shorter_than_the_wait_returns_false_at_once_taking_nothing(
 
 
 def test_cost_counts_for_as_many_units(client: redis.Redis) -> None:
-    limiter = RedisRateLimiter(client, "r", "10/s", burst=4)
+    limiter = RedisRateLimiter(client, "r", "10/m", burst=4)  # 6 s apart
     first = limiter.reserve(cost=4, max_wait=0)  # the whole burst at once, on an idle limit
     assert first.admitted and first.wait == 0.0
     second = limiter.reserve(cost=3)
-    assert second.admitted and second.due_us == first.due_us + 300_000
+    assert second.admitted and second.due_us == first.due_us + 18_000_000
     third = limiter.reserve(cost=1)
-    assert third.due_us == second.due_us + 100_000
+    assert third.due_us == second.due_us + 6_000_000
     # A call of cost 4 that is not a whole number of intervals' burst still fits an idle
     # limit: (3 per second, burst 2: 666,666.67 us, and an increment of 666,667 us).
     odd = RedisRateLimiter(client, "odd", "3/s", burst=2)
@@ -393,31 +395,31 @@ def test_cost_counts_for_as_many_units(client: redis.Redis) -> None:
 def test_a_booked_slot_is_never_early_by_a_fraction_of_a_microsecond(
     client: redis.Redis,
 ) -> None:
-    """3 a second, burst 4, calls of cost 3: the second is due 666,666.67 us after the
-    first; it is booked at 666,667 (a tolerance rounded up would have let it in at 666,666:
-    6 units in a window that allows 5.999998)."""
-    limiter = RedisRateLimiter(client, "r", "3/s", burst=4)
+    """3 per 10 s, burst 4, calls of cost 3: the second is due 6,666,666.67 us after the
+    first; it is booked at 6,666,667 (a tolerance rounded up would have let it in at
+    6,666,666: 6 units in a window that allows 5.9999998)."""
+    limiter = RedisRateLimiter(client, "r", (3, 10), burst=4)
     first, second = limiter.reserve(3), limiter.reserve(3)
     assert first.admitted and second.admitted
-    assert second.due_us - first.due_us == 666_667
+    assert second.due_us - first.due_us == 6_666_667
 
 
 def test_several_limits_admit_only_when_all_do_and_atomically(client: redis.Redis) -> None:
-    limiter = RedisRateLimiter(client, "r", ["10/s", (1, 0.5)], burst=2)
-    fast, slow = schedule(client, "r", "10/s"), RateKeys.for_name("r").schedule(500_000)
+    limiter = RedisRateLimiter(client, "r", ["10/m", (1, 30)], burst=2)
+    fast, slow = schedule(client, "r", "10/m"), RateKeys.for_name("r").schedule(30_000_000)
     first = limiter.reserve(max_wait=0)
     assert first.admitted and limiter.reserve(max_wait=0).admitted
     before = (client.get(fast), client.get(slow))
     refused = limiter.reserve(max_wait=0)
-    # Over 10/s with burst 2 the third is due 100 ms after the first, over one per 0.5 s
-    # 500 ms after: refused by the slower limit; the faster one lost nothing.
-    assert not refused.admitted and refused.due_us == first.due_us + 500_000
+    # Over 10 a minute with burst 2 the third is due 6 s after the first, over one per 30 s
+    # 30 s after: refused by the slower limit; the faster one lost nothing.
+    assert not refused.admitted and refused.due_us == first.due_us + 30_000_000
     assert (client.get(fast), client.get(slow)) == before
     booked = limiter.reserve()
     assert booked.admitted and booked.due_us == refused.due_us
     # Every limit moved past the slot: the faster from the slot, the slower from its TAT.
-    assert int(client.get(fast) or 0) == booked.due_us + 100_000
-    assert int(client.get(slow) or 0) == first.due_us + 1_500_000
+    assert int(client.get(fast) or 0) == booked.due_us + 6_000_000
+    assert int(client.get(slow) or 0) == first.due_us + 90_000_000
 
 
 def test_limiters_of_one_name_share_a_period_and_other_names_are_apart(
@@ -636,7 +638,7 @@ async def test_async_acquire_sleeps_to_its_slot(
         await real_sleep(seconds)
 
     monkeypatch.setattr(ratelimit, "asyncio", types.SimpleNamespace(sleep=sleep))
-    limiter = AsyncRedisRateLimiter(aclient, "r", "20/s")
+    limiter = AsyncRedisRateLimiter(aclient, "r", "4/s")
     assert await limiter.acquire() and slept == []
     due = await limiter.reserve(max_wait=0)
     calls = evalsha_calls(client)
