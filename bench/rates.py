@@ -151,6 +151,8 @@ def scenario_contended(
         "requests_per_admitted": requests / per,
         "attempts_per_admitted": attempts / per,
         "per_process": sorted(len(ss) for _pid, ss, _a, _r in outs),
+        "fairness": min(len(ss) for _p, ss, _a, _r in outs)
+        / max(1, max(len(ss) for _p, ss, _a, _r in outs)),
         "top_commands": sorted(
             ((k.removeprefix("cmdstat_"), v / per) for k, v in delta.items() if v > 0),
             key=lambda kv: -kv[1],
@@ -214,6 +216,7 @@ def build_table(cols: list[str], r: dict[str, Any], args: argparse.Namespace) ->
         row("1 Redis commands per admitted call", cget("commands_per_admitted", ".1f"))
         row("1 round trips per admitted call", cget("requests_per_admitted", ".1f"))
         row("1 attempts per admitted call", cget("attempts_per_admitted", ".1f"))
+        row("1 fairness min/max per process", cget("fairness", ".2f"))
     if unc:
         row("2 uncontended acquire us/call", lambda c: format(unc[c], ".1f") if c in unc else "-")
     width0 = max(len(label) for label, _ in rows) + 2
