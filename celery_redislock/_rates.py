@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, Tuple, Union
 
 from ._core import MAX_SECONDS, MIN_SECONDS, optional_seconds
 from ._errors import LockConfigurationError
@@ -49,6 +49,10 @@ RATE_FORMS = (
     f"seconds) pair (count as N; seconds a number from {MIN_SECONDS:g} to {MAX_SECONDS}), "
     f"or a non-empty list of up to {MAX_LIMITS} of these, each over a different period"
 )
+
+#: What ``rate=`` may be (checked at run time by :func:`parse_rates`, whatever its type).
+OneRate = Union[str, Tuple[int, float]]
+Rate = Union[OneRate, Sequence[OneRate]]
 
 _STRING_FORM = re.compile(r"([0-9]+)/([smhd])", re.ASCII)
 

@@ -37,6 +37,7 @@ from ._rates import (
     DEFAULT_BURST,
     LONGEST_WAIT_US,
     Limit,
+    Rate,
     acquire_wait_us,
     parse_rates,
     reserve_wait_us,
@@ -69,7 +70,7 @@ class RateLimiterBase:
         self,
         client: Any,
         name: str | bytes,
-        rate: object,
+        rate: Rate,
         *,
         burst: int = DEFAULT_BURST,
         prefix: str = DEFAULT_PREFIX,
@@ -147,7 +148,8 @@ class RedisRateLimiter(RateLimiterBase):
 
         Args:
             blocking: wait for a slot (False: admitted only if one is due at once).
-            timeout: the longest to wait for a slot, in seconds (None: no limit).
+            timeout: the longest to wait for a slot, in seconds (None: no limit, but no
+                slot is booked more than 365 days ahead).
             cost: how many units the call counts for (an int from 1 to ``burst``).
 
         A blocked call books its slot in the one round trip that finds it, then sleeps
@@ -168,8 +170,8 @@ class RedisRateLimiter(RateLimiterBase):
 
         Args:
             cost: as ``acquire``'s.
-            max_wait: the furthest slot to book, in seconds from now (None: any; 0: only
-                a slot due at once).
+            max_wait: the furthest slot to book, in seconds from now (None: up to 365
+                days; 0: only a slot due at once).
 
         Returns a :class:`RateSlot`: ``admitted`` with the ``wait`` until it is due (the
         caller must not start before then: the slot counts from its due time), or not
