@@ -28,6 +28,7 @@ from .decorators import current_lock, locked
 from .fencing import FencedResource
 from .keys import KeyTemplate, LockKeyError
 from .lock import RedisLock
+from .ratelimit import AsyncRedisRateLimiter, RedisRateLimiter
 from .redlock import RedLock
 from .semaphore import AsyncRedisSemaphore, RedisSemaphore
 
@@ -53,6 +54,7 @@ __all__ = [
     "AsyncLeaseLost",
     "AsyncRedLock",
     "AsyncRedisLock",
+    "AsyncRedisRateLimiter",
     "AsyncRedisSemaphore",
     "DEFAULT_PREFIX",
     "FencedResource",
@@ -73,6 +75,7 @@ __all__ = [
     "RedLock",
     "RedisLock",
     "RedisLockError",
+    "RedisRateLimiter",
     "RedisSemaphore",
     "current_lock",
     "locked",

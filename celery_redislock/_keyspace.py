@@ -39,6 +39,17 @@ A semaphore of the same name (:class:`SemaphoreKeys`) lives beside the lock, und
 ... ``<S>:parked:limit``            sweeper's registry and parked messages name a lock)
 ==================================  =====================================================
 
+A rate limiter of the same name (:class:`RateKeys`) keeps one schedule per limit beside
+the lock, in the same hash tag:
+
+==================================  =====================================================
+``<L>:rate:<period us>``            the schedule of its limit over that period (in
+                                    microseconds: ``:rate:1000000`` for ``"N/s"``): the
+                                    theoretical arrival time, a whole number of
+                                    microseconds on the server's clock; it expires once
+                                    that time has passed
+==================================  =====================================================
+
 Names of a prefix, not of one lock:
 
 ==================================  =====================================================
@@ -82,6 +93,7 @@ _PARKED_UNUSED = b":parked:unused"
 _PARKED_LIMIT = b":parked:limit"
 _SEMAPHORE = b":sem"
 _PERMIT = b":permit:"
+_RATE = b":rate:"
 #: Handed-over tasks go to this queue (``<queue>.redislock``).
 HANDOFF_QUEUE_SUFFIX = ".redislock"
 
@@ -315,6 +327,23 @@ def parked_under(key: bytes, prefix: str = DEFAULT_PREFIX) -> LockKeys | Semapho
     if name is None or lock_key(name, prefix) != key:
         return None
     return LockKeys.for_lock(key)
+
+
+@dataclass(frozen=True)
+class RateKeys:
+    """Every Redis name one rate limiter uses: a schedule per limit, named by the limit's
+    period, all in the name's ``{name}`` hash tag (one cluster slot). Limiters of one name
+    with the same period share that schedule, whatever their counts."""
+
+    schedules: bytes
+
+    @classmethod
+    def for_name(cls, name: str | bytes, prefix: str = DEFAULT_PREFIX) -> RateKeys:
+        return cls(schedules=lock_key(name, prefix) + _RATE)
+
+    def schedule(self, period_us: int) -> bytes:
+        """The schedule of the limit over ``period_us`` microseconds."""
+        return self.schedules + str(period_us).encode()
 
 
 def lock_key(name: str | bytes, prefix: str = DEFAULT_PREFIX) -> bytes:

@@ -173,6 +173,39 @@ def decode_fence(reply: Any) -> bool:
     return code == 1
 
 
+# --------------------------------------------------------------------- rate
+
+
+class RateReply(NamedTuple):
+    """rate.lua's reply, decoded."""
+
+    #: The call was admitted: its slot is ``wait_us`` after ``now_us``.
+    admitted: bool
+    #: Admitted: microseconds until its slot (0: now). Refused: until it would be admitted.
+    wait_us: int
+    #: The server's clock when the script ran (microseconds since the epoch, from TIME).
+    now_us: int
+
+
+def decode_rate(reply: Any, max_wait_us: int, longest_us: int) -> RateReply:
+    """rate.lua: ``{1, wait, now}`` admitted, ``{0, wait, now}`` refused. The wait must
+    match the decision (admitted: at most ``max_wait_us``, the most the call allowed;
+    refused: more) and be at most ``longest_us`` (no schedule reaches further)."""
+    table = _table(reply, "rate", 3, 3)
+    code = _number(table[0], "rate", reply, "the code")
+    wait = _number(table[1], "rate", reply, "the wait")
+    now = _number(table[2], "rate", reply, "the server time")
+    if code not in (0, 1):
+        raise _malformed("rate", reply, f"unknown code {code}")
+    if not 0 <= wait <= longest_us or now <= 0:
+        raise _malformed("rate", reply, "the wait or the server time is out of range")
+    if (wait <= max_wait_us) != (code == 1):
+        raise _malformed(
+            "rate", reply, f"the wait does not match the code (max wait {max_wait_us})"
+        )
+    return RateReply(code == 1, wait, now)
+
+
 # --------------------------------------------------------------------- handoff, sweep
 
 

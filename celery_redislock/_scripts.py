@@ -34,6 +34,7 @@ SCRIPT_NAMES = (
     "sem_park",
     "sem_handoff",
     "sem_sweep",
+    "rate",
 )
 #: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``), in
 #: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
@@ -42,6 +43,9 @@ SCRIPT_NAMES = (
 #: it); ``envelope`` reads parked envelopes; ``parked`` hands a lock to the first parked
 #: task and sends stale hand-overs again (after ``envelope``: it pushes them); ``sem`` counts
 #: a semaphore's permits and takes one (``celery_redislock.semaphore``).
+#: it); ``parked`` hands a lock to the first parked task; ``envelope`` reads parked envelopes;
+#: ``sem`` counts a semaphore's permits still held (``celery_redislock.semaphore``). The rate
+#: limiter's ``rate`` needs only ``args`` (``celery_redislock.ratelimit``).
 PRELUDES: dict[str, tuple[str, ...]] = {
     "acquire": ("args", "lock"),
     "release": ("args", "lock", "grant"),
@@ -54,6 +58,7 @@ PRELUDES: dict[str, tuple[str, ...]] = {
     "sem_park": ("args", "lock", "sem"),
     "sem_handoff": ("args", "lock", "grant", "sem", "envelope", "parked"),
     "sem_sweep": ("args", "lock", "sem", "envelope", "parked"),
+    "rate": ("args",),
 }
 #: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
 MAX_MS_NAME = "MAX_MS"
@@ -123,6 +128,8 @@ class Scripts:
             client.register_script(text("sem_handoff")),
             client.register_script(text("sem_sweep")),
         )
+        #: A rate limiter's one script (``celery_redislock.ratelimit``).
+        self.rate = client.register_script(text("rate"))
 
 
 def run(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:

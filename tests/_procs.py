@@ -167,3 +167,30 @@ def sem_holder(port: int, name: str, owner: str, ttl: float, report_key: str) ->
     except LockLostError as exc:
         held = f"lost {exc.reason}"
     client.rpush(report_key, json.dumps({"owner": owner, "wrote": wrote, "held": held}))
+
+
+def rate_hammer(port: int, name: str, rate: str, burst: int, go_key: str, log_key: str) -> None:
+    """Be admitted by the rate limiter ``name`` as fast as it allows, from "go" (a push on
+    ``go_key`` carrying the end, in microseconds of the server's clock) until a slot would
+    be due after that end. Each admitted slot is booked and slept to as ``acquire()`` does
+    (``reserve()``, then a sleep for its wait), so its server-time due moment can be logged:
+    one entry per admission, then ``done <admissions>``."""
+    from celery_redislock import RedisRateLimiter
+
+    client = redis.Redis(port=port, socket_timeout=10)
+    limiter = RedisRateLimiter(client, name, rate, burst=burst)
+    client.rpush(f"{log_key}:ready", os.getpid())
+    popped = client.blpop([go_key], timeout=60)
+    assert popped is not None
+    end_us = int(popped[1])
+    admitted = 0
+    while True:
+        slot = limiter.reserve()
+        assert slot.admitted  # no max_wait: every call books its slot
+        if slot.due_us > end_us:
+            break
+        client.rpush(log_key, slot.due_us)
+        admitted += 1
+        time.sleep(slot.wait)
+    client.rpush(f"{log_key}:done", admitted)
+    client.close()

@@ -5,6 +5,9 @@
 -- ms_arg(value, what, low)           a duration in milliseconds, from low (1 unless given)
 --                                    to the package's longest duration (_core.MAX_SECONDS
 --                                    in ms, filled in when the script is loaded)
+-- us_arg(value, what, low)           the same in microseconds (MAX_US: that longest
+--                                    duration in microseconds)
+local MAX_US = MAX_MS * 1000
 local function whole_arg(value, what, low, high)
   local n = type(value) == 'string' and string.match(value, '^%d+$') and tonumber(value)
   if not n or n < low or n > high then
@@ -15,4 +18,7 @@ local function whole_arg(value, what, low, high)
 end
 local function ms_arg(value, what, low)
   return whole_arg(value, what .. ' (ms)', low or 1, MAX_MS)
+end
+local function us_arg(value, what, low)
+  return whole_arg(value, what .. ' (us)', low or 1, MAX_US)
 end

@@ -62,7 +62,7 @@ def test_cluster_scripts_publish_sharded_and_nothing_else_changes() -> None:
         assert sharded.count(SPUBLISH_CALL) == calls
         assert sharded.replace(SPUBLISH_CALL, PUBLISH_CALL) == classic
     # No other script publishes, in any spelling.
-    for name in ("acquire", "renew", "fence", "park", "sweep"):
+    for name in ("acquire", "renew", "fence", "park", "sweep", "rate"):
         assert "publish'" not in lua_source(name).replace(" ", "")
         assert sharded_source(name) == lua_source(name)
 

@@ -21,12 +21,14 @@ import redis.asyncio as aioredis
 
 from celery_redislock import (
     AsyncRedisLock,
+    AsyncRedisRateLimiter,
     AsyncRedisSemaphore,
     AsyncRedLock,
     LockLostError,
     LockNotOwnedError,
     RedisLock,
     RedisLockError,
+    RedisRateLimiter,
     RedisSemaphore,
     RedLock,
 )
@@ -53,6 +55,7 @@ PAIRS: list[tuple[type, type, set[str], set[str]]] = [
     (RedLock, AsyncRedLock, LOCK_IO, {"aclose"}),
     (SyncSingle, AsyncSingle, SINGLE_IO, set()),
     (RedisSemaphore, AsyncRedisSemaphore, SINGLE_IO, set()),
+    (RedisRateLimiter, AsyncRedisRateLimiter, {"acquire", "reserve"}, set()),
     (SyncContext, AsyncContext, {"acquire", "release"}, set()),
     (_Channel, _AsyncChannel, set(), set()),
     (Subscriber, AsyncSubscriber, set(), {"aclose"}),
@@ -125,12 +128,13 @@ def test_every_twin_in_the_package_is_listed() -> None:
     import celery_redislock._renewal as renewal
     import celery_redislock.aio as aio
     import celery_redislock.aio_redlock as aio_redlock
+    import celery_redislock.ratelimit as ratelimit
     import celery_redislock.semaphore as semaphore
 
     listed = {aio_cls.__name__ for _, aio_cls, _, _ in PAIRS}
     found = {
         name
-        for module in (aio, aio_redlock, async_waiting, renewal, semaphore)
+        for module in (aio, aio_redlock, async_waiting, renewal, semaphore, ratelimit)
         for name, value in vars(module).items()
         if inspect.isclass(value)
         and value.__module__ == module.__name__

@@ -3,9 +3,9 @@
 No timing is asserted here (speed is shown by the benchmarks themselves, see
 docs/benchmarks.md); only that each script runs to the end, prints its table, and that
 the rows which are correctness checks (overlapping sections, lost updates, completed
-tasks) show what they must. Peer libraries of the ``bench`` extra are not needed: the
-runs below use ``celery_redislock`` and redis-py only. Nothing is written to
-bench/results.
+tasks, a rate limiter's bound) show what they must. Peer libraries of the ``bench``
+extra are not needed: the runs below use ``celery_redislock`` and redis-py only.
+Nothing is written to bench/results.
 """
 
 from __future__ import annotations
@@ -60,6 +60,23 @@ def test_the_lock_benchmark_runs_at_tiny_sizes() -> None:
     assert _row(out, "5 renew 100: loss reports on clean release")[0] == "0"
     uncontended = _row(out, "1 uncontended acquire+release /s")
     assert all(float(value) > 0 for value in uncontended[:2])
+    assert "Ratios:" in out
+
+
+def test_the_rate_limiter_benchmark_runs_at_tiny_sizes_within_the_bound() -> None:
+    out = _run(
+        "bench.rates",
+        "--libs", "ours",
+        "--procs", "2",
+        "--duration", "1",
+        "--calls", "100",
+        "--no-json",
+        timeout=240,
+    )  # fmt: skip
+    assert _row(out, "1 worst units over 5 + 50*T, any T")[0] == "0"
+    assert int(_row(out, "1 fullest 1 s window (bound 55)")[0]) <= 55
+    assert int(_row(out, "1 admitted in 1 s")[0]) > 0
+    assert float(_row(out, "2 uncontended acquire us/call")[0]) > 0
     assert "Ratios:" in out
 
 

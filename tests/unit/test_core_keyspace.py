@@ -68,6 +68,20 @@ def test_every_name_of_one_semaphore_is_pinned() -> None:
     }
 
 
+def test_every_name_of_one_rate_limiter_is_pinned() -> None:
+    """A rate limiter's schedules sit beside the lock's (``:rate:<period in us>``), in the
+    same hash tag, never on a lock's or a semaphore's names."""
+    keys = ks.RateKeys.for_name(NAME, PREFIX)
+    assert keys == ks.RateKeys.for_name(NAME)
+    assert keys.schedules == b"redislock:{account:7}:rate:"
+    assert keys.schedule(1_000_000) == b"redislock:{account:7}:rate:1000000"
+    assert keys.schedule(3_600_000_000) == b"redislock:{account:7}:rate:3600000000"
+    lock = ks.LockKeys.for_name(NAME, PREFIX)
+    semaphore = ks.SemaphoreKeys.for_name(NAME, PREFIX)
+    others = {*lock.release_keys(), *semaphore.line.release_keys(), semaphore.permits}
+    assert not any(other.startswith(keys.schedules) for other in others)
+
+
 def test_the_scripts_key_lists_are_pinned() -> None:
     keys = ks.LockKeys.for_name(NAME, PREFIX)
     assert keys.acquire_keys() == [
@@ -137,7 +151,14 @@ def test_bad_names_are_refused(bad: object) -> None:
 def test_every_name_shares_the_lock_hash_tag(name: bytes, prefix: str) -> None:
     keys = ks.LockKeys.for_name(name, prefix)
     tag = keys.lock[len(prefix.encode()) :]
-    for other in [*keys.release_keys(), keys.done("x"), keys.void("n", "x"), keys.parked]:
+    schedule = ks.RateKeys.for_name(name, prefix).schedule(60_000_000)
+    for other in [
+        *keys.release_keys(),
+        keys.done("x"),
+        keys.void("n", "x"),
+        keys.parked,
+        schedule,
+    ]:
         assert other.startswith(keys.lock)
         assert other[len(prefix.encode()) :].startswith(tag)
     assert ks.name_from_lock_key(keys.lock, prefix) == name

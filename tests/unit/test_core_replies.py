@@ -16,11 +16,13 @@ from celery_redislock._replies import (
     Handed,
     HandoffReply,
     MalformedReplyError,
+    RateReply,
     SweepReply,
     decode_acquire,
     decode_fence,
     decode_handoff,
     decode_park,
+    decode_rate,
     decode_release,
     decode_renew,
     decode_renew_one,
@@ -83,6 +85,12 @@ def test_sweep() -> None:
     )
 
 
+def test_rate() -> None:
+    assert decode_rate([1, 0, 1700], 0, 10**9) == RateReply(True, 0, 1700)
+    assert decode_rate([1, 500, 1700], 500, 10**9) == RateReply(True, 500, 1700)
+    assert decode_rate([b"0", b"501", b"1700"], 500, 10**9) == RateReply(False, 501, 1700)
+
+
 DECODERS: dict[str, Callable[[Any], object]] = {
     "acquire": decode_acquire,
     "park": decode_park,
@@ -92,6 +100,7 @@ DECODERS: dict[str, Callable[[Any], object]] = {
     "fence": decode_fence,
     "handoff": decode_handoff,
     "sweep": decode_sweep,
+    "rate": lambda r: decode_rate(r, 500, 10**9),
 }
 
 MALFORMED: list[tuple[str, object]] = [
@@ -131,6 +140,15 @@ MALFORMED: list[tuple[str, object]] = [
     ("sweep", [2]),
     ("sweep", [0, b"m"]),
     ("sweep", [1, None, b"id", b"t"]),
+    ("rate", [1, 0]),
+    ("rate", [1, 0, 1700, 0]),
+    ("rate", [2, 0, 1700]),
+    ("rate", [1, -1, 1700]),
+    ("rate", [1, 0, 0]),
+    ("rate", [1, 501, 1700]),  # admitted further away than the call allowed
+    ("rate", [0, 500, 1700]),  # refused although within the wait allowed
+    ("rate", [0, 10**9 + 1, 1700]),  # further than any schedule reaches
+    ("rate", [True, 0, 1700]),
 ]
 
 

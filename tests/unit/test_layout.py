@@ -77,6 +77,7 @@ KEY_FRAGMENTS = (
     "lookahead:",
     "probe:",
     "fence:",
+    ":rate:",
 )
 #: Ends of names: the hand-over queue ``<queue>.redislock``.
 KEY_SUFFIXES = (".redislock",)
