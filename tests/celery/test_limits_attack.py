@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import pytest
 import redis
 
-from celery_redislock import LockConfigurationError, RedisSemaphore
+from celery_redislock import LockConfigurationError, LockNotOwnedError, RedisSemaphore
 from celery_redislock._core import OwnerRunning
 from celery_redislock._keyspace import SemaphoreKeys, parked_registry
 from celery_redislock.celery import signing
@@ -225,6 +225,37 @@ def test_a_parked_run_of_a_lower_limit_is_not_starved_by_later_runs_of_a_higher_
     )
     for run in running:
         run.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="renewals and a run's release name the run's owner, not its holding: a copy whose "
+    "lease lapsed keeps renewing the permit another copy of the run took since (its loss "
+    "never reported), and its release frees that copy's permit (the mutex does the same)",
+)
+def test_a_copy_whose_lease_lapsed_is_told_and_leaves_the_later_copys_permit_alone(
+    broker: RedisServer,
+) -> None:
+    """Copy A of a run is paused past its lease (its permit gone); copy B of the same run
+    (a redelivery) takes a permit. A's release must not free B's permit (B would run on
+    without one, and an N+1st run take it), and A must be told it lost its own."""
+    r = broker.client()
+    sem = keys_of("lapse")
+    options = dataclasses.replace(lap.capped.lock_options(), ttl=0.6)
+    copy_a = permit("X", "lapse", options=options)
+    copy_b = permit("X", "lapse", options=options)
+    try:
+        assert copy_a.take()
+        r.delete(sem.permit("X"))  # A's lease ran out while it was paused
+        assert copy_b.take() and copy_b.token != copy_a.token
+        with contextlib.suppress(LockNotOwnedError):
+            copy_a.finish(hold=0, done_ttl=60)
+        assert r.hget(sem.permit("X"), "__fence__") == str(copy_b.token).encode()
+        assert copy_b.owned() and not copy_b.lost.is_set()
+        wait_until(copy_a.lost.is_set, timeout=3, what="A told of its lost permit")
+    finally:
+        copy_a.close()
+        copy_b.close()
 
 
 @pytest.mark.slow  # about 15 s
