@@ -313,6 +313,12 @@ class TaskSemaphore(_ParkedRun, RedisSemaphore):
         super().__init__(client, name, limit, ttl=options.ttl, owner=task_id, prefix=options.prefix)
         self._run_keys(task_id)
 
+    def _acquire_keys(self) -> list[bytes]:
+        """sem_acquire.lua's: a task run's also name its done marker and the parked tasks
+        (served before it)."""
+        line = self.keys
+        return [*super()._acquire_keys(), line.parked, line.parked_messages, line.parked_limit]
+
     def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
         argv = super()._acquire_argv(owner, lease, line)
         return [*argv, "task", ""] if self._adopt is None else [*argv, "adopt", self._adopt]

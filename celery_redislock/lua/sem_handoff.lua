@@ -52,7 +52,7 @@ end
 redis.call('del', permit)
 redis.call('srem', KEYS[1], ARGV[1])
 local held = live_permits(KEYS[1], prefix)
-local fits, parked_limit = parked_fits(KEYS[4], KEYS[5], KEYS[11], held)
+local fits, parked_limit = parked_fits(KEYS[4], KEYS[5], KEYS[11], held, prefix)
 if fits then
   local function permit_of(task_id, token, task_lease)
     give_permit(KEYS[1], prefix, task_id, 0, token, task_lease, parked_limit)

@@ -7,7 +7,8 @@
 -- (holders in the lock's place: the semaphore's identity key, which the registry and parked
 -- envelopes name); limits: parked task id -> the limit it parked with (a hand-over to it
 -- waits until fewer are held), kept as long as the parked records. ARGV as park.lua's, then the task's limit and
--- the permit key prefix. "behind": park only when every permit is held (by others).
+-- the permit key prefix. Parked tasks come first (take_permit). "behind": park only when every
+-- permit is held (by others) or other tasks are parked first.
 -- Replies as park.lua's: {1, token, count} taken (or a hand-over to it taken up); {3, ms}
 -- this task id holds a permit (another delivery of the run); {0, ms} parked (ms: the wait
 -- for a change); {-1, 0} it finished; {2, 0} "behind": a permit is free, or this task id's.
@@ -19,13 +20,15 @@ if redis.call('exists', KEYS[3]) == 1 then
   return {-1, 0}
 end
 local held = redis.call('hget', prefix .. ARGV[1], ARGV[1])
-if ARGV[5] == 'behind' and (held or live_permits(KEYS[1], prefix) < limit) then
+if ARGV[5] == 'behind' and (held or (live_permits(KEYS[1], prefix) < limit
+    and (parked_head(KEYS[4], KEYS[5], KEYS[10], prefix) or ARGV[1]) == ARGV[1])) then
   return {2, 0}
 end
 if held and held ~= '0' then
   return {3, redis.call('pttl', prefix .. ARGV[1])}  -- another delivery of this run holds it
 end
-local reply = take_permit(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1], lease, limit, prefix)
+local reply = take_permit(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1], lease, limit, prefix,
+  nil, {KEYS[4], KEYS[5], KEYS[10]})
 if reply[1] == 1 then
   return reply  -- taken, or handed to this task (count 0) and taken up
 end

@@ -11,7 +11,8 @@ local stale_ms = ms_arg(ARGV[2], 'hand-over staleness')
 local reach = whole_arg(ARGV[3] or '1000', 'queue reach', 1, 2147483647)
 local prefix = ARGV[4]
 local now = now_ms()
-local fits, parked_limit = parked_fits(KEYS[4], KEYS[5], KEYS[6], live_permits(KEYS[1], prefix))
+local held = live_permits(KEYS[1], prefix)
+local fits, parked_limit = parked_fits(KEYS[4], KEYS[5], KEYS[6], held, prefix)
 if fits then
   local next_id, message = pop_parked(KEYS[4], KEYS[5])
   local function permit_of(task_id, token, task_lease)
