@@ -147,6 +147,7 @@ def analyze_hot(
     in_window = sum(1 for r in records if t_start <= r[1] <= t_start + duration)
     gaps, handoffs = handoff_gaps(records, limit)
     waits = [r[1] - r[0] for r in records]
+    sections = [r[2] - r[1] for r in records]
     throughput = in_window / duration
     return {
         "acquisitions": len(records),
@@ -159,6 +160,7 @@ def analyze_hot(
         "gap_median": pct(gaps, 0.5),
         "gap_p99": pct(gaps, 0.99),
         "waited_share": len(gaps) / handoffs if handoffs else float("nan"),
+        "section_mean": sum(sections) / len(sections) if sections else float("nan"),
         "wait_median": pct(waits, 0.5),
         "wait_p99": pct(waits, 0.99),
         "wait_max": max(waits, default=float("nan")),
@@ -251,6 +253,7 @@ def build_table(cols: list[str], r: dict[str, Any], limit: int) -> list[str]:
 
         row("2 hot key throughput acq/s", hget("throughput", ".1f"))
         row("2 throughput / floor (N / section)", hget("of_floor", ".2f"))
+        row("2 section as measured, mean ms", hget("section_mean", ".2f", 1e3))
         row("2 hand-off gap median ms", hget("gap_median", ".2f", 1e3))
         row("2 hand-off gap p99 ms", hget("gap_p99", ".2f", 1e3))
         row("2 hand-offs to a waiter %", hget("waited_share", ".0f", 100))
