@@ -1,7 +1,7 @@
 """Compare celery_redislock.RedisSemaphore with other Redis semaphores, in one run, on one
 private server.
 
-    .venv/bin/python -m bench.semaphores             # ~1 minute on 2 cores
+    .venv/bin/python -m bench.semaphores             # ~1-2 minutes on 2 cores
     .venv/bin/python -m bench.semaphores --scale 3   # longer runs, more samples
 
 Columns (bench/_semlibs.py): ours; Dramatiq's ConcurrentRateLimiter (RedisBackend) and
