@@ -131,42 +131,106 @@ def hammer_quorum(ports: list[int], name: str, iterations: int, log_key: str) ->
             data.rpush(log_key, f"{enter!r} {leave!r} {lock.token}")
 
 
-def sem_hammer(port: int, name: str, limit: int, iterations: int, log_key: str) -> None:
-    """Take a permit of the semaphore ``name`` ``iterations`` times; inside, count the
-    holders in Redis (INCR on entry, DECR on exit) and log (pid, inside, token)."""
+def _no_resend(port: int, **kwargs: Any) -> redis.Redis:
+    """A client that never re-sends a command (neither the lock's scripts nor the witness's
+    are idempotent: docs/concepts.md, 'A release that cannot reach Redis')."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis(port=port, retry=Retry(NoBackoff(), 0), **kwargs)
+
+
+#: witness(keys=[inside, seq, log], args=[event, pid, token]) -> holders inside after the
+#: event. Runs on a server the semaphore does not use: one atomic step that counts the
+#: holders inside (INCR on "enter", DECR on "exit"), numbers the event (one sequence for
+#: all processes: a total order, no clock involved) and logs it with the server's TIME.
+WITNESS = """
+local inside
+if ARGV[1] == 'enter' then
+  inside = redis.call('incr', KEYS[1])
+else
+  inside = redis.call('decr', KEYS[1])
+end
+local seq = redis.call('incr', KEYS[2])
+local now = redis.call('time')
+redis.call('rpush', KEYS[3], table.concat(
+  {ARGV[1], ARGV[2], ARGV[3], seq, inside, now[1] .. string.format('%06d', now[2])}, ' '))
+return inside
+"""
+
+
+def sem_sections(
+    lock_port: int,
+    witness_port: int,
+    name: str,
+    limit: int,
+    iterations: int,
+    hold: float,
+    prefix: str,
+) -> None:
+    """Wait for "go" (a push on ``<prefix>:go`` on the witness), then take a permit of the
+    semaphore ``name`` (on the server on ``lock_port``) ``iterations`` times, holding it for
+    ``hold`` seconds. Each section reports its entry (after the acquire returned) and its
+    exit (before the release) to the witness server (:data:`WITNESS`, keys under
+    ``prefix``); at the end the process reports how many sections it completed."""
     from celery_redislock import RedisSemaphore
 
-    client = redis.Redis(port=port, socket_timeout=10)
+    client = _no_resend(lock_port, socket_timeout=30)
+    witness = _no_resend(witness_port, socket_timeout=30)
+    record = witness.register_script(WITNESS)
+    keys = [f"{prefix}:inside", f"{prefix}:seq", f"{prefix}:log"]
     sem = RedisSemaphore(client, name, limit=limit, ttl=10)
+    pid = os.getpid()
+    witness.rpush(f"{prefix}:ready", pid)
+    assert witness.blpop([f"{prefix}:go"], timeout=120) is not None
+    done = 0
     for _ in range(iterations):
-        with sem:
-            inside = client.incr(f"{name}:inside")
-            time.sleep(0.01)
-            client.decr(f"{name}:inside")
-            client.rpush(log_key, f"{os.getpid()} {inside} {sem.token}")
+        assert sem.acquire(timeout=120)
+        record(keys=keys, args=["enter", pid, sem.token])
+        time.sleep(hold)
+        record(keys=keys, args=["exit", pid, sem.token])
+        sem.release()
+        done += 1
+    witness.rpush(f"{prefix}:done", f"{pid} {done}")
     client.close()
+    witness.close()
 
 
-def sem_holder(port: int, name: str, owner: str, ttl: float, report_key: str) -> None:
-    """Take a permit (limit 3) as ``owner`` and report its token; on "go" (a push on
-    ``<report_key>:go``), write through a FencedResource with it and report the outcome."""
+def sem_lease_holder(
+    lock_port: int, witness_port: int, name: str, owner: str, ttl: float, report_key: str
+) -> None:
+    """Take a permit (limit 3, lease ``ttl``, renewed by the watchdog) as ``owner`` and report
+    its token on the witness; then wait for an order on ``<report_key>:go``: "write" writes
+    through the FencedResource "ledger" (on the witness) with the token, "check" does not;
+    either way, report whether the permit is still held and release it if so."""
     import json
 
     from celery_redislock import FencedResource, LockLostError, RedisSemaphore
 
-    client = redis.Redis(port=port, socket_timeout=10)
+    client = _no_resend(lock_port, socket_timeout=10)
+    witness = _no_resend(witness_port, socket_timeout=10)
     sem = RedisSemaphore(client, name, limit=3, ttl=ttl, owner=owner)
-    assert sem.acquire(timeout=10)
-    client.rpush(report_key, json.dumps({"owner": owner, "token": sem.token}))
-    while client.blpop([f"{report_key}:go"], timeout=5) is None:
-        pass
-    wrote = FencedResource(client, f"{name}:ledger").write(sem.token, f"{name}:value", owner)
+    assert sem.acquire(timeout=30)
+    token = sem.token
+    assert token is not None
+    witness.rpush(report_key, json.dumps({"owner": owner, "token": token, "pid": os.getpid()}))
+    order = None
+    deadline = time.monotonic() + 120
+    while order is None and time.monotonic() < deadline:  # bounded: a SIGSTOP waits here
+        order = witness.blpop([f"{report_key}:go"], timeout=1)
+    assert order is not None
+    wrote = None
+    if order[1] == b"write":
+        wrote = FencedResource(witness, "ledger").write(token, "ledger:value", owner)
     try:
         sem.ensure_held()
         held = "held"
     except LockLostError as exc:
         held = f"lost {exc.reason}"
-    client.rpush(report_key, json.dumps({"owner": owner, "wrote": wrote, "held": held}))
+    report = {"owner": owner, "wrote": wrote, "held": held, "lost": sem.lost.is_set()}
+    if held == "held":
+        sem.release()
+    witness.rpush(report_key, json.dumps(report))
 
 
 def rate_hammer(port: int, name: str, rate: str, burst: int, go_key: str, log_key: str) -> None:

@@ -1,12 +1,10 @@
 """RedisSemaphore / AsyncRedisSemaphore on a real redis-server: at most N holders per name,
 each permit a lease of its own (renewed, lost, fenced), waiters first come, first served and
-woken by a release (issue 17, the primitive)."""
+woken by a release (issue 17, the primitive). With real processes, SIGKILLed and
+SIGSTOPped holders: test_semaphore_processes.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -18,7 +16,6 @@ import redis.asyncio as aioredis
 
 from celery_redislock import (
     AsyncRedisSemaphore,
-    FencedResource,
     LockConfigurationError,
     LockLostError,
     RedisSemaphore,
@@ -26,7 +23,6 @@ from celery_redislock import (
 from celery_redislock.aio import aclose_background
 from celery_redislock.testing import RedisServer
 
-from .. import _procs
 from .._support import wait_until
 
 
@@ -218,66 +214,3 @@ async def test_async_basic_reentry_wake_and_loss(aclient: aioredis.Redis) -> Non
         b2.ensure_held()
     with pytest.raises(LockLostError):
         await b.release()
-
-
-# -- processes ---------------------------------------------------------------------
-
-
-def test_twelve_processes_never_exceed_the_limit_and_reach_it(redis_server: RedisServer) -> None:
-    client = redis_server.client()
-    client.flushall()
-    procs = [
-        _procs.run(_procs.sem_hammer, redis_server.port, "tenant", 3, 8, "log") for _ in range(12)
-    ]
-    for process in procs:
-        process.join(120)
-        assert process.exitcode == 0
-    entries = [line.split() for line in client.lrange("log", 0, -1)]
-    inside = [int(e[1]) for e in entries]
-    tokens = [int(e[2]) for e in entries]
-    assert len(entries) == 12 * 8  # every section counted
-    assert max(inside) == 3  # reached the limit, never above it
-    assert len(set(tokens)) == len(tokens)
-    assert client.get("tenant:inside") == b"0"
-    client.close()
-
-
-def test_killed_and_paused_holders_permits_come_back_after_the_lease_stale_writes_refused(
-    redis_server: RedisServer,
-) -> None:
-    client = redis_server.client()
-    client.flushall()
-    ttl = 1.5
-    holders = {
-        o: _procs.run(_procs.sem_holder, redis_server.port, "tenant", o, ttl, f"report:{o}")
-        for o in ("killed", "paused", "alive")
-    }
-    try:
-        ready = {o: json.loads(client.blpop([f"report:{o}"], 30)[1]) for o in holders}
-        first = RedisSemaphore(client, "tenant", limit=3, ttl=10, owner="new1")
-        second = RedisSemaphore(client, "tenant", limit=3, ttl=10, owner="new2")
-        assert not first.acquire(blocking=False)
-        os.kill(holders["killed"].pid, signal.SIGKILL)
-        os.kill(holders["paused"].pid, signal.SIGSTOP)
-        assert not first.acquire(blocking=False)  # no sooner than the lease
-        assert first.acquire(timeout=30) and second.acquire(timeout=30)
-        assert min(first.token or 0, second.token or 0) > max(r["token"] for r in ready.values())
-        resource = FencedResource(client, "tenant:ledger")
-        assert resource.write(second.token or 0, "tenant:value", "new2")
-        os.kill(holders["paused"].pid, signal.SIGCONT)
-        client.rpush("report:paused:go", "1")
-        stale = json.loads(client.blpop(["report:paused"], 30)[1])
-        assert stale["wrote"] is False and stale["held"].startswith("lost")
-        assert client.get("tenant:value") == b"new2"
-        client.rpush("report:alive:go", "1")  # renewed all along: still holds
-        alive = json.loads(client.blpop(["report:alive"], 30)[1])
-        assert alive["held"] == "held"
-        first.release()
-        second.release()
-    finally:
-        for process in holders.values():
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGCONT)
-                os.kill(process.pid, signal.SIGKILL)
-            process.join(10)
-        client.close()

@@ -77,6 +77,24 @@ def test_the_rate_limiter_benchmark_runs_at_tiny_sizes_within_the_bound() -> Non
     assert int(_row(out, "1 fullest 1 s window (bound 55)")[0]) <= 55
     assert int(_row(out, "1 admitted in 1 s")[0]) > 0
     assert float(_row(out, "2 uncontended acquire us/call")[0]) > 0
+
+
+def test_the_semaphore_benchmark_runs_at_tiny_sizes() -> None:
+    out = _run(
+        "bench.semaphores",
+        "--libs", "ours,zset",
+        "--cycles", "100",
+        "--procs", "4",
+        "--duration", "0.5",
+        "--no-json",
+        timeout=240,
+    )  # fmt: skip
+    assert int(_row(out, "2 most holders at once (limit 3)")[0]) <= 3  # ours; never above N
+    assert _row(out, "2 acquire timeouts")[0] == "0"
+    assert int(_row(out, "2 hot key throughput acq/s")[0].split(".")[0]) > 0
+    uncontended = _row(out, "1 uncontended acquire+release /s")
+    assert len(uncontended) == 4  # ours, the recipe, the mutex, the floor
+    assert all(float(value) > 0 for value in uncontended)
     assert "Ratios:" in out
 
 
