@@ -272,3 +272,20 @@ if not os.environ.get("REDISLOCK_TEST_QUORUM"):  # (lock_limit: one Redis, refus
         time.sleep(seconds)
         section("limit", tenant, self.request.id, enter, time.time())
         return int(self.lock.token)
+
+    def _limited_by_policy(policy: str) -> Any:
+        @app.task(
+            bind=True,
+            base=LockedTask,
+            name=f"tests.celery_app.tenant_{policy}",
+            lock_key="tenant:{tenant}",
+            lock_limit=2,
+            on_contention=policy,
+            lock_wait=20,
+        )
+        def job(self: Any, tenant: str) -> int:
+            return int(self.lock.token)
+
+        return job
+
+    tenant_wait, tenant_skip, tenant_raise = map(_limited_by_policy, ("wait", "skip", "raise"))

@@ -342,3 +342,28 @@ def test_a_limit_by_configuration_takes_permits(broker: RedisServer) -> None:
 
         task_rules({"redislock_tasks": {"cfg.*": {"lock_limit": 0}}})
     app.close()
+
+
+def test_wait_skip_and_raise_work_with_n_permits(broker: RedisServer, tmp_path: Path) -> None:
+    """Two plain holders fill the key's two permits: "skip" records SKIPPED, "raise" fails
+    with LockContendedError, "wait" blocks its slot until a holder releases, then runs."""
+    r = broker.client()
+    holders = [RedisSemaphore(r, "tenant:pol", 2, owner=f"plain-{i}") for i in range(2)]
+    assert all(h.acquire(blocking=False) for h in holders)
+    proc = worker(broker.url, tmp_path / "w.log", concurrency=3)
+    try:
+        skipped = ca.tenant_skip.delay("pol")
+        raised = ca.tenant_raise.delay("pol")
+        waiting = ca.tenant_wait.delay("pol")
+        wait_until(lambda: skipped.state == "SKIPPED", timeout=30)
+        with pytest.raises(LockContendedError):
+            raised.get(timeout=30)
+        line = SemaphoreKeys.for_name("tenant:pol").line.waiters
+        wait_until(lambda: r.lrange(line, 0, -1) == [waiting.id.encode()], timeout=30)
+        assert not waiting.ready()
+        holders[0].release()  # wakes the waiting run, which takes the freed permit
+        assert waiting.get(timeout=30) > holders[1].token  # type: ignore[operator]
+        holders[1].release()
+        wait_until(lambda: _holders(r, SemaphoreKeys.for_name("tenant:pol")) == set(), 10)
+    finally:
+        proc.stop()
