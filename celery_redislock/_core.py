@@ -36,6 +36,8 @@ FENCE_FIELD = "__fence__"
 GRANT_FIELD = "__grant__"
 #: Field of a LockedTask's lock hash naming the queue list of its look-ahead chain.
 CHAIN_FIELD = "__chain__"
+#: Field of a semaphore's permit: the limit it was taken under (sem.lua's give_permit).
+LIMIT_FIELD = "__limit__"
 
 #: The longest a blocked acquire sleeps before it retries on its own (a release would
 #: have woken it sooner): for a lock with no expiry, and as a cap on the holder's lease.
@@ -150,7 +152,7 @@ def validate_owner(owner: object) -> str | None:
         return None
     if not isinstance(owner, str) or not owner:
         raise LockConfigurationError(f"owner must be None or a non-empty str, got {owner!r}")
-    if owner in (FENCE_FIELD, GRANT_FIELD, CHAIN_FIELD):
+    if owner in (FENCE_FIELD, GRANT_FIELD, CHAIN_FIELD, LIMIT_FIELD):
         raise LockConfigurationError(f"owner must not be {owner!r} (a reserved field)")
     return owner
 
