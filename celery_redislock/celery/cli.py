@@ -47,7 +47,6 @@ from .._nodes import node_label
 from .._quorum import quorum_of
 from ..lock import RedisLock
 from .clients import client_for, quorum_clients_for, settings_for
-from .envelope import push_targets
 from .handover import send_handed_over
 from .inspection import (
     describe_limited,
@@ -501,7 +500,9 @@ def _free_permit(ctx: click.Context, nodes: _Nodes, name: bytes, owner: bytes, y
     # used (handoff() names the owner, which may be anything Redis holds).
     limit = min(permit.limit or 1, MAX_LIMIT)
     lock = TaskSemaphore(client, name, task_id="cli", options=options, limit=limit)
-    lock.push_to = push_targets(app)
+    # No queue list for the script to push a parked envelope to itself: its message comes
+    # back here, to be checked and sent (send_handed_over), so the task can be named.
+    lock.push_to = ("", "")
     lease = lease_ms(options.ttl, "redislock_ttl")
     try:
         handoff = lock.handoff(owner, "all", None)

@@ -144,23 +144,28 @@ def describe_limited(
 ) -> dict[str, Any] | None:
     """The limited key ``name``: its holders (``owners``: hold counts; ``holders``: how
     many permits are held), ``limit`` (the largest its permits were taken under, or else
-    its parked tasks'), the shortest lease left (``ttl``), the largest ``token``, how
+    its first parked tasks'), the shortest lease left (``ttl``), the largest ``token``, how
     many tasks are ``parked`` and ``waiting`` in line. With ``detail`` (``show``), each
     permit, the first parked tasks with their limits, the first waiters, and the
     processes waiting. None when nothing of it is there."""
     keys = SemaphoreKeys.for_name(name, prefix)
     line = keys.line
-    commands: list[tuple[Any, ...]] = [("llen", line.parked), ("llen", line.waiters)]
-    if detail:
-        commands += [("lrange", line.parked, 0, SHOWN - 1), ("lrange", line.waiters, 0, SHOWN - 1)]
-    parked, waiting, *listed = read(client, *commands)
+    parked, waiting, first_parked, waiters = read(
+        client,
+        ("llen", line.parked),
+        ("llen", line.waiters),
+        ("lrange", line.parked, 0, SHOWN - 1),
+        ("lrange", line.waiters, 0, SHOWN - 1),
+    )
     held, parked, waiting = permits(client, keys), count(parked), count(waiting)
     if not held and not parked and not waiting:
         return None
+    parked_ids = _ids(first_parked)
+    found = read(client, ("hmget", line.parked_limit, parked_ids)) if parked_ids else [[]]
+    parked_limits = [whole(limit) for limit in found[0] or []] + [None] * len(parked_ids)
     limits = [p.limit for p in held if p.limit]
-    if not limits and parked:  # no permit says: the limits its parked tasks left
-        (left,) = read(client, ("hvals", line.parked_limit))
-        limits = [n for n in map(whole, left or ()) if n]
+    if not limits:  # no permit says: the limits its first parked tasks left
+        limits = [n for n in parked_limits if n]
     ttls = [p.ttl for p in held if p.ttl is not None]
     tokens = [p.token for p in held if p.token is not None]
     row: dict[str, Any] = {
@@ -177,14 +182,11 @@ def describe_limited(
     }
     if detail:
         row["permits"] = [{**p._asdict(), "owner": text(p.owner)} for p in held]
-        parked_ids, waiters = _ids(listed[0]), _ids(listed[1])
-        found = read(client, ("hmget", line.parked_limit, parked_ids)) if parked_ids else [[]]
-        parked_limits = list(found[0] or []) + [None] * len(parked_ids)
         row["parked_tasks"] = [
-            {"task": text(task_id), "limit": whole(limit) or None}
+            {"task": text(task_id), "limit": limit or None}
             for task_id, limit in zip(parked_ids, parked_limits)
         ]
-        row["waiters"] = [text(owner) for owner in waiters]
+        row["waiters"] = [text(owner) for owner in _ids(waiters)]
         numsub = dict(client.pubsub_numsub(line.channel))
         row["waiting_processes"] = count(numsub.get(line.channel))
     return row
