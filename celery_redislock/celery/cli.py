@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from .. import metrics
 from .._core import MAX_LIMIT, LockKeys, lease_ms, validate_prefix
@@ -507,8 +507,9 @@ def _free_permit(ctx: click.Context, nodes: _Nodes, name: bytes, owner: bytes, y
     try:
         handoff = lock.handoff(owner, "all", None)
         handed = lock.handed(handoff)
-    except RedisError as exc:
-        ctx.obj.error(f"{nodes.labels[0]}: unreachable ({type(exc).__name__}: {exc})")
+    except RedisError as exc:  # (refused: a script error, e.g. on a key of another type)
+        state = "refused" if isinstance(exc, ResponseError) else "unreachable"
+        ctx.obj.error(f"{nodes.labels[0]}: {state} ({type(exc).__name__}: {exc})")
         ctx.exit(1)
     freed = handoff.code == 0
     log.warning(

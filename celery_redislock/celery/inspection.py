@@ -12,6 +12,7 @@ UTF-8 as backslash escapes): the CLI escapes them again for the terminal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, NamedTuple
 
@@ -198,7 +199,8 @@ def limited_names(client: Any, prefix: str, pattern: bytes) -> list[bytes]:
     ZSCAN): a key whose permits all ran out may still have tasks parked."""
     match = semaphore_key_pattern(prefix, pattern)
     keys = set(client.scan_iter(match=match, count=1000, _type="set"))
-    keys.update(member for member, _ in client.zscan_iter(parked_registry(prefix), match=match))
+    with contextlib.suppress(ResponseError):  # (not a sorted set: no registry to read)
+        keys.update(m for m, _ in client.zscan_iter(parked_registry(prefix), match=match))
     names = (semaphore_name(key, prefix) for key in keys if isinstance(key, bytes))
     return sorted({name for name in names if name is not None})
 

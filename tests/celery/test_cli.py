@@ -344,6 +344,7 @@ def test_a_limited_key_is_read_as_it_comes_whatever_redis_holds(one: redis.Redis
     one.rpush(keys.line.waiters, "w\x1b")
     one.set(SemaphoreKeys.for_name("string").line.lock, "a string, not a set")
     one.hset("redislock:{junklock}", mapping={"o": 1, "__fence__": "NaN"})
+    one.set(parked_registry("redislock:"), "not a sorted set")
     stats = {"acquired": "abc", "released": "nan", "contended": 5, "limit_taken@": 9}
     stats |= {
         "limit_taken@\x1b[2Jt": 3,
