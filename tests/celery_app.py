@@ -288,6 +288,19 @@ if not os.environ.get("REDISLOCK_TEST_QUORUM"):  # (lock_limit: one Redis, refus
             r().delete(self.lock.semaphore_keys.permit(self.lock.owner))
         return how
 
+    @app.task(
+        bind=True,
+        base=LockedTask,
+        lock_key="tenant:{tenant}",
+        lock_limit=2,
+        on_contention="wait",
+        lock_wait=0.05,
+        lock_wait_fallback="requeue",
+    )
+    def limited_wait(self: Any, tenant: str) -> int:
+        """Waits briefly for its permit, then is re-queued (never parked)."""
+        return int(self.lock.token)
+
 
 @app.task
 def permits_held() -> dict[str, int]:

@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 from kombu.utils import json as kombu_json
 
-from celery_redislock import LockLostError, metrics, signals
+from celery_redislock import LockLostError, RedisSemaphore, metrics, signals
 from celery_redislock._keyspace import SemaphoreKeys, stats_key
 from celery_redislock.celery.contention import FIRST_TRY_HEADER
 from celery_redislock.celery.handover import deliver_handed_over
@@ -192,3 +192,28 @@ def test_a_deferred_run_carries_its_first_try_and_its_wait_spans_the_deferral(
     assert totals[f"limit_parked@{TENANT_JOB}"] == 1
     assert totals[f"limit_taken@{TENANT_JOB}"] == 1
     assert totals[f"limit_wait_sum@{TENANT_JOB}"] >= released_at - parked_at
+
+
+def test_a_requeued_run_is_a_deferral_and_its_wait_spans_its_requeues(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    r = broker.client()
+    blockers = [RedisSemaphore(r, "tenant:rq", 2, owner=f"b{i}", ttl=30) for i in range(2)]
+    assert all(blocker.acquire(blocking=False) for blocker in blockers)
+    proc = worker(broker.url, tmp_path / "w.log", pool="solo", concurrency=1)
+    try:
+        result = ca.limited_wait.delay("rq")
+        wait_until(lambda: "re-queued in" in proc.text(), timeout=30)
+        requeued_at = time.time()  # its first try was before this
+        time.sleep(0.3)  # a gap the recorded wait must cover
+        released_at = time.time()
+        blockers[0].release()
+        assert result.get(timeout=30) == 3  # the permit after the two blockers'
+        blockers[1].release()
+    finally:
+        proc.stop()  # a warm shutdown flushes the counts
+    totals = metrics.numbers(r.hgetall(stats_key("redislock:")))
+    task = "tests.celery_app.limited_wait"
+    assert totals[f"limit_taken@{task}"] == 1 and totals[f"limit_requeued@{task}"] >= 1
+    assert f"limit_parked@{task}" not in totals
+    assert totals[f"limit_wait_sum@{task}"] >= released_at - requeued_at
