@@ -36,7 +36,7 @@ FENCE_FIELD = "__fence__"
 GRANT_FIELD = "__grant__"
 #: Field of a LockedTask's lock hash naming the queue list of its look-ahead chain.
 CHAIN_FIELD = "__chain__"
-#: Field of a semaphore's permit hash: the limit it was taken under.
+#: Field of a semaphore's permit: the limit it was taken under (sem.lua's give_permit).
 LIMIT_FIELD = "__limit__"
 
 #: The longest a blocked acquire sleeps before it retries on its own (a release would

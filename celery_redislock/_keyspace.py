@@ -268,13 +268,8 @@ class SemaphoreKeys:
     def for_key(cls, key: bytes, prefix: str = DEFAULT_PREFIX) -> SemaphoreKeys | None:
         """The semaphore whose holders set is ``key`` (``<S>``, the key a limited task is
         parked under); None for any other key, a lock's included."""
-        if not key.endswith(_SEMAPHORE):
-            return None
-        name = name_from_lock_key(key[: -len(_SEMAPHORE)], prefix)
-        if name is None:
-            return None
-        found = cls.for_name(name, prefix)
-        return found if found.line.lock == key else None
+        name = semaphore_name(key, prefix)
+        return None if name is None else cls.for_name(name, prefix)
 
     def permit(self, owner: str | bytes) -> bytes:
         """``owner``'s permit: the hash its hold lives in (and the watchdog renews)."""
@@ -385,6 +380,23 @@ def lock_key_pattern(prefix: str, pattern: bytes) -> bytes:
     pattern escaped as names are (:func:`escape_name`)."""
     literal = re.sub(rb"([*?\[\]\\])", rb"\\\1", prefix.encode())
     return literal + b"{" + escape_name(pattern) + b"}"
+
+
+def semaphore_name(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:
+    """The name of the semaphore whose holders set is ``key`` (``<S>``); None for any
+    other key (a lock's, or one that does not round-trip: not written by this package)."""
+    if not key.endswith(_SEMAPHORE):
+        return None
+    name = name_from_lock_key(key[: -len(_SEMAPHORE)], prefix)
+    if name is None or not name or lock_key(name, prefix) + _SEMAPHORE != key:
+        return None
+    return name
+
+
+def semaphore_key_pattern(prefix: str, pattern: bytes) -> bytes:
+    """A SCAN ``MATCH`` pattern for the holders sets (``<S>``) of the semaphores whose
+    name matches the glob ``pattern`` (escaped as :func:`lock_key_pattern` escapes it)."""
+    return lock_key_pattern(prefix, pattern) + _SEMAPHORE
 
 
 def grant_channel_tail(grant_id: bytes) -> bytes:

@@ -54,6 +54,8 @@ from ._waiting import UNCONFIRMED_POLL
 NODE_TIMEOUT = 0.25
 #: Default ceiling of the random delay before retrying after a split vote (seconds).
 RETRY_DELAY = 0.1
+#: The jitter of a retried round: a generator of its own (the global one is the app's).
+_rng = random.Random()
 
 
 def bounded_client(client: Any, timeout: float, *, asyncio_client: bool) -> Any:
@@ -177,7 +179,7 @@ class QuorumBase:
         """After a split vote (or with no holder to wait for), a random delay; otherwise
         none: the wait for the holder's release (bounded by its lease) follows."""
         if outcome is not None and (outcome.split or outcome.pttl == 0):
-            return random.uniform(0, self.retry_delay)
+            return _rng.uniform(0, self.retry_delay)
         return 0.0
 
     def _begin_attempt(self, owner: str) -> bool:

@@ -6,7 +6,6 @@ point of an installation made before the move) keeps working.
 
 from __future__ import annotations
 
-from .celery.cli import _describe as _describe
 from .celery.cli import _glob as _glob
 from .celery.cli import _lock_name as _lock_name
 from .celery.cli import _merged as _merged
@@ -15,10 +14,13 @@ from .celery.cli import _owner_text as _owner_text
 from .celery.cli import _prefix as _prefix
 from .celery.cli import _print_lock as _print_lock
 from .celery.cli import _shown as _shown
-from .celery.cli import _text as _text
 from .celery.cli import list_locks as list_locks
 from .celery.cli import prefix_option as prefix_option
 from .celery.cli import redislock as redislock
 from .celery.cli import release as release
 from .celery.cli import show as show
 from .celery.cli import stats as stats
+from .celery.inspection import describe_lock, text
+
+_describe = describe_lock  # (their names before the move)
+_text = text

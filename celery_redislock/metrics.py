@@ -2,19 +2,27 @@
 
 Three ways to read them:
 
-* in process: ``metrics.STATS.snapshot()`` (after ``metrics.enable()``);
+* in process: ``metrics.STATS.snapshot()`` and ``STATS.permits_held()`` (after
+  ``metrics.enable()``);
 * across workers: ``LockedTask`` workers add their numbers to the Redis hash
   ``<prefix>stats`` about once a second, which ``celery redislock stats`` reads;
 * Prometheus (``pip install celery_redislock[prometheus]``): ``metrics.enable_prometheus()``
-  registers ``redislock_*`` counters and histograms with ``prometheus_client``.
+  registers ``redislock_*`` counters, histograms and a gauge with ``prometheus_client``.
+
+Limited tasks (``lock_limit``) are counted per task name, never per key (keys are
+unbounded): ``limit_<what>@<task name>`` fields (:data:`LIMIT_COUNTERS`, a wait-time
+histogram) and the gauge of permits held by this process's runs, which is never written
+to Redis (a process that dies would leave its count there for ever).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import signals
@@ -35,25 +43,63 @@ COUNTERS = (
     "parked_rejected",
 )
 
+#: Counters of limited tasks' runs, per task name (fields ``<counter>@<task name>``):
+#: runs that took a permit, and deferrals (parked, or re-queued with a countdown).
+LIMIT_COUNTERS = ("limit_taken", "limit_parked", "limit_requeued")
+#: Between a per-task field's metric and its task name (metric names have none).
+TASK_SEPARATOR = "@"
+
+
+def _bucket(seconds: float) -> str:
+    index = bisect.bisect_left(WAIT_BUCKETS, seconds)
+    return f"wait_le_{WAIT_BUCKETS[index]}" if index < len(WAIT_BUCKETS) else "wait_le_inf"
+
+
+def task_field(metric: str, task: str) -> str:
+    """The stats field of ``metric`` for the limited task ``task``."""
+    return f"{metric}{TASK_SEPARATOR}{task}"
+
 
 class LockStats:
-    """Thread-safe counters and a wait-time histogram; ``drain()`` hands out deltas."""
+    """Thread-safe counters and wait-time histograms; ``drain()`` hands out deltas. The
+    gauge of permits held per task name (``permits_held()``) is kept apart: not drained."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._counts: dict[str, float] = {}
+        self._held: dict[str, int] = {}
         self._last_flush = time.monotonic()
 
     def add(self, field: str, amount: float = 1) -> None:
         with self._mutex:
             self._counts[field] = self._counts.get(field, 0) + amount
 
-    def observe_wait(self, seconds: float) -> None:
-        index = bisect.bisect_left(WAIT_BUCKETS, seconds)
-        bucket = f"wait_le_{WAIT_BUCKETS[index]}" if index < len(WAIT_BUCKETS) else "wait_le_inf"
+    def observe_wait(self, seconds: float, task: str | None = None) -> None:
+        """Count a wait; with ``task``, a limited task's wait for its permit."""
+        bucket, total = _bucket(seconds), "wait_sum"
+        if task is not None:
+            bucket, total = task_field("limit_" + bucket, task), task_field("limit_wait_sum", task)
         with self._mutex:
             self._counts[bucket] = self._counts.get(bucket, 0) + 1
-            self._counts["wait_sum"] = self._counts.get("wait_sum", 0) + seconds
+            self._counts[total] = self._counts.get(total, 0) + seconds
+
+    def hold(self, task: str, step: int, then: Callable[[int], Any] | None = None) -> None:
+        """A run of ``task`` took (``step`` 1) or ended its hold of (-1) a permit; ``then``
+        gets the new count, in order (under the mutex). Never below 0: counting that
+        starts while runs hold permits settles once they end."""
+        with self._mutex:
+            held = max(0, self._held.get(task, 0) + step)
+            if held:
+                self._held[task] = held
+            else:
+                self._held.pop(task, None)
+            if then is not None:
+                then(held)
+
+    def permits_held(self) -> dict[str, int]:
+        """Permits held by this process's runs, per task name (tasks holding none left out)."""
+        with self._mutex:
+            return dict(self._held)
 
     def snapshot(self) -> dict[str, float]:
         with self._mutex:
@@ -68,8 +114,16 @@ class LockStats:
     def due(self, every: float) -> bool:
         return time.monotonic() - self._last_flush >= every
 
+    def _forked(self) -> None:
+        """In a forked child: the parent's counts are the parent's to flush (a pool
+        process flushing them too would count them twice), and it holds no permit."""
+        self._mutex = threading.Lock()
+        self._counts = {}
+        self._held = {}
+
 
 STATS = LockStats()
+os.register_at_fork(after_in_child=STATS._forked)
 
 
 def _on_acquired(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
@@ -84,14 +138,43 @@ def _counter(field: str, amount_key: str | None = None) -> Any:
     return receive
 
 
+def task_name(sender: Any) -> str:
+    """The task name a ``task_*`` signal's sender (the task) is counted under."""
+    return str(getattr(sender, "name", None) or "?")
+
+
+def _deferred(field: str) -> Any:
+    """Count ``field``, and a limited task's deferral as ``limit_<field>@<task>``."""
+
+    def receive(sender: Any = None, limit: int | None = None, **_: Any) -> None:
+        STATS.add(field)
+        if limit is not None:
+            STATS.add(task_field("limit_" + field, task_name(sender)))
+
+    return receive
+
+
+def _on_permit_taken(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
+    task = task_name(sender)
+    STATS.add(task_field("limit_taken", task))
+    STATS.observe_wait(waited, task)
+    STATS.hold(task, 1)
+
+
+def _on_permit_ended(sender: Any = None, **_: Any) -> None:
+    STATS.hold(task_name(sender), -1)
+
+
 _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.lock_acquired, _on_acquired),
     (signals.lock_contended, _counter("contended")),
     (signals.lock_released, _counter("released")),
     (signals.lock_lost, _counter("lost")),
     (signals.lock_renewed, _counter("renewed", "count")),
-    (signals.task_parked, _counter("parked")),
-    (signals.task_requeued, _counter("requeued")),
+    (signals.task_parked, _deferred("parked")),
+    (signals.task_requeued, _deferred("requeued")),
+    (signals.task_permit_taken, _on_permit_taken),
+    (signals.task_permit_ended, _on_permit_ended),
     (signals.task_pulled, _counter("pulled")),
     (signals.lock_release_failed, _counter("release_failed")),
     (signals.parked_rejected, _counter("parked_rejected")),
@@ -128,7 +211,7 @@ def percentile(buckets: Mapping[str, float], fraction: float) -> float | None:
     """The bucket upper bound below which ``fraction`` of the observed waits fall."""
     bounds = [*WAIT_BUCKETS, float("inf")]
     counts = [
-        float(buckets.get(f"wait_le_{b}" if b != float("inf") else "wait_le_inf", 0))
+        max(0.0, float(buckets.get(f"wait_le_{b}" if b != float("inf") else "wait_le_inf", 0)))
         for b in bounds
     ]
     total = sum(counts)
@@ -140,6 +223,43 @@ def percentile(buckets: Mapping[str, float], fraction: float) -> float | None:
         if running >= fraction * total:
             return bound
     return bounds[-1]
+
+
+def numbers(fields: Mapping[bytes | str, Any]) -> dict[str, float]:
+    """The ``<prefix>stats`` hash as read from Redis, as numbers: fields whose name is
+    not UTF-8 or whose value is not a finite number are left out (anyone who may write
+    the hash may have written them)."""
+    found: dict[str, float] = {}
+    for field, value in fields.items():
+        try:
+            name = field.decode("utf-8") if isinstance(field, bytes) else str(field)
+            number = float(value)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            continue
+        if math.isfinite(number):
+            found[name] = number
+    return found
+
+
+def limit_summary(totals: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """Per limited task name, from the stats totals (:func:`numbers`): runs that took a
+    permit (``taken``), deferrals (``parked``, ``requeued``, ``deferred``: both) and the
+    wait for a permit (``wait_p50``, ``wait_p95``, ``wait_p99``: bucket bounds, or None)."""
+    per_task: dict[str, dict[str, float]] = {}
+    for field, value in totals.items():
+        metric, separator, task = field.partition(TASK_SEPARATOR)
+        if separator and task and metric.startswith("limit_"):
+            per_task.setdefault(task, {})[metric[len("limit_") :]] = value
+    summary: dict[str, dict[str, Any]] = {}
+    for task, fields in sorted(per_task.items()):
+        row: dict[str, Any] = {
+            name: int(fields.get(name, 0)) for name in ("taken", "parked", "requeued")
+        }
+        row["deferred"] = row["parked"] + row["requeued"]
+        for label, fraction in (("wait_p50", 0.5), ("wait_p95", 0.95), ("wait_p99", 0.99)):
+            row[label] = percentile(fields, fraction)
+        summary[task] = row
+    return summary
 
 
 def enable_prometheus(registry: Any = None) -> None:
@@ -163,6 +283,26 @@ def enable_prometheus(registry: Any = None) -> None:
         **kwargs,
     )
     held = prom.Histogram("redislock_held_seconds", "Time a lock was held", **kwargs)
+    permits = prom.Gauge(
+        "redislock_limit_permits_held",
+        "Permits of limited keys held by this process's runs, per task name (lock_limit)",
+        ["task"],
+        multiprocess_mode="livesum",
+        **kwargs,
+    )
+    deferred = prom.Counter(
+        "redislock_limit_deferred_total",
+        "Limited tasks deferred (lock_limit), per task name: how is parked or requeued",
+        ["task", "how"],
+        **kwargs,
+    )
+    limit_wait = prom.Histogram(
+        "redislock_limit_wait_seconds",
+        "Time from a limited task's first attempt at its permit to holding it, per task name",
+        ["task"],
+        buckets=WAIT_BUCKETS,
+        **kwargs,
+    )
 
     def acquired(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
         counters["acquired"].inc()
@@ -185,3 +325,27 @@ def enable_prometheus(registry: Any = None) -> None:
     ):
         signal.connect(lambda sender=None, _c=counters[name], **_: _c.inc())
     signals.lock_renewed.connect(lambda sender=None, count=1, **_: counters["renewed"].inc(count))
+
+    holding = LockStats()  # the gauge's values, never below 0 (LockStats.hold)
+    os.register_at_fork(after_in_child=holding._forked)
+
+    def permit_taken(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
+        task = task_name(sender)
+        limit_wait.labels(task=task).observe(waited)
+        holding.hold(task, 1, then=permits.labels(task=task).set)
+
+    def permit_ended(sender: Any = None, **_: Any) -> None:
+        task = task_name(sender)
+        holding.hold(task, -1, then=permits.labels(task=task).set)
+
+    def deferral(how: str) -> Any:
+        def receive(sender: Any = None, limit: int | None = None, **_: Any) -> None:
+            if limit is not None:
+                deferred.labels(task=task_name(sender), how=how).inc()
+
+        return receive
+
+    signals.task_permit_taken.connect(permit_taken)
+    signals.task_permit_ended.connect(permit_ended)
+    signals.task_parked.connect(deferral("parked"))
+    signals.task_requeued.connect(deferral("requeued"))

@@ -16,8 +16,12 @@ signal                 sent when                                keyword argument
 ``lock_released``      the last hold is given back              name, owner, held
 ``lock_lost``          a hold's lease is known lost             name, owner, reason
 ``lock_renewed``       the watchdog renewed a batch             count
-``task_parked``        a LockedTask was parked behind a holder  name, task_id
-``task_requeued``      a LockedTask was re-queued (countdown)   name, task_id, countdown
+``task_parked``        a LockedTask was parked behind a holder  name, task_id, limit
+``task_requeued``      a LockedTask was re-queued (countdown)   name, task_id, countdown, limit
+``task_permit_taken``  a limited LockedTask's run (or direct    name, task_id, limit, waited
+                       call) holds its permit
+``task_permit_ended``  that run ended: its permit given back,   name, task_id, held
+                       kept (``lock_hold``, a retry) or lost
 ``task_pulled``        a release moved the next queued task     name, task_id (the one moved)
                        of its lock ahead, handing it the lock
 ``lock_release_failed``  a release could not reach Redis: the  name, owner, error
@@ -29,7 +33,9 @@ signal                 sent when                                keyword argument
 =====================  =======================================  ================================
 
 ``sender`` is the lock object (the task for ``task_*``, the Celery app for
-``parked_rejected``, the watchdog for ``lock_renewed``). Receivers run synchronously in
+``parked_rejected``, the watchdog for ``lock_renewed``). ``limit`` is the run's
+``lock_limit`` (None for the mutex); ``waited`` is the time since the run's first
+attempt at its permit (over deferrals: wall clocks). Receivers run synchronously in
 the thread that sent the signal — for ``lock_lost`` and ``lock_renewed`` that is the
 watchdog — so keep them short.
 Exceptions in receivers are logged and never reach the lock. This module does not
@@ -98,6 +104,8 @@ lock_renewed = Signal("lock_renewed")
 task_parked = Signal("task_parked")
 task_requeued = Signal("task_requeued")
 task_pulled = Signal("task_pulled")
+task_permit_taken = Signal("task_permit_taken")
+task_permit_ended = Signal("task_permit_ended")
 lock_release_failed = Signal("lock_release_failed")
 parked_rejected = Signal("parked_rejected")
 
@@ -111,6 +119,8 @@ __all__ = [
     "lock_renewed",
     "parked_rejected",
     "task_parked",
+    "task_permit_ended",
+    "task_permit_taken",
     "task_pulled",
     "task_requeued",
 ]

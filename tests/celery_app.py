@@ -6,6 +6,7 @@ Everything points at the private redis-server whose URL the test passes in
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -14,7 +15,7 @@ import redis
 from celery import Celery
 from celery.exceptions import Reject
 
-from celery_redislock import FencedResource
+from celery_redislock import FencedResource, metrics
 from celery_redislock.task import LockedTask
 
 URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6399/0")
@@ -289,3 +290,36 @@ if not os.environ.get("REDISLOCK_TEST_QUORUM"):  # (lock_limit: one Redis, refus
         return job
 
     tenant_wait, tenant_skip, tenant_raise = map(_limited_by_policy, ("wait", "skip", "raise"))
+
+    @app.task(bind=True, base=LockedTask, lock_key="tenant:{tenant}", lock_limit=2, max_retries=1)
+    def limited_outcome(self: Any, tenant: str, how: str) -> str:
+        """Ends as ``how`` says: "ok", "fail" (an exception), "retry" (``self.retry()``
+        once), "lost" (its permit deleted under it); records the permits this process's
+        runs hold meanwhile (``metrics.STATS.permits_held()``)."""
+        r().rpush(f"held:{tenant}", json.dumps(metrics.STATS.permits_held()))
+        if how == "fail":
+            raise ValueError("failed on purpose")
+        if how == "retry" and not self.request.retries:
+            raise self.retry(countdown=0.1)
+        if how == "lost":
+            r().delete(self.lock.semaphore_keys.permit(self.lock.owner))
+        return how
+
+    @app.task(
+        bind=True,
+        base=LockedTask,
+        lock_key="tenant:{tenant}",
+        lock_limit=2,
+        on_contention="wait",
+        lock_wait=0.05,
+        lock_wait_fallback="requeue",
+    )
+    def limited_wait(self: Any, tenant: str) -> int:
+        """Waits briefly for its permit, then is re-queued (never parked)."""
+        return int(self.lock.token)
+
+
+@app.task
+def permits_held() -> dict[str, int]:
+    """The permits this worker process's runs hold, per task name (metrics)."""
+    return metrics.STATS.permits_held()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 from collections.abc import Iterator
 from typing import Callable
 
@@ -11,16 +12,26 @@ import redis
 
 from celery_redislock.testing import RedisClusterServers, RedisServer
 
+#: The module-level functions of `random` that code running beside a test may call.
+_RANDOM_FUNCTIONS = ("random", "uniform", "randint", "randrange", "choice", "getrandbits")
+
 
 @pytest.fixture(autouse=True)
-def _no_collection_while_hypothesis_draws(request: pytest.FixtureRequest) -> Iterator[None]:
+def _global_random_left_to_hypothesis(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
     """Hypothesis fails a test when the global `random` state moves while it draws an
-    example. A redis-py object left by an earlier test and collected mid-draw can do that
-    (its `__del__` resets a connection, whose retry backoff draws jitter from `random`), so
-    Hypothesis tests run with the collector off, after one collection of their own."""
+    example. Code running beside the test can do that: a redis-py object of an earlier
+    test collected mid-draw (its `__del__` resets a connection), or a background thread
+    (a watchdog, a subscriber reconnecting) whose client retries with jitter from
+    `random`. So a Hypothesis test runs with the collector off, after a collection of its
+    own, and with the module's functions drawing from a private generator meanwhile."""
     if request.node.get_closest_marker("hypothesis") is None:
         yield
         return
+    private = random.Random()
+    for name in _RANDOM_FUNCTIONS:
+        monkeypatch.setattr(random, name, getattr(private, name))
     gc.collect()
     gc.disable()
     try:

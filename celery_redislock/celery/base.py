@@ -90,14 +90,17 @@ with ``on_contention="skip"``, skips it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from celery.exceptions import Ignore, Retry
 
+from .. import signals
 from .._core import MAX_SECONDS, OwnerFinished, OwnerRunning, lease_ms
 from .._deferred import UNREACHABLE
 from .._errors import (
@@ -115,7 +118,7 @@ from ..semaphore import RedisSemaphore, validate_limit
 from ..settings import LockOptions, task_overrides
 from . import signing
 from .clients import client_for, quorum_clients_for, settings_for
-from .contention import Contention, _Call
+from .contention import FIRST_TRY_HEADER, Contention, _Call, first_try
 from .envelope import TAG_PREFIX, _Handed
 from .finish import _claim_kept_hold, _finish_quietly, _mark_kept_hold
 from .handover import deliver_handed_over
@@ -127,7 +130,7 @@ from .lookahead import (
     _Pull,
     lookahead_chain,
 )
-from .tasklock import PARKABLE, AnyTaskLock, TaskLock, request_owner, task_lock
+from .tasklock import PARKABLE, AnyTaskLock, TaskLock, TaskSemaphore, request_owner, task_lock
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +278,9 @@ class LockedTask(Contention):
         owner = request_owner(request)
         lock = self.run_lock(args, kwargs, owner, options)  # a bad value fails the task here
         name = str(lock.name)  # (the rendered lock_key: a str)
-        call = _Call(request, args, kwargs, options, name)
+        limit = lock.limit if isinstance(lock, TaskSemaphore) else None
+        tried = _header(request, FIRST_TRY_HEADER) if limit is not None else None
+        call = _Call(request, args, kwargs, options, name, limit, first_try(tried, time.time()))
         # A retry adopts the hold its previous run kept (lock_release_on_retry=False) only
         # once: the first delivery of the retry message claims the marker.
         kept = None
@@ -311,7 +316,11 @@ class LockedTask(Contention):
             # acknowledged, and the task lost). It comes back later instead.
             return self._unreachable(call, exc)
         request.redislock = lock
-        return self._run_holding(lock, options, args, kwargs)
+        if limit is None:
+            return self._run_holding(lock, options, args, kwargs)
+        waited = max(0.0, time.time() - call.first_try)
+        with _permit_counted(self, name, request.id, limit, waited):
+            return self._run_holding(lock, options, args, kwargs)
 
     def _run_body(self, lock: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The task's body, with ``self.lock`` and nested calls seeing this execution."""
@@ -405,10 +414,13 @@ class LockedTask(Contention):
         **extra_options: Any,
     ) -> Any:
         """Celery's, without the worker's in-memory look-ahead header (a retry or a
-        re-queue must not carry it to another delivery) or a parked envelope's signature."""
+        re-queue must not carry it to another delivery), a parked envelope's signature, or
+        when a limited run first tried for its permit."""
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         headers = signature.options.get("headers")
-        dropped = (LOOKAHEAD_HEADER, signing.PARKED_HEADER)
+        # (a deferral sets FIRST_TRY_HEADER again: Contention._sent_again; a retry is a
+        # run of its own, whose wait starts afresh)
+        dropped = (LOOKAHEAD_HEADER, signing.PARKED_HEADER, FIRST_TRY_HEADER)
         if isinstance(headers, dict) and any(name in headers for name in dropped):
             signature.options["headers"] = {k: v for k, v in headers.items() if k not in dropped}
         return signature
@@ -483,6 +495,7 @@ class LockedTask(Contention):
                 client_for(self.app), name, ttl=options.ttl, owner=owner, prefix=options.prefix
             )
         wait = 0.0 if options.on_contention in ("skip", "raise") else options.wait
+        asked = time.monotonic()
         if not lock.acquire(timeout=wait):
             if options.on_contention == "skip":
                 return None
@@ -494,11 +507,41 @@ class LockedTask(Contention):
             )
         previous = getattr(self.request, "redislock", None)
         self.request.redislock = lock
-        try:
-            return self._run_body(lock, args, kwargs)
-        finally:
-            self.request.redislock = previous
-            lock.release()
+        # A call nested in a running task's body is part of that run: counted with it.
+        counted = limit is not None and enclosing is None
+        with (
+            _permit_counted(self, name, request_id, limit, time.monotonic() - asked)
+            if counted
+            else contextlib.nullcontext()
+        ):
+            try:
+                return self._run_body(lock, args, kwargs)
+            finally:
+                self.request.redislock = previous
+                lock.release()
+
+
+def _header(request: Any, name: str) -> Any:
+    """A custom header of the request's message (Celery gives them as attributes too)."""
+    headers = getattr(request, "headers", None)
+    found = headers.get(name) if isinstance(headers, dict) else None
+    return found if found is not None else getattr(request, name, None)
+
+
+@contextlib.contextmanager
+def _permit_counted(
+    task: LockedTask, name: str, task_id: str | None, limit: int | None, waited: float
+) -> Iterator[None]:
+    """A limited run's hold of its permit, as the metrics see it: ``task_permit_taken``
+    now, ``task_permit_ended`` when the block ends, however it ends (success, exception,
+    retry, a lost lease; a killed process sends nothing, and its counts die with it)."""
+    signals.task_permit_taken.send(task, name=name, task_id=task_id, limit=limit, waited=waited)
+    since = time.monotonic()
+    try:
+        yield
+    finally:
+        held = time.monotonic() - since
+        signals.task_permit_ended.send(task, name=name, task_id=task_id, held=held)
 
 
 #: The LockedTask execution whose body runs in this context (thread, or asyncio task):

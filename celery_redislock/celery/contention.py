@@ -5,6 +5,7 @@ holder (in the pool process), re-queue, skip or fail; and when it gives up.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from typing import Any, NamedTuple
 
@@ -26,17 +27,33 @@ log = logging.getLogger(__name__)
 
 #: Message header counting re-queues (kept apart from Celery's ``retries``).
 REQUEUE_HEADER = "redislock_requeues"
+#: Message header of a limited task's deferred copies: when its run first tried for its
+#: permit (seconds since the epoch), so that its wait is measured across deferrals.
+FIRST_TRY_HEADER = "redislock_first_try"
 SKIPPED = "SKIPPED"
 
 
+def first_try(value: Any, now: float) -> float:
+    """When a run first tried for its permit: ``value`` (a deferred copy's
+    :data:`FIRST_TRY_HEADER`) if it is a time within a year before ``now``, else ``now``
+    (a message may carry anything; another host's clock may be ahead)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and math.isfinite(value) and now - MAX_SECONDS <= value <= now:
+        return float(value)
+    return now
+
+
 class _Call(NamedTuple):
-    """One execution's particulars, passed between the contention steps."""
+    """One execution's particulars, passed between the contention steps: with ``limit``
+    (a limited task's run), when it first tried for its permit (:func:`first_try`)."""
 
     request: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     options: LockOptions
     name: str
+    limit: int | None = None
+    first_try: float = 0.0
 
 
 class Contention(Task):  # type: ignore[misc]
@@ -51,8 +68,7 @@ class Contention(Task):  # type: ignore[misc]
         again when the broker is back. The body never ran, so nothing runs twice."""
         request, options, name = call.request, call.options, call.name
         countdown = min(options.requeue_backoff[1], _visibility_timeout(self.app) / 4)
-        headers = dict(request.headers or {})
-        signature = self.signature_from_request(request, call.args, call.kwargs, headers=headers)
+        signature = self._sent_again(call, dict(request.headers or {}))
         log.warning(
             "redislock: %s[%s] could not take %r (%s: %s); sent again in %.1fs",
             self.name,
@@ -63,8 +79,21 @@ class Contention(Task):  # type: ignore[misc]
             countdown,
         )
         self._publish(signature, countdown=countdown)
-        signals.task_requeued.send(self, name=name, task_id=request.id, countdown=countdown)
+        signals.task_requeued.send(
+            self, name=name, task_id=request.id, countdown=countdown, limit=call.limit
+        )
         raise Ignore()
+
+    def _sent_again(self, call: _Call, headers: dict[str, Any]) -> Any:
+        """The signature that sends this call again (same id, links, chain) with
+        ``headers``; a limited task's also says when its run first tried for its permit."""
+        signature = self.signature_from_request(
+            call.request, call.args, call.kwargs, headers=headers
+        )
+        if call.limit is not None:
+            headers = signature.options.get("headers") or {}
+            signature.options["headers"] = {**headers, FIRST_TRY_HEADER: call.first_try}
+        return signature
 
     def _publish(self, signature: Any, **options: Any) -> None:
         """Publish a copy of the running task's message; if the broker cannot take it,
@@ -125,7 +154,7 @@ class Contention(Task):  # type: ignore[misc]
 
         Raises the exhausted action once ``lock_max_requeues`` is reached.
         """
-        request, args, kwargs, options, name = call
+        request, options, name = call.request, call.options, call.name
         headers = dict(request.headers or {})
         done = int(headers.get(REQUEUE_HEADER) or getattr(request, REQUEUE_HEADER, 0) or 0)
         if done >= options.max_requeues:
@@ -154,7 +183,7 @@ class Contention(Task):  # type: ignore[misc]
                 raise Ignore()
             raise LockContendedError(message, name=name, owner=request.id)
         headers[REQUEUE_HEADER] = done + 1
-        return self.signature_from_request(request, args, kwargs, headers=headers), done + 1
+        return self._sent_again(call, headers), done + 1
 
     def _still_parked(self, call: _Call) -> bool:
         if settings_for(self.app).urls:
@@ -195,7 +224,7 @@ class Contention(Task):  # type: ignore[misc]
         with_fallback = _park_fallback(self.app)
         if with_fallback:
             self._publish(signature, countdown=fallback)
-        signals.task_parked.send(self, name=name, task_id=request.id)
+        signals.task_parked.send(self, name=name, task_id=request.id, limit=call.limit)
         log.info(
             "redislock: %s[%s] parked behind the holder of %r (%d)%s",
             self.name,
@@ -229,7 +258,9 @@ class Contention(Task):  # type: ignore[misc]
             cap if duplicate else backoff(count - 1, base=base, cap=max(cap, base), rng=_rng)
         )
         self._publish(signature, countdown=countdown)
-        signals.task_requeued.send(self, name=name, task_id=request.id, countdown=countdown)
+        signals.task_requeued.send(
+            self, name=name, task_id=request.id, countdown=countdown, limit=call.limit
+        )
         log.info(
             "redislock: %s[%s] re-queued in %.3fs (%d): %r is held%s",
             self.name,

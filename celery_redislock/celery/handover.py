@@ -44,7 +44,14 @@ MAX_REFUSALS = 100
 
 
 def deliver_handed_over(app: Any, handed: _Handed | None, lease: int) -> int:
-    """Check the message of the parked task a lock was handed to, then send it: 1 if sent.
+    """:func:`send_handed_over`: 1 if a message was sent, else 0."""
+    return 0 if send_handed_over(app, handed, lease) is None else 1
+
+
+def send_handed_over(app: Any, handed: _Handed | None, lease: int) -> _Handed | None:
+    """Check the message of the parked task a lock was handed to, then send it; returns
+    the hand-over whose message was sent (``handed``, or a later parked task's after
+    refusals), or None.
 
     Everything in it was read back from Redis, where anyone who may write the lock keys
     may have written it. It is sent only if a worker holding this app's signing key parked
@@ -57,21 +64,21 @@ def deliver_handed_over(app: Any, handed: _Handed | None, lease: int) -> int:
     """
     for _ in range(MAX_REFUSALS):
         if handed is None:
-            return 0
+            return None
         try:
             send = _checked(app, handed)
         except signing.Refused as exc:
             handed = refuse_handed_over(app, handed.lock_key, handed.task_id, str(exc), lease)
             continue
         send()
-        return 1
+        return handed
     if handed is not None:
         log.warning(
             "redislock: refused %d parked messages in a row under %r; the sweeper goes on",
             MAX_REFUSALS,
             _text(handed.lock_key),
         )
-    return 0
+    return None
 
 
 def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:

@@ -25,6 +25,7 @@ where anyone who may write the lock keys may have written it.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 import weakref
 from typing import Any
@@ -38,11 +39,11 @@ from .._keyspace import parked_under, probe_key
 from . import signing
 from .base import LockedTask
 from .clients import client_for, settings_for
-from .contention import REQUEUE_HEADER, _park_fallback
+from .contention import FIRST_TRY_HEADER, REQUEUE_HEADER, _park_fallback, first_try
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
-from .tasklock import PARKABLE, request_owner
+from .tasklock import PARKABLE, TaskSemaphore, request_owner
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,10 @@ class Parker:
         # Copies of the two parts changed (the header here, the delivery tag when parked).
         envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
         envelope["headers"][REQUEUE_HEADER] = count + 1
+        limit = lock.limit if isinstance(lock, TaskSemaphore) else None
+        if limit is not None:  # its wait for a permit starts now (or at its first deferral)
+            tried = first_try(headers.get(FIRST_TRY_HEADER), time.time())
+            envelope["headers"][FIRST_TRY_HEADER] = tried
         keep_for = task._parking_lifetime(options)
         key = settings_for(self.app).signing_key
         entry = envelope_entry(queue_list, envelope, lock.keys.lock, key)
@@ -214,7 +219,7 @@ class Parker:
         if outcome is None or outcome is True:
             return False
         lock._contended(task_id)
-        signals.task_parked.send(task, name=name, task_id=task_id)
+        signals.task_parked.send(task, name=name, task_id=task_id, limit=limit)
         log.info(
             "redislock: %s[%s] parked behind the holder of %r (%d) before dispatch",
             task.name,

@@ -8,6 +8,7 @@ import threading
 import weakref
 from typing import Any
 
+from .. import metrics
 from .._core import MIN_SECONDS, LockKeys, lease_ms
 from .._keyspace import SemaphoreKeys, parked_registry, parked_under
 from .._replies import decode_sweep
@@ -47,6 +48,10 @@ class Sweeper(threading.Thread):
                 self.sweep_once()
             except Exception:
                 log.exception("redislock: sweeping parked tasks failed; retrying")
+            try:  # the main process's counts (parked at delivery): flushed no other way
+                metrics.flush_to_redis(client_for(self.app), settings_for(self.app).defaults.prefix)
+            except Exception:  # stats are best effort
+                log.debug("redislock: could not flush stats", exc_info=True)
 
     def sweep_once(self) -> int:
         """One pass; returns how many messages it published."""

@@ -92,7 +92,7 @@ class _ParkedRun(SyncSingle):
         ) -> int: ...
         def handoff_args(
             self,
-            owner: str,
+            owner: str | bytes,
             mode: str,
             done_ttl: float | None,
             pull: _Pull | None = None,
@@ -155,9 +155,10 @@ class _ParkedRun(SyncSingle):
         """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
         return _handed(self.keys.lock, reply.handed)
 
-    def handoff(self, owner: str, mode: str, done_ttl: float | None) -> HandoffReply:
-        """One hand-over script run for ``owner`` (mode "all": its process died;
-        "unstarted": a hand-over to it it never took up), without look-ahead."""
+    def handoff(self, owner: str | bytes, mode: str, done_ttl: float | None) -> HandoffReply:
+        """One hand-over script run for ``owner`` (mode "all": its process died, or
+        ``celery redislock release --owner``; "unstarted": a hand-over to it it never
+        took up), without look-ahead."""
         keys, args = self.handoff_args(owner, mode, done_ttl)
         return decode_handoff(self._scripts.handoff(keys=keys, args=args))
 
@@ -259,7 +260,7 @@ class TaskLock(_ParkedRun, RedisLock):
 
     def handoff_args(
         self,
-        owner: str,
+        owner: str | bytes,
         mode: str,
         done_ttl: float | None,
         pull: _Pull | None = None,
@@ -308,7 +309,7 @@ class TaskSemaphore(_ParkedRun, RedisSemaphore):
     _decode_acquire = staticmethod(functools.partial(decode_acquire, script="sem_acquire"))
 
     def __init__(
-        self, client: Any, name: str, *, task_id: str, options: LockOptions, limit: int
+        self, client: Any, name: str | bytes, *, task_id: str, options: LockOptions, limit: int
     ) -> None:
         super().__init__(client, name, limit, ttl=options.ttl, owner=task_id, prefix=options.prefix)
         self._run_keys(task_id)
@@ -330,7 +331,7 @@ class TaskSemaphore(_ParkedRun, RedisSemaphore):
 
     def handoff_args(
         self,
-        owner: str,
+        owner: str | bytes,
         mode: str,
         done_ttl: float | None,
         pull: _Pull | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,8 @@ from celery import Celery
 from celery.bin.celery import celery
 from click.testing import CliRunner, Result
 
-from celery_redislock import RedisLock, RedLock
+from celery_redislock import RedisLock, RedisSemaphore, RedLock
+from celery_redislock._keyspace import SemaphoreKeys, parked_registry
 from celery_redislock.testing import RedisServer
 
 from .. import celery_app as ca
@@ -246,3 +248,188 @@ def test_an_empty_prefix_is_a_prefix(one: redis.Redis) -> None:
         "holder": 1
     }
     assert "not locked" in invoke("show", "bare").output  # the app's prefix: another lock
+
+
+# ----------------------------------------------------------------- limited keys (lock_limit)
+
+
+def test_limited_keys_are_listed_shown_and_a_holders_permit_freed_and_handed_on(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    r = broker.client()
+    keys = SemaphoreKeys.for_name("tenant:cli")
+    proc = worker(broker.url, tmp_path / "w.log", concurrency=4, env={"REDISLOCK_TEST_TTL": "30"})
+    try:
+        running = [ca.tenant_job.delay("cli", 6.0) for _ in range(2)]
+        wait_until(lambda: r.llen("started:cli") == 2, timeout=30)
+        waiting = ca.tenant_job.delay("cli", 0.01)
+        wait_until(lambda: r.llen(keys.line.parked) == 1, timeout=30)
+        RedisLock(r, "tenant:cli", owner="someone", ttl=60).acquire()  # a lock of that name
+        holders = {line.decode().split()[0] for line in r.lrange("started:cli", 0, -1)}
+        assert holders == {result.id for result in running}
+
+        rows = [json.loads(line) for line in run("ls", "--json").splitlines()]
+        assert [(row["name"], row["kind"]) for row in rows] == [
+            ("tenant:cli", "lock"),
+            ("tenant:cli", "semaphore"),
+        ]
+        limited = rows[1]
+        assert limited["owners"] == dict.fromkeys(holders, 1) and limited["holders"] == 2
+        assert limited["limit"] == 2 and limited["parked"] == 1 and limited["token"] >= 2
+        assert 0 < limited["ttl"] <= 30
+        table = run("ls", "tenant:*").splitlines()
+        assert len(table) == 4 and table[-1] == "1 lock(s) held, 1 limited key(s) in use"
+        assert table[2].split()[:2] == ["tenant:cli", "limit"] and " 2/2 " in table[2]
+        assert run("ls", "job:*").splitlines()[1:] == ["0 lock(s) held"]
+
+        lock, shown = (
+            json.loads(line) for line in run("show", "tenant:cli", "--json").splitlines()
+        )
+        assert lock["kind"] == "lock" and lock["owners"] == {"someone": 1}
+        assert shown["kind"] == "semaphore" and shown["limit"] == 2
+        assert {p["owner"]: p["holds"] for p in shown["permits"]} == dict.fromkeys(holders, 1)
+        assert all(0 < p["ttl"] <= 30 and p["limit"] == 2 for p in shown["permits"])
+        assert len({p["token"] for p in shown["permits"]}) == 2
+        assert shown["parked_tasks"] == [{"task": waiting.id, "limit": 2}]
+        text = run("show", "tenant:cli")
+        assert "tenant:cli (lock): locked" in text
+        assert "tenant:cli (limited key): 2 of 2 permit(s) held" in text
+        assert f"parked: task {waiting.id} (limit 2)" in text
+        assert all(f"holder: {holder} (1 hold(s)), lease left" in text for holder in holders)
+
+        victim, other = running
+        declined = CliRunner().invoke(
+            celery,
+            ["-A", "tests.celery_app", "redislock", "release", "tenant:cli", "--owner", victim.id],
+            input="n\n",
+        )
+        assert declined.exit_code != 0 and r.exists(keys.permit(victim.id))
+        freed = run("release", "tenant:cli", "--owner", victim.id, "--yes")
+        assert freed.splitlines() == [
+            f"tenant:cli: the permit of {victim.id} freed",
+            f"tenant:cli: handed on to parked task {waiting.id}",
+        ]
+        assert not r.exists(keys.permit(victim.id))
+        waiting.get(timeout=30)  # sent, and run with the freed permit
+        assert other.get(timeout=30) >= 1
+        with pytest.raises(Exception, match="lost"):  # the evicted run learns it
+            victim.get(timeout=30)
+        rows = [json.loads(line) for line in run("ls", "--json").splitlines()]
+        assert [(row["name"], row["kind"]) for row in rows] == [("tenant:cli", "lock")]
+    finally:
+        proc.stop()  # a warm shutdown flushes every process's last counts
+    totals = json.loads(run("stats", "--json"))
+    assert totals["limited_keys_now"] == 0 and totals["permits_held_now"] == 0
+    job = totals["limits"]["tests.celery_app.tenant_job"]
+    assert job["taken"] == 3 and job["parked"] == 1 and job["deferred"] == 1
+    assert job["parked_now"] == 0 and job["wait_p99"] is not None
+    assert "tests.celery_app.tenant_job: taken 3, deferred 1 (parked 1, re-queued 0)" in run(
+        "stats"
+    )
+
+
+def test_a_limited_key_is_read_as_it_comes_whatever_redis_holds(one: redis.Redis) -> None:
+    name = "evil\x1b[31m"
+    keys = SemaphoreKeys.for_name(name)
+    owners = ["ok-owner", "str-owner", "\x1b]0;title\x07", "gone-owner"]
+    one.sadd(keys.line.lock, *owners)
+    one.hset(keys.permit(owners[0]), mapping={owners[0]: 2, "__fence__": 7, "__limit__": 3})
+    one.pexpire(keys.permit(owners[0]), 60_000)
+    one.set(keys.permit(owners[1]), "not a hash", px=50_000)  # counted, as the scripts count it
+    junk = {owners[2]: "lots", "__fence__": "x", "__limit__": "-1", "extra": "1"}
+    one.hset(keys.permit(owners[2]), mapping=junk)  # (no expiry)
+    one.rpush(keys.line.parked, "p1", "p2")  # p2's message is gone
+    one.hset(keys.line.parked_messages, "p1", "S" + "0" * 64 + "\n{not json")
+    one.hset(keys.line.parked_limit, "p1", "zzz")
+    one.rpush(keys.line.waiters, "w\x1b")
+    one.set(SemaphoreKeys.for_name("string").line.lock, "a string, not a set")
+    one.hset("redislock:{junklock}", mapping={"o": 1, "__fence__": "NaN"})
+    one.set(parked_registry("redislock:"), "not a sorted set")
+    stats = {"acquired": "abc", "released": "nan", "contended": 5, "limit_taken@": 9}
+    stats |= {
+        "limit_taken@\x1b[2Jt": 3,
+        "limit_wait_le_0.5@\x1b[2Jt": "2",
+        "limit_parked@t": "1e999",
+    }
+    one.hset("redislock:stats", mapping=stats)
+
+    for args in (("ls",), ("show", name), ("show", "string"), ("stats",)):
+        result = invoke(*args)
+        assert result.exit_code == 0, (args, result.output)
+        assert "\x1b" not in result.output and "\x07" not in result.output, args
+    rows = {row["name"]: row for row in map(json.loads, invoke("ls", "--json").output.splitlines())}
+    assert set(rows) == {"junklock", name} and rows["junklock"]["token"] == 0
+    limited = rows[name]
+    assert limited["owners"] == {owners[0]: 2, owners[1]: 0, owners[2]: 0}
+    assert limited["holders"] == 3 and limited["holds"] == 2 and limited["limit"] == 3
+    assert limited["token"] == 7 and 0 < limited["ttl"] <= 50 and limited["parked"] == 2
+    (shown,) = map(json.loads, invoke("show", name, "--json").output.splitlines())
+    permits = {p["owner"]: p for p in shown["permits"]}
+    assert {o: (p["holds"], p["token"], p["limit"]) for o, p in permits.items()} == {
+        owners[0]: (2, 7, 3),
+        owners[1]: (0, None, None),
+        owners[2]: (0, None, None),
+    }
+    assert [permits[o]["ttl"] is None for o in owners[:3]] == [False, False, True]
+    assert shown["parked_tasks"] == [{"task": "p1", "limit": None}, {"task": "p2", "limit": None}]
+    assert shown["waiters"] == ["w\x1b"] and shown["waiting"] == 1
+    assert "not locked" in invoke("show", "string").output
+    totals = json.loads(invoke("stats", "--json").output)
+    assert (totals["acquired"], totals["released"], totals["contended"]) == (0, 0, 5)
+    assert totals["limits"]["\x1b[2Jt"]["taken"] == 3
+    assert totals["limits"]["\x1b[2Jt"]["wait_p50"] == 0.5
+    assert totals["limits"]["?"]["parked_now"] == 1  # p1's message names no task
+    assert set(totals["limits"]) == {"\x1b[2Jt", "?"}  # "t" had no finite count
+    assert (totals["limited_keys_now"], totals["permits_held_now"]) == (1, 3)
+
+
+def test_a_limited_key_with_only_parked_tasks_is_listed(one: redis.Redis) -> None:
+    """Its permits all ran out (no holders set): the sweeper's registry still names it."""
+    keys = SemaphoreKeys.for_name("stuck")
+    one.rpush(keys.line.parked, "p1")
+    one.hset(keys.line.parked_messages, "p1", "S")
+    one.hset(keys.line.parked_limit, "p1", 4)
+    one.zadd(parked_registry("redislock:"), {keys.line.lock: 0})
+    (row,) = map(json.loads, invoke("ls", "--json").output.splitlines())
+    assert (row["name"], row["kind"], row["holders"], row["limit"]) == ("stuck", "semaphore", 0, 4)
+    assert row["parked"] == 1 and row["ttl"] is None
+    assert invoke("ls").output.splitlines()[1].split()[3:7] == ["0/4", "-", "-", "1"]
+
+
+def test_release_by_owner_frees_that_permit_for_a_waiter_and_names_what_is_not_held(
+    one: redis.Redis,
+) -> None:
+    holder = RedisSemaphore(one, "one-at-a-time", 1, owner="first", ttl=60)
+    assert holder.acquire(blocking=False)
+    waiter = RedisSemaphore(one, "one-at-a-time", 1, owner="second", ttl=60)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=60)))
+    thread.start()
+    wait_until(lambda: one.llen(waiter.keys.waiters) == 1)
+
+    result = invoke("release", "one-at-a-time", "--yes")  # no --owner: the lock of that name
+    assert result.exit_code == 0 and result.output.splitlines() == [
+        "one-at-a-time: not locked; nothing to release",
+        "one-at-a-time is a limited key with 1 holder(s): free one holder's permit with "
+        "--owner OWNER (see: show NAME)",
+    ]
+    result = invoke("release", "one-at-a-time", "--owner", "nobody", "--yes")
+    assert result.exit_code == 0
+    assert "nobody holds no permit of it; nothing to release" in result.output
+    result = invoke("release", "one-at-a-time", "--owner", "first", "--yes")
+    assert result.exit_code == 0
+    assert result.output == "one-at-a-time: the permit of first freed\n"
+    thread.join(60)
+    assert got == [True]  # handed to the waiter in line, as a dying worker's release does
+    assert waiter.owned() and not holder.owned()
+    waiter.release()
+
+
+def test_limits_are_not_looked_for_on_a_quorum(quorum: list[RedisServer]) -> None:
+    client = quorum[0].client()
+    assert RedisSemaphore(client, "sem", 2, owner="a", ttl=60).acquire(blocking=False)
+    assert invoke("ls", "--json").output == ""
+    assert "limited key" not in invoke("show", "sem").output
+    result = invoke("release", "sem", "--owner", "a", "--yes")
+    assert result.exit_code == 2 and "limits are not offered with redislock_urls" in result.output
+    assert client.exists(SemaphoreKeys.for_name("sem").permit("a"))

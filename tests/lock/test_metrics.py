@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import pytest
@@ -57,3 +59,72 @@ def test_prometheus_export(redis_client: redis.Redis) -> None:
     lock.release()
     assert registry.get_sample_value("redislock_acquired_total") >= 1
     assert registry.get_sample_value("redislock_wait_seconds_count") >= 1
+
+
+def test_stats_read_back_from_redis_skip_what_is_not_a_number() -> None:
+    stored = {
+        b"acquired": b"3",
+        b"wait_sum": b"0.25",
+        b"lost": b"many",
+        b"renewed": b"nan",
+        b"released": b"inf",
+        b"\xff\xfe": b"1",  # a field that is not UTF-8
+        "contended": 2,
+    }
+    assert metrics.numbers(stored) == {"acquired": 3.0, "wait_sum": 0.25, "contended": 2.0}
+
+
+def test_limited_tasks_are_summed_per_task_name() -> None:
+    totals = {
+        "acquired": 9.0,  # not a limited task's
+        "limit_taken@proj.sync": 4.0,
+        "limit_parked@proj.sync": 2.0,
+        "limit_requeued@proj.sync": 1.0,
+        "limit_wait_le_0.001@proj.sync": 3.0,
+        "limit_wait_le_2.5@proj.sync": 1.0,
+        "limit_wait_sum@proj.sync": 2.1,
+        "limit_taken@odd@name": 1.0,  # a task name may hold the separator
+        "limit_taken@": 5.0,  # no task name: skipped
+        "wait_le_0.5@proj.sync": 7.0,  # not a limit_ field: skipped
+    }
+    assert metrics.limit_summary(totals) == {
+        "odd@name": {
+            "taken": 1,
+            "parked": 0,
+            "requeued": 0,
+            "deferred": 0,
+            "wait_p50": None,
+            "wait_p95": None,
+            "wait_p99": None,
+        },
+        "proj.sync": {
+            "taken": 4,
+            "parked": 2,
+            "requeued": 1,
+            "deferred": 3,
+            "wait_p50": 0.001,
+            "wait_p95": 2.5,
+            "wait_p99": 2.5,
+        },
+    }
+
+
+def test_a_forked_child_starts_counting_from_zero() -> None:
+    """Its parent flushes its own counts: a pool process must not add them again."""
+    metrics.enable()
+    metrics.STATS.drain()
+    metrics.STATS.add("acquired", 2)
+    metrics.STATS.hold("proj.sync", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+        pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        clean = metrics.STATS.snapshot() == {} and metrics.STATS.permits_held() == {}
+        metrics.STATS.add("acquired")  # and it counts on its own
+        os._exit(0 if clean and metrics.STATS.snapshot() == {"acquired": 1} else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert metrics.STATS.snapshot() == {"acquired": 2}  # the parent's, untouched
+    assert metrics.STATS.permits_held() == {"proj.sync": 1}
+    metrics.STATS.hold("proj.sync", -1)
+    metrics.STATS.drain()

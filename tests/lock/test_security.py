@@ -37,7 +37,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.connection import SSLConnection
 
-from celery_redislock import AsyncRedisLock, FencedResource, RedisLock, _waiting
+from celery_redislock import AsyncRedisLock, FencedResource, RedisLock, RedisSemaphore, _waiting
+from celery_redislock._keyspace import SemaphoreKeys, parked_registry
 from celery_redislock._renewal import scheduler_for
 from celery_redislock.aio import aclose_background
 from celery_redislock.testing import RedisServer, free_port, redis_server_binary
@@ -97,7 +98,9 @@ CELERY_EXTRA_COMMANDS = (
 CELERY_COMMANDS = LOCK_COMMANDS + CELERY_EXTRA_COMMANDS
 #: ``celery -A proj redislock ls|show|stats|release`` (an operator's user) adds these.
 #: SCAN is not confined by key patterns: it lists key names outside the prefix too.
-OPERATOR_EXTRA_COMMANDS = ("scan", "lrange", "pubsub|numsub")
+#: ZSCAN (the sweeper's registry), SMEMBERS (a limited key's holders) and HMGET (its
+#: parked tasks' limits and messages) read the limited keys (``lock_limit``).
+OPERATOR_EXTRA_COMMANDS = ("scan", "lrange", "pubsub|numsub", "zscan", "smembers", "hmget")
 OPERATOR_COMMANDS = CELERY_COMMANDS + OPERATOR_EXTRA_COMMANDS
 PASSWORD = "secret"
 #: redis-py sends these on connect (CLIENT SETINFO: Redis >= 7.2; CLIENT MAINT_NOTIFICATIONS:
@@ -330,6 +333,14 @@ def exercise_cli(url: str, admin: redis.Redis, tag: str) -> None:
         held = RedisLock(admin, f"{tag}:job", owner="someone", ttl=60, auto_renew=False)
         assert held.acquire()
         admin.hincrby("redislock:stats", "acquired", 3)
+        # A limited key with a holder and a parked task (as sem_park.lua leaves one).
+        limited = RedisSemaphore(admin, f"{tag}:sem", 1, owner="holder", ttl=60, auto_renew=False)
+        assert limited.acquire()
+        line = SemaphoreKeys.for_name(f"{tag}:sem").line
+        admin.rpush(line.parked, "parked-task")
+        admin.hset(line.parked_messages, "parked-task", 'S\n{"task": "proj.sync"}')
+        admin.hset(line.parked_limit, "parked-task", 1)
+        admin.zadd(parked_registry("redislock:"), {line.lock: 0})
         context = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
 
         def run(*args: str) -> str:
@@ -338,9 +349,15 @@ def exercise_cli(url: str, admin: redis.Redis, tag: str) -> None:
             return str(result.output)
 
         rows = [json.loads(line) for line in run("ls", "--json").splitlines()]
-        assert [row["name"] for row in rows] == [f"{tag}:job"]
+        assert [(row["name"], row["kind"]) for row in rows] == [
+            (f"{tag}:job", "lock"),
+            (f"{tag}:sem", "semaphore"),
+        ]
         assert "task someone" in run("show", f"{tag}:job")
-        assert json.loads(run("stats", "--json"))["acquired"] == 3
+        assert "parked: task parked-task (limit 1)" in run("show", f"{tag}:sem")
+        totals = json.loads(run("stats", "--json"))
+        assert totals["acquired"] == 3 and totals["permits_held_now"] == 1
+        assert totals["limits"]["proj.sync"]["parked_now"] == 1
         assert "released" in run("release", f"{tag}:job", "--yes")
         assert not admin.exists(held.keys.lock)
     finally:

@@ -49,7 +49,7 @@ def test_timeout_allows_none_and_zero() -> None:
     assert optional_seconds(0, "timeout") == 0.0
 
 
-@pytest.mark.parametrize("owner", ["", 5, b"x", "__fence__", "__grant__", "__chain__"])
+@pytest.mark.parametrize("owner", ["", 5, b"x", "__fence__", "__grant__", "__chain__", "__limit__"])
 def test_owner_must_be_a_nonempty_str_and_not_the_token_field(owner: object) -> None:
     with pytest.raises(LockConfigurationError, match="owner"):
         validate_owner(owner)

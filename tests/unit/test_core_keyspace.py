@@ -132,6 +132,25 @@ def test_every_name_of_a_prefix_is_pinned() -> None:
     assert ks.handoff_queue("celery") == "celery.redislock"
     assert ks.handoff_queue("celery.redislock") == "celery.redislock"
     assert ks.lock_key_pattern("a*b:", b"acc{1}%*") == rb"a\*b:{acc%7B1%7D%25*}"
+    assert ks.semaphore_key_pattern("a*b:", b"acc{1}%*") == rb"a\*b:{acc%7B1%7D%25*}:sem"
+
+
+def test_a_semaphore_is_found_by_its_holders_set_and_by_nothing_else() -> None:
+    """The CLI finds limited keys by SCAN: only a key that round-trips names one."""
+    keys = ks.SemaphoreKeys.for_name("a{b}%c", "p:")
+    assert ks.semaphore_name(keys.line.lock, "p:") == b"a{b}%c"
+    assert ks.SemaphoreKeys.for_key(keys.line.lock, "p:") == keys
+    for other in (
+        keys.permit("x"),  # a permit
+        keys.line.fence,
+        ks.lock_key("a", "p:"),  # a lock
+        b"p:{a}:kept:x}:sem",  # a kept marker whose owner ends like a holders set
+        b"p:{a{b}:sem",  # not escaped: written by no one here
+        b"p:{}:sem",  # no name
+        b"q:{a}:sem",  # another prefix
+    ):
+        assert ks.semaphore_name(other, "p:") is None, other
+        assert ks.SemaphoreKeys.for_key(other, "p:") is None, other
 
 
 def test_names_are_escaped_inside_the_hash_tag() -> None:
