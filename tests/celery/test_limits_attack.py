@@ -242,19 +242,15 @@ def test_a_copy_whose_lease_lapsed_is_told_and_leaves_the_later_copys_permit_alo
         copy_b.close()
 
 
-@pytest.mark.slow  # about 15 s
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sweeper hands the parked entry of a run a permit while another copy of that "
-    "run holds one: the run runs twice at once (see the test above)",
-)
+@pytest.mark.slow  # about 25 s
 def test_two_copies_of_one_run_never_run_at_once_through_a_worker(
     broker: RedisServer, tmp_path: Path
 ) -> None:
     """The same, end to end: copy A of run X is parked at delivery behind two plain holders
     (code sharing the key's permits); one of them releases (a plain release serves no
     parked task; the sweeper does, later), copy B of X is delivered and takes that permit;
-    the other holder releases, and the sweeper serves the parked copy A."""
+    the other holder releases, and the sweeper passes. The run runs once (it ran twice at
+    once when the sweeper handed copy A's parked entry a permit over copy B's)."""
     r = broker.client()
     queue = "celery"
     plain = [RedisSemaphore(r, "cap:dup", 2, ttl=60, owner=f"plain-{i}") for i in range(2)]
@@ -275,6 +271,7 @@ def test_two_copies_of_one_run_never_run_at_once_through_a_worker(
         time.sleep(10.0)  # a sweeper pass (5 s) and a whole second run (8 s)
         started = [x.decode().split()[0] for x in r.lrange("attack:started:dup", 0, -1)]
         assert started == ["run-x"], proc.text()[-3000:]
+        assert r.llen(keys_of("dup").line.parked) == 0  # copy A's entry went with B's take
     finally:
         proc.stop()
 
@@ -669,39 +666,42 @@ def test_a_revoked_parked_limited_task_passes_its_permit_on(
 # -- Redis restarts ----------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # about 20 s
-def test_a_restart_of_the_brokers_redis_with_aof_mid_drain_loses_nothing(
-    redis_server_factory: Any, tmp_path: Path
+@pytest.mark.slow  # about 15 s
+def test_a_restart_of_the_lock_redis_with_aof_mid_drain_loses_nothing(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path
 ) -> None:
-    """Broker, results and locks in one Redis with AOF (fsync always), SIGKILLed and
-    restarted while two runs hold the permits and four are parked: every run runs once,
-    never three at once, and no permit is left held."""
-    from celery import Celery
+    """Locks in a Redis of their own with AOF (fsync always), SIGKILLed and restarted while
+    two runs hold the permits and four are parked (with their fallback copies in the
+    broker): every run runs once, never three at once, and no permit is left held.
 
-    server = redis_server_factory(appendonly=True)
-    r = server.client()
-    producer = Celery("attack-producer", broker=server.url, backend=server.url)
-    proc = worker(server.url, tmp_path / "w.log", concurrency=4, app=APP)
+    (Not the broker's own Redis: a worker whose Redis broker is still down when its
+    consumer reconnects can die of kombu's "Unrecoverable error: AttributeError('NoneType'
+    object has no attribute 'hostname')" while restoring its unacked messages, which made
+    that variant of this test fail at random; it is Celery's, not this package's.)"""
+    locks = redis_server_factory(appendonly=True)
+    r = broker.client()
+    proc = worker(
+        broker.url,
+        tmp_path / "w.log",
+        concurrency=4,
+        app=APP,
+        env={"REDISLOCK_TEST_LOCK_URL": locks.url},
+    )
     try:
-        ids = [producer.send_task(lap.capped.name, args=("aof", 1.5)).id for _ in range(6)]
-        wait_until(lambda: r.llen(keys_of("aof").line.parked) >= 3, timeout=30)
-        server.restart()  # SIGKILL, then start again on its port from the AOF
-        r = server.client()
-        wait_until(
-            lambda: len(runs_of(r, "aof")) == 6,
-            timeout=90,
-            what="every run",
-            ignore=(redis.ConnectionError,),
-        )
-        time.sleep(2.0)
+        results = [lap.capped.delay("aof", 1.5) for _ in range(6)]
+        wait_until(lambda: locks.client().llen(keys_of("aof").line.parked) >= 3, timeout=30)
+        locks.restart()  # SIGKILL, then start again on its port from the AOF
+        for result in results:
+            result.get(timeout=60)
+        time.sleep(2.0)  # the fallback copies come and find their runs done
         runs = runs_of(r, "aof")
-        ran_once_each(runs, ids)
+        ran_once_each(runs, [result.id for result in results])
         check_limits(runs)
         assert most_at_once(runs) == 2
-        wait_until(lambda: holders(r, "aof") == set(), timeout=15)
+        lr = locks.client()
+        wait_until(lambda: holders(lr, "aof") == set(), timeout=15)
     finally:
         proc.stop()
-        producer.close()
 
 
 @pytest.mark.slow  # about 20 s
