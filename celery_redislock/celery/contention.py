@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 #: Message header counting re-queues (kept apart from Celery's ``retries``).
 REQUEUE_HEADER = "redislock_requeues"
+#: celery.deferral's header of a run whose rate slot is booked, and the in-memory mark of
+#: a run its rate admitted (spelled there; here because deferral imports this module).
+RATE_BOOKED = "redislock_rate_booked"
+RATE_ADMITTED = "redislock_rate_admitted"
 SKIPPED = "SKIPPED"
 
 
@@ -154,7 +158,12 @@ class Contention(Task):  # type: ignore[misc]
                 raise Ignore()
             raise LockContendedError(message, name=name, owner=request.id)
         headers[REQUEUE_HEADER] = done + 1
-        return self.signature_from_request(request, args, kwargs, headers=headers), done + 1
+        signature = self.signature_from_request(request, args, kwargs, headers=headers)
+        if getattr(request, RATE_ADMITTED, False):
+            # Admitted by its rate, then contended: its next delivery keeps the slot.
+            slot = getattr(request, "redislock_rate_slot_us", None)
+            signature.options.setdefault("headers", {})[RATE_BOOKED] = slot or 1
+        return signature, done + 1
 
     def _still_parked(self, call: _Call) -> bool:
         if settings_for(self.app).urls:
