@@ -48,6 +48,8 @@ the lock, in the same hash tag:
                                     theoretical arrival time, a whole number of
                                     microseconds on the server's clock; it expires once
                                     that time has passed
+``<L>:rate:deferred``               a rate-limited task's deferred calls on that name, in
+                                    arrival order (a list of signed entries)
 ==================================  =====================================================
 
 Names of a prefix, not of one lock:
@@ -55,6 +57,11 @@ Names of a prefix, not of one lock:
 ==================================  =====================================================
 ``<prefix>parked``                  the sweeper's registry: locks with parked tasks (zset)
 ``<prefix>lookahead:<queue list>``  the lock whose tasks look-ahead moves ahead in a list
+``<prefix>deferred``                the drainers' registry: deferred lists, scored by when
+                                    their head is due (ms on the server's clock; a zset)
+``<prefix>deferred:sending``        deferred calls taken for sending and not yet confirmed
+                                    sent: ``<deferred list>\n<entry>``, scored by when
+                                    taken (ms; a zset)
 ``<prefix>stats``                   the counters ``celery redislock stats`` reads (hash)
 ``<prefix>probe:<nonce>``           the parking probe: do the locks and the broker share
                                     a Redis?
@@ -94,6 +101,7 @@ _PARKED_LIMIT = b":parked:limit"
 _SEMAPHORE = b":sem"
 _PERMIT = b":permit:"
 _RATE = b":rate:"
+_DEFERRED = b"deferred"
 #: Handed-over tasks go to this queue (``<queue>.redislock``).
 HANDOFF_QUEUE_SUFFIX = ".redislock"
 
@@ -340,6 +348,25 @@ class RateKeys:
         """The schedule of the limit over ``period_us`` microseconds."""
         return self.schedules + str(period_us).encode()
 
+    @property
+    def deferred(self) -> bytes:
+        """A rate-limited task's deferred calls on this name, oldest first (a list)."""
+        return self.schedules + _DEFERRED
+
+    @classmethod
+    def for_deferred(cls, key: bytes, prefix: str = DEFAULT_PREFIX) -> RateKeys | None:
+        """The limiter whose deferred list is ``key`` (a drainers' registry member), under
+        ``prefix``; None for any other key (anyone who may write the registry may have
+        written it)."""
+        tail = _RATE + _DEFERRED
+        if not key.endswith(tail):
+            return None
+        name = name_from_lock_key(key[: -len(tail)], prefix)
+        if name is None:
+            return None
+        found = cls.for_name(name, prefix)
+        return found if found.deferred == key else None
+
 
 def lock_key(name: str | bytes, prefix: str = DEFAULT_PREFIX) -> bytes:
     """The lock hash's key: ``<prefix>{<name, escaped>}`` (the prefix checked: a brace in
@@ -407,6 +434,16 @@ def grant_channel_tail(grant_id: bytes) -> bytes:
 def parked_registry(prefix: str) -> str:
     """The sweeper's registry: lock keys with parked or handed-over tasks (a zset)."""
     return prefix + "parked"
+
+
+def deferred_registry(prefix: str) -> str:
+    """The drainers' registry: deferred lists, scored by when their head is due (a zset)."""
+    return prefix + "deferred"
+
+
+def deferred_sending(prefix: str) -> str:
+    """Deferred calls taken for sending, not yet confirmed sent (a zset)."""
+    return prefix + "deferred:sending"
 
 
 def lookahead_chain(prefix: str, queue_list: str) -> str:

@@ -209,6 +209,46 @@ def decode_rate(reply: Any, max_wait_us: int, longest_us: int) -> RateReply:
 # --------------------------------------------------------------------- handoff, sweep
 
 
+def decode_rate_defer(reply: Any) -> tuple[int | None, int]:
+    """rate_defer.lua's reply: (None, when its slot was booked in µs on the server's
+    clock) if admitted at once, else (the wait in microseconds until the deferred list's
+    head is due, -1: the call joined a line; 0)."""
+    table = _table(reply, "rate_defer", 2, 3)
+    code = _number(table[0], "rate_defer", reply, "the code")
+    wait = _number(table[1], "rate_defer", reply, "the wait")
+    if code == 1 and wait == 0 and len(table) == 3:
+        return None, _number(table[2], "rate_defer", reply, "the time")
+    if code != 0 or wait < -1 or len(table) != 2:
+        raise _malformed("rate_defer", reply, "not a code it sends")
+    return wait, 0
+
+
+#: rate_drain.lua's codes.
+DRAIN_EMPTY, DRAIN_CHANGED, DRAIN_NOT_DUE, DRAIN_DROPPED, DRAIN_ADMITTED = range(5)
+
+
+def decode_rate_drain(reply: Any) -> tuple[int, int]:
+    """rate_drain.lua's reply: (code, the wait in microseconds when not due, or when the
+    slot was booked in µs on the server's clock when admitted; else 0)."""
+    table = _table(reply, "rate_drain", 1, 2)
+    code = _number(table[0], "rate_drain", reply, "the code")
+    if code in (DRAIN_NOT_DUE, DRAIN_ADMITTED) and len(table) == 2:
+        value = _number(table[1], "rate_drain", reply, "the wait or time")
+        if value >= 0:
+            return code, value
+    elif code in (DRAIN_EMPTY, DRAIN_CHANGED, DRAIN_DROPPED) and len(table) == 1:
+        return code, 0
+    raise _malformed("rate_drain", reply, "not a code it sends")
+
+
+def decode_rate_resend(reply: Any) -> bool:
+    """rate_resend.lua's reply: whether the caller claimed the call to send it again."""
+    code = _number(reply, "rate_resend", reply, "the reply")
+    if code not in (0, 1):
+        raise _malformed("rate_resend", reply, "not 0 or 1")
+    return code == 1
+
+
 class Handed(NamedTuple):
     """A parked task a script handed the lock to: its message to check and send."""
 

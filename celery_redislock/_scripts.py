@@ -35,6 +35,9 @@ SCRIPT_NAMES = (
     "sem_handoff",
     "sem_sweep",
     "rate",
+    "rate_defer",
+    "rate_drain",
+    "rate_resend",
 )
 #: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``), in
 #: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
@@ -44,8 +47,9 @@ SCRIPT_NAMES = (
 #: task and sends stale hand-overs again (after ``envelope``: it pushes them); ``sem`` counts
 #: a semaphore's permits and takes one (``celery_redislock.semaphore``).
 #: it); ``parked`` hands a lock to the first parked task; ``envelope`` reads parked envelopes;
-#: ``sem`` counts a semaphore's permits still held (``celery_redislock.semaphore``). The rate
-#: limiter's ``rate`` needs only ``args`` (``celery_redislock.ratelimit``).
+#: ``sem`` counts a semaphore's permits still held (``celery_redislock.semaphore``); ``gcra``
+#: decides and books a rate limiter's slot (``celery_redislock.ratelimit``), for ``rate`` and
+#: for a task's deferral and its drain (``celery_redislock.celery.deferral``).
 PRELUDES: dict[str, tuple[str, ...]] = {
     "acquire": ("args", "lock"),
     "release": ("args", "lock", "grant"),
@@ -58,7 +62,10 @@ PRELUDES: dict[str, tuple[str, ...]] = {
     "sem_park": ("args", "lock", "sem"),
     "sem_handoff": ("args", "lock", "grant", "sem", "envelope", "parked"),
     "sem_sweep": ("args", "lock", "sem", "envelope", "parked"),
-    "rate": ("args",),
+    "rate": ("args", "gcra"),
+    "rate_defer": ("args", "gcra"),
+    "rate_drain": ("args", "gcra"),
+    "rate_resend": ("args",),
 }
 #: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
 MAX_MS_NAME = "MAX_MS"
@@ -130,6 +137,10 @@ class Scripts:
         )
         #: A rate limiter's one script (``celery_redislock.ratelimit``).
         self.rate = client.register_script(text("rate"))
+        #: A rate-limited task's deferral, drain and re-send (``celery.deferral``).
+        self.rate_defer = client.register_script(text("rate_defer"))
+        self.rate_drain = client.register_script(text("rate_drain"))
+        self.rate_resend = client.register_script(text("rate_resend"))
 
 
 def run(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:

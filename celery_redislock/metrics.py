@@ -41,6 +41,9 @@ COUNTERS = (
     "pulled",
     "release_failed",
     "parked_rejected",
+    "rate_admitted",
+    "deferred",
+    "undeferred",
 )
 
 #: Counters of limited tasks' runs, per task name (fields ``<counter>@<task name>``):
@@ -154,6 +157,18 @@ def _deferred(field: str) -> Any:
     return receive
 
 
+def _per_task(field: str) -> Any:
+    """Count ``field`` overall and per task name (``<field>:<task name>``)."""
+
+    def receive(sender: Any = None, **_: Any) -> None:
+        STATS.add(field)
+        task = getattr(sender, "name", None)
+        if isinstance(task, str):
+            STATS.add(f"{field}:{task}")
+
+    return receive
+
+
 def _on_permit_taken(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
     task = task_name(sender)
     STATS.add(task_field("limit_taken", task))
@@ -164,6 +179,20 @@ def _on_permit_taken(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
 def _on_permit_ended(sender: Any = None, **_: Any) -> None:
     STATS.hold(task_name(sender), -1)
 
+
+def _on_undeferred(sender: Any = None, name: str = "", delay: float = 0.0, **_: Any) -> None:
+    """A deferred task sent: counted, and its deferral delay in a histogram per task name
+    (``deferral_le_<bound>:<task>``, ``deferral_sum:<task>``)."""
+    STATS.add("undeferred")
+    STATS.add(f"undeferred:{name}")
+    index = bisect.bisect_left(DEFERRAL_BUCKETS, delay)
+    bound = DEFERRAL_BUCKETS[index] if index < len(DEFERRAL_BUCKETS) else "inf"
+    STATS.add(f"deferral_le_{bound}:{name}")
+    STATS.add(f"deferral_sum:{name}", delay)
+
+
+#: Upper bounds (seconds) of the deferral-delay histogram buckets; the last is +inf.
+DEFERRAL_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 300.0, 3600.0)
 
 _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.lock_acquired, _on_acquired),
@@ -178,6 +207,9 @@ _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.task_pulled, _counter("pulled")),
     (signals.lock_release_failed, _counter("release_failed")),
     (signals.parked_rejected, _counter("parked_rejected")),
+    (signals.task_rate_admitted, _per_task("rate_admitted")),
+    (signals.task_deferred, _per_task("deferred")),
+    (signals.task_undeferred, _on_undeferred),
 ]
 _enabled = False
 
@@ -322,6 +354,9 @@ def enable_prometheus(registry: Any = None) -> None:
         (signals.task_pulled, "pulled"),
         (signals.lock_release_failed, "release_failed"),
         (signals.parked_rejected, "parked_rejected"),
+        (signals.task_rate_admitted, "rate_admitted"),
+        (signals.task_deferred, "deferred"),
+        (signals.task_undeferred, "undeferred"),
     ):
         signal.connect(lambda sender=None, _c=counters[name], **_: _c.inc())
     signals.lock_renewed.connect(lambda sender=None, count=1, **_: counters["renewed"].inc(count))

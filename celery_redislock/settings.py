@@ -33,7 +33,14 @@ Settings (task attributes of the same meaning override them per task):
   ``1`` is the mutex (a :class:`~celery_redislock.RedisLock` per key); an int ``N`` > 1, or a
   callable ``(args, kwargs) -> int`` computing it per call, takes one of N permits of a
   :class:`~celery_redislock.RedisSemaphore` per key instead (docs/concepts.md, "Limits").
-  Not offered with ``redislock_urls``.
+  Not offered with ``redislock_urls``. On a task, ``lock_limit=None`` means no lock at all
+  (a rate only: it needs ``lock_rate``).
+* ``redislock_rate`` (``None``, task: ``lock_rate``) — at most this rate of runs per key:
+  ``"N/s"``, ``"N/m"``, ``"N/h"``, ``"N/d"``, a ``(count, seconds)`` pair, or a list of them.
+  A run over the rate is deferred to its slot (its worker slot given back) and delivered
+  again when its slot is due, in arrival order per key. The key is the task's
+  ``lock_rate_key`` template (default: its ``lock_key``). Not offered with
+  ``redislock_urls`` (docs/concepts.md, "Rate limits for tasks").
 * ``redislock_done_ttl`` (``86400.0``) — how long a finished task id is remembered (dedup).
 * ``redislock_park_fallback`` (``"auto"``) — also keep a delayed copy of each parked task in
   the broker: ``"auto"`` does when the lock Redis is not the broker's Redis.
@@ -63,6 +70,7 @@ from typing import Any, NamedTuple
 from ._core import DEFAULT_PREFIX, MAX_LIMIT, duration_error, lease_ms, seconds, validate_prefix
 from ._errors import LockConfigurationError
 from ._nodes import check_distinct
+from ._rates import Limit, parse_rates
 
 CONTENTION_POLICIES = ("requeue", "wait", "skip", "raise")
 WAIT_FALLBACKS = ("requeue", "raise")
@@ -132,6 +140,11 @@ def _limit(value: object, name: str) -> Any:
     return value
 
 
+def _rate(value: object, name: str) -> tuple[Limit, ...]:
+    """``lock_rate``: one rate or a list of them (``_rates.RATE_FORMS``), parsed."""
+    return parse_rates(value, name)
+
+
 def _backoff(value: object, name: str) -> tuple[float, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise LockConfigurationError(f"{name} must be a (base, cap) pair of seconds, got {value!r}")
@@ -159,14 +172,29 @@ class LockOptions:
     lookahead: int = 64
     #: 1: the mutex; an int N > 1 or a callable (args, kwargs) -> int: N permits per key.
     limit: Any = 1
+    #: False: no lock and no permit (``lock_limit=None`` on a task with a rate).
+    locked: bool = True
+    #: The rate of runs per rate key (``lock_rate``), parsed; None: no rate.
+    rate: tuple[Limit, ...] | None = None
 
     @property
     def limited(self) -> bool:
         """Whether runs take a permit of a semaphore (``lock_limit`` other than 1)."""
-        return bool(self.limit != 1)
+        return bool(self.locked and self.limit != 1)
 
     def merged(self, overrides: Mapping[str, Any]) -> LockOptions:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class _AppSetting:
+    """The default of ``LockedTask.lock_limit``: the app's ``redislock_limit`` (None on a
+    task means no lock at all)."""
+
+    def __repr__(self) -> str:
+        return "APP_SETTING"
+
+
+APP_SETTING: Any = _AppSetting()
 
 
 #: option name -> (task attribute, setting name, validator)
@@ -196,6 +224,7 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
     "lookahead": ("lock_lookahead", "redislock_lookahead", _lookahead),
     "hold": ("lock_hold", None, _hold),  # type: ignore[dict-item]
     "limit": ("lock_limit", "redislock_limit", _limit),
+    "rate": ("lock_rate", "redislock_rate", _rate),
 }
 
 
@@ -273,6 +302,12 @@ class LockSettings:
                 f"redislock_park_at_delivery must be True or False, got {at_delivery!r}"
             )
         defaults = LockOptions(**values)
+        if urls and defaults.rate is not None:
+            raise LockConfigurationError(
+                "redislock_rate is not offered with redislock_urls: a rate limiter over a "
+                "quorum of masters is not built; use one Redis (redislock_url) for "
+                "rate-limited tasks"
+            )
         if urls and defaults.limited:
             raise LockConfigurationError(
                 "redislock_limit is not offered with redislock_urls: a quorum semaphore "
@@ -396,6 +431,7 @@ def _redacted(value: Any) -> Any:
 TASK_OPTIONS: tuple[str, ...] = (
     "lock_key",
     "lock_key_hash",
+    "lock_rate_key",
     *(attribute for attribute, _setting, _check in _FIELDS.values()),
 )
 
@@ -495,11 +531,13 @@ def _task_option(option: str, value: Any) -> Any:
     """One ``redislock_tasks`` option's value, checked as ``LockedTask`` checks its attribute
     (a ``lock_key`` template against the task's arguments is checked when applied)."""
     if value is None:
-        return None  # as on LockedTask: the app's setting (lock_key: one lock per task)
-    if option == "lock_key":
+        # As on LockedTask: the app's setting (lock_key: one lock per task; lock_limit:
+        # no lock, a rate only; lock_rate_key: the lock_key).
+        return None
+    if option in ("lock_key", "lock_rate_key"):
         if not isinstance(value, str) and not callable(value):
             raise LockConfigurationError(
-                f"lock_key must be None (one lock per task), a template str such as "
+                f"{option} must be None (one lock per task), a template str such as "
                 f"'account:{{account_id}}', or a callable (args, kwargs) -> str; got {value!r}"
             )
         return value

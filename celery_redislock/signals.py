@@ -27,6 +27,12 @@ signal                 sent when                                keyword argument
 ``lock_release_failed``  a release could not reach Redis: the  name, owner, error
                        hold stopped renewing (its lease ends
                        it); retried in the background
+``task_rate_admitted`` a rate-limited LockedTask was admitted  name, task_id, delay (0.0)
+                       by its rate at once (``lock_rate``)
+``task_deferred``      a rate-limited LockedTask was deferred   name, task_id
+                       to its slot
+``task_undeferred``    a drainer sent a deferred task, its      name (the task's), task_id,
+                       slot due                                 delay (seconds deferred)
 ``parked_rejected``    a worker refused a parked message read   key, task_id, reason
                        back from Redis (its signature does not
                        verify): it is not sent or run
@@ -108,6 +114,9 @@ task_permit_taken = Signal("task_permit_taken")
 task_permit_ended = Signal("task_permit_ended")
 lock_release_failed = Signal("lock_release_failed")
 parked_rejected = Signal("parked_rejected")
+task_rate_admitted = Signal("task_rate_admitted")
+task_deferred = Signal("task_deferred")
+task_undeferred = Signal("task_undeferred")
 
 __all__ = [
     "Signal",
@@ -121,6 +130,9 @@ __all__ = [
     "task_parked",
     "task_permit_ended",
     "task_permit_taken",
+    "task_deferred",
     "task_pulled",
+    "task_rate_admitted",
     "task_requeued",
+    "task_undeferred",
 ]

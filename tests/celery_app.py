@@ -318,6 +318,36 @@ if not os.environ.get("REDISLOCK_TEST_QUORUM"):  # (lock_limit: one Redis, refus
         """Waits briefly for its permit, then is re-queued (never parked)."""
         return int(self.lock.token)
 
+    @app.task(
+        bind=True,
+        base=LockedTask,
+        lock_key="merchant:{merchant}",
+        lock_limit=None,
+        lock_rate=os.environ.get("REDISLOCK_TEST_RATE", "20/s"),
+    )
+    def charge(self: Any, merchant: str, n: int) -> int:
+        """A rate only (no lock): records every start with when its rate admitted it."""
+        slot = self.request.redislock_rate_slot_us
+        r().rpush(f"starts:{merchant}", f"{slot} {n} {self.request.id}")
+        return n
+
+    @app.task(
+        bind=True,
+        base=LockedTask,
+        lock_key="account:{account}",
+        lock_limit=2,
+        lock_rate="10/s",
+        lock_rate_key="merchant:{merchant}",
+    )
+    def settle_rated(self: Any, account: str, merchant: str, seconds: float) -> int:
+        """Two at a time per account, 10 a second per merchant: records its section."""
+        enter = time.time()
+        slot = self.request.redislock_rate_slot_us
+        r().rpush(f"starts:{merchant}", f"{slot} 0 {self.request.id}")
+        time.sleep(seconds)
+        section("limit", account, self.request.id, enter, time.time())
+        return 0
+
 
 @app.task
 def permits_held() -> dict[str, int]:

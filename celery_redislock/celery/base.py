@@ -113,12 +113,14 @@ from .._errors import (
 from .._keyspace import run_key
 from ..keys import KeyTemplate
 from ..lock import RedisLock
+from ..ratelimit import RedisRateLimiter
 from ..redlock import RedLock
 from ..semaphore import RedisSemaphore, validate_limit
-from ..settings import LockOptions, task_overrides
+from ..settings import APP_SETTING, LockOptions, task_overrides
 from . import signing
 from .clients import client_for, quorum_clients_for, settings_for
 from .contention import FIRST_TRY_HEADER, Contention, _Call, first_try
+from .deferral import BOOKED_HEADER, admit_or_defer, rate_pairs
 from .envelope import TAG_PREFIX, _Handed
 from .finish import _claim_kept_hold, _finish_quietly, _mark_kept_hold
 from .handover import deliver_handed_over
@@ -165,9 +167,14 @@ class LockedTask(Contention):
     lock_done_ttl: ClassVar[float | None] = None
     lock_hold: ClassVar[float | None] = None
     lock_lookahead: ClassVar[int | None] = None
-    lock_limit: ClassVar[Any] = None
+    #: ``APP_SETTING`` (the default): the app's ``redislock_limit``; None: no lock at all
+    #: (a rate only: ``lock_rate`` must be set).
+    lock_limit: ClassVar[Any] = APP_SETTING
+    lock_rate: ClassVar[Any] = None
+    lock_rate_key: ClassVar[Any] = None
 
     _lock_template: ClassVar[KeyTemplate]
+    _rate_template: ClassVar[KeyTemplate]
     _lock_overrides: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -181,7 +188,18 @@ class LockedTask(Contention):
             attr: getattr(cls, attr, None) for attr in dir(LockedTask) if attr.startswith("lock_")
         }
         attributes["on_contention"] = cls.on_contention
-        cls._lock_overrides = task_overrides(attributes, name)
+        unlocked = cls.lock_limit is None
+        if cls.lock_limit is APP_SETTING:
+            attributes["lock_limit"] = None
+        overrides = task_overrides(attributes, name)
+        if unlocked:
+            if cls.lock_rate is None:
+                raise LockConfigurationError(
+                    f"task {name!r}: lock_limit=None means no lock (a rate only), but the "
+                    f"task sets no lock_rate: set lock_rate, or lock_limit to an int"
+                )
+            overrides["locked"] = False
+        cls._lock_overrides = overrides
         if not isinstance(cls.lock_key_hash, bool):
             raise LockConfigurationError(
                 f"task {name!r}: lock_key_hash must be True or False, got {cls.lock_key_hash!r}"
@@ -193,6 +211,22 @@ class LockedTask(Contention):
         cls._lock_template = KeyTemplate(
             cls.lock_key, signature_of, owner_name=name, option="lock_key", hashed=cls.lock_key_hash
         )
+        if cls.lock_rate_key is None:
+            cls._rate_template = cls._lock_template
+        elif not isinstance(cls.lock_rate_key, str) and not callable(cls.lock_rate_key):
+            raise LockConfigurationError(
+                f"task {name!r}: lock_rate_key must be None (the lock_key), a template str "
+                f"such as 'merchant:{{merchant_id}}', or a callable (args, kwargs) -> str; "
+                f"got {cls.lock_rate_key!r}"
+            )
+        else:
+            cls._rate_template = KeyTemplate(
+                cls.lock_rate_key,
+                signature_of,
+                owner_name=name,
+                option="lock_rate_key",
+                hashed=cls.lock_key_hash,
+            )
 
     @property
     def lock(self) -> Any:
@@ -212,6 +246,10 @@ class LockedTask(Contention):
     def lock_name(self, args: Any, kwargs: Any) -> str:
         """The lock name this call would take (the rendered ``lock_key``)."""
         return self._lock_template.render(tuple(args or ()), dict(kwargs or {}))
+
+    def rate_name(self, args: Any, kwargs: Any) -> str:
+        """The rate key this call is counted under (the rendered ``lock_rate_key``)."""
+        return self._rate_template.render(tuple(args or ()), dict(kwargs or {}))
 
     def lock_limit_for(
         self, args: Any, kwargs: Any, options: LockOptions | None = None
@@ -275,6 +313,11 @@ class LockedTask(Contention):
     def _call_in_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
         options = self.lock_options()
+        if options.rate is not None:
+            # Before any lock or permit: a run never holds one while it waits for the rate.
+            admit_or_defer(self, request, args, kwargs, options)
+        if not options.locked:
+            return self._run_unlocked(args, kwargs)
         owner = request_owner(request)
         lock = self.run_lock(args, kwargs, owner, options)  # a bad value fails the task here
         name = str(lock.name)  # (the rendered lock_key: a str)
@@ -326,6 +369,15 @@ class LockedTask(Contention):
         """The task's body, with ``self.lock`` and nested calls seeing this execution."""
         owner = lock._current_owner()
         token = _current_execution.set((owner, self, lock))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _current_execution.reset(token)
+
+    def _run_unlocked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A rate-only task's body (``lock_limit=None``): ``self.lock`` is None; a call
+        nested in it runs under this run's owner."""
+        token = _current_execution.set((request_owner(self.request), self, None))
         try:
             return super().__call__(*args, **kwargs)
         finally:
@@ -415,12 +467,12 @@ class LockedTask(Contention):
     ) -> Any:
         """Celery's, without the worker's in-memory look-ahead header (a retry or a
         re-queue must not carry it to another delivery), a parked envelope's signature, or
-        when a limited run first tried for its permit."""
+        when a limited run first tried for its permit, or a drained task's booked rate slot
+        (a retry is a run of its own: rate-checked again, its wait starting afresh; a
+        re-queue or a parking of this run sets them again: ``Contention._sent_again``)."""
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         headers = signature.options.get("headers")
-        # (a deferral sets FIRST_TRY_HEADER again: Contention._sent_again; a retry is a
-        # run of its own, whose wait starts afresh)
-        dropped = (LOOKAHEAD_HEADER, signing.PARKED_HEADER, FIRST_TRY_HEADER)
+        dropped = (LOOKAHEAD_HEADER, signing.PARKED_HEADER, FIRST_TRY_HEADER, BOOKED_HEADER)
         if isinstance(headers, dict) and any(name in headers for name in dropped):
             signature.options["headers"] = {k: v for k, v in headers.items() if k not in dropped}
         return signature
@@ -464,6 +516,10 @@ class LockedTask(Contention):
         ``enclosing`` (the owner of the LockedTask body this call is nested in), else the
         eager request's task id, else the calling thread."""
         options = self.lock_options()
+        if options.rate is not None:
+            self._admit_locally(args, kwargs, options)
+        if not options.locked:
+            return self._run_unlocked_locally(args, kwargs, enclosing)
         name = self.lock_name(args, kwargs)
         request_id = self.request.id
         owner = enclosing or request_id or None
@@ -519,6 +575,33 @@ class LockedTask(Contention):
             finally:
                 self.request.redislock = previous
                 lock.release()
+
+    def _admit_locally(self, args: Any, kwargs: Any, options: LockOptions) -> None:
+        """A direct or eager call of a rate-limited task waits up to ``lock_wait`` for its
+        slot (never deferred), else raises :class:`LockContendedError`."""
+        name = self.rate_name(args, kwargs)
+        assert options.rate is not None
+        limiter = RedisRateLimiter(
+            client_for(self.app), name, rate_pairs(options.rate), prefix=options.prefix
+        )
+        wait = 0.0 if options.on_contention in ("skip", "raise") else options.wait
+        if not limiter.acquire(timeout=wait):
+            raise LockContendedError(
+                f"{self.name} called directly/eagerly: rate key {name!r} is over its rate "
+                f"(waited {wait}s; direct and eager calls are never deferred)",
+                name=name,
+                owner=self.request.id,
+            )
+
+    def _run_unlocked_locally(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], enclosing: str | None
+    ) -> Any:
+        owner = enclosing or self.request.id or f"direct:{id(self)}"
+        token = _current_execution.set((owner, self, None))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _current_execution.reset(token)
 
 
 def _header(request: Any, name: str) -> Any:

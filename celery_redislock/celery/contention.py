@@ -30,6 +30,10 @@ REQUEUE_HEADER = "redislock_requeues"
 #: Message header of a limited task's deferred copies: when its run first tried for its
 #: permit (seconds since the epoch), so that its wait is measured across deferrals.
 FIRST_TRY_HEADER = "redislock_first_try"
+#: celery.deferral's header of a run whose rate slot is booked, and the in-memory mark of
+#: a run its rate admitted (spelled there; here because deferral imports this module).
+RATE_BOOKED = "redislock_rate_booked"
+RATE_ADMITTED = "redislock_rate_admitted"
 SKIPPED = "SKIPPED"
 
 
@@ -93,6 +97,10 @@ class Contention(Task):  # type: ignore[misc]
         if call.limit is not None:
             headers = signature.options.get("headers") or {}
             signature.options["headers"] = {**headers, FIRST_TRY_HEADER: call.first_try}
+        if getattr(call.request, RATE_ADMITTED, False):
+            # Admitted by its rate, then contended: its next delivery keeps the slot.
+            slot = getattr(call.request, "redislock_rate_slot_us", None)
+            signature.options.setdefault("headers", {})[RATE_BOOKED] = slot or 1
         return signature
 
     def _publish(self, signature: Any, **options: Any) -> None:

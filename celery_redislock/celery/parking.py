@@ -135,6 +135,12 @@ class Parker:
         if not isinstance(task, LockedTask):
             return None
         try:
+            options = task.lock_options()
+        except Exception:
+            return None
+        if options.rate is not None or not options.locked:
+            return None  # the rate first, in the pool process: never parked before it
+        try:
             settings = settings_for(app)
             if (
                 not settings.park_at_delivery

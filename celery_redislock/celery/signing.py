@@ -84,6 +84,35 @@ def open_signature(key: bytes, lock_key: bytes, task_id: bytes, entry: bytes) ->
     return signature  # type: ignore[no-any-return]
 
 
+# ------------------------------------------------------------------ deferred calls
+
+#: First character of a deferred call's entry (``celery_redislock.celery.deferral``).
+DEFERRED = "D"
+
+
+def sign_deferred(key: bytes, list_key: bytes, text: str) -> str:
+    """The entry of a deferred call (``text``: its JSON) in the deferred list ``list_key``:
+    ``D<mac>\\n<text>``. Its MAC is of another kind than a parked signature's: neither
+    can be passed off as the other."""
+    mac = _mac(key, b"deferred", list_key, text.encode("utf-8"))
+    return f"{DEFERRED}{mac}\n{text}"
+
+
+def open_deferred(key: bytes, list_key: bytes, entry: bytes) -> dict[str, Any]:
+    """The JSON of a deferred call's entry, if a worker with ``key`` deferred it in
+    ``list_key``; else raises :class:`Refused`."""
+    head, text = entry[: 2 + _MAC_CHARS], entry[2 + _MAC_CHARS :]
+    if len(head) != 2 + _MAC_CHARS or head[:1] != DEFERRED.encode() or head[-1:] != b"\n":
+        raise Refused("not a signed deferred call")
+    expected = _mac(key, b"deferred", list_key, text)
+    if not hmac.compare_digest(head[1:-1], expected.encode()):
+        raise Refused("its signature does not verify (not deferred by a worker with this key)")
+    found = kombu_json.loads(text)  # type: ignore[no-untyped-call]
+    if not isinstance(found, dict):
+        raise Refused("not a deferred call")
+    return found
+
+
 # ------------------------------------------------------------------ parked envelopes
 
 

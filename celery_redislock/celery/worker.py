@@ -1,7 +1,7 @@
 """The worker's main process: :class:`LockedRequest` (releases for a task whose process
 died), the settings check at worker start, and the worker signal handlers (consume the
-hand-off queues, start and stop the sweeper, flush stats at exit), connected once, when
-this module is imported.
+hand-off queues, start and stop the sweeper and the drainer, flush stats at exit),
+connected once, when this module is imported.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .._errors import LockConfigurationError
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
 from .base import LockedTask
 from .clients import _clients, settings_for
+from .deferral import Drainer, _drainers
 from .handover import handoff_queue
 from .sweeper import Sweeper, _sweepers
 from .tasklock import QuorumTaskLock, request_owner
@@ -63,6 +64,8 @@ class LockedRequest(Request):  # type: ignore[misc]
             return
         try:
             options = task.lock_options()
+            if not options.locked:
+                return  # a rate only: nothing is held
             owner = request_owner(self.request_dict or {"id": self.id})
             lock = task.run_lock(self.args, self.kwargs, owner, options)
             name = lock.name
@@ -105,6 +108,17 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
             for task in app.tasks.values()
             if isinstance(task, LockedTask) and task.lock_options().limited
         )
+        rated = sorted(
+            task.name
+            for task in app.tasks.values()
+            if isinstance(task, LockedTask) and task.lock_options().rate is not None
+        )
+        if settings.urls and rated:
+            raise LockConfigurationError(
+                f"lock_rate is not offered with redislock_urls (a rate limiter over a quorum "
+                f"is not built), but {', '.join(map(repr, rated))} set it: use one Redis "
+                f"(redislock_url) for rate-limited tasks"
+            )
         if settings.urls and limited:
             raise LockConfigurationError(
                 f"lock_limit is not offered with redislock_urls (a quorum semaphore is not "
@@ -168,6 +182,22 @@ def _stop_sweeper(sender: Any = None, **_: Any) -> None:
         sweeper.stopping.set()
 
 
+def _start_drainer(sender: Any = None, **_: Any) -> None:
+    """A drainer for every worker whose app has rate-limited tasks (``lock_rate``)."""
+    app = getattr(sender, "app", None)
+    if app is None or app in _drainers:
+        return
+    drainer = Drainer(app)
+    if drainer.prefixes:
+        _drainers[app] = drainer
+        drainer.start()
+
+
+def _stop_drainer(sender: Any = None, **_: Any) -> None:
+    for drainer in list(_drainers.values()):
+        drainer.stopping.set()
+
+
 def _flush_stats_at_exit(**_: Any) -> None:
     for app, (pid, client) in list(_clients.items()):
         if pid == os.getpid():
@@ -182,3 +212,5 @@ celery_signals.worker_shutdown.connect(_flush_stats_at_exit, weak=False)
 celery_signals.celeryd_after_setup.connect(_consume_handoff_queues, weak=False)
 celery_signals.worker_ready.connect(_start_sweeper, weak=False)
 celery_signals.worker_shutdown.connect(_stop_sweeper, weak=False)
+celery_signals.worker_ready.connect(_start_drainer, weak=False)
+celery_signals.worker_shutdown.connect(_stop_drainer, weak=False)

@@ -183,7 +183,7 @@ def test_limits_are_not_offered_on_a_quorum(broker: RedisServer) -> None:
         limited.run_lock((1,), {}, "owner")
     from celery_redislock.celery.worker import _check_settings_at_worker_start
 
-    with pytest.raises(SystemExit, match="lock_limit is not offered"):  # the worker refuses
+    with pytest.raises(SystemExit, match="is not offered with redislock_urls"):  # refused
         _check_settings_at_worker_start(sender=type("Worker", (), {"app": app})())
     app.close()
 
