@@ -37,11 +37,7 @@ local code = exists and 0 or -1
 if exists and ARGV[2] == 'one' and tonumber(redis.call('hget', KEYS[1], ARGV[1])) > 1 then
   return {redis.call('hincrby', KEYS[1], ARGV[1], -1)}
 end
-if done_ms > 0 then
-  redis.call('set', KEYS[6], '1', 'px', done_ms)
-end
-redis.call('hdel', KEYS[5], ARGV[1])
-redis.call('hdel', KEYS[7], ARGV[1])
+run_over(KEYS[6], done_ms, KEYS[5], KEYS[7], ARGV[1])
 redis.call('del', KEYS[1])
 local message, next_id, token = serve_parked(KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[7], lease,
   KEYS[1], ARGV[10] or '', ARGV[11] or '')

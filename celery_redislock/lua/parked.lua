@@ -12,6 +12,11 @@
 --      message, task id, token (the worker checks and sends the message)
 --   The first parked task, handed the hold (hand_to); lock_key: the key parked envelopes
 --   name (envelope.lua's pushable).
+-- enqueue(parked, messages, dispatched, task_id, message): park task_id with its message, at
+--   the back of the line, unless it is parked already (a second copy of the same task parking;
+--   one handed over and not started, in dispatched, parks again)
+-- run_over(done, done_ms, messages, dispatched, task_id): the end of task_id's run: its done
+--   marker set for done_ms (0: none), its parked and hand-over records gone
 -- resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now)
 --   -> nil | message, task id, tag: a handed-over task not started stale_ms after its
 --   hand-over whose envelope no longer waits in its queue list, to send again (its hold's
@@ -28,6 +33,19 @@ local function pop_parked(parked, messages)
       return task_id, message
     end
   end
+end
+local function enqueue(parked, messages, dispatched, task_id, message)
+  if redis.call('hsetnx', messages, task_id, message) == 1 or redis.call('hdel', dispatched, task_id) == 1 then
+    redis.call('hset', messages, task_id, message)
+    redis.call('rpush', parked, task_id)
+  end
+end
+local function run_over(done, done_ms, messages, dispatched, task_id)
+  if done_ms > 0 then
+    redis.call('set', done, '1', 'px', done_ms)
+  end
+  redis.call('hdel', messages, task_id)
+  redis.call('hdel', dispatched, task_id)
 end
 local function hand_to(lock, fence, dispatched, task_id, lease)
   redis.call('hset', dispatched, task_id, now_ms())

@@ -38,11 +38,7 @@ end
 if count and mode == 'one' and tonumber(count) > 1 then
   return {redis.call('hincrby', permit, ARGV[1], -1)}
 end
-if done_ms > 0 then
-  redis.call('set', KEYS[6], '1', 'px', done_ms)
-end
-redis.call('hdel', KEYS[5], ARGV[1])
-redis.call('hdel', KEYS[7], ARGV[1])
+run_over(KEYS[6], done_ms, KEYS[5], KEYS[7], ARGV[1])
 redis.call('hdel', KEYS[11], ARGV[1])
 if hold_ms then
   redis.call('hset', permit, ARGV[1], 1)

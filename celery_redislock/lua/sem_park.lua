@@ -32,11 +32,7 @@ local reply = take_permit(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1], 
 if reply[1] == 1 then
   return reply  -- taken, or handed to this task (count 0) and taken up
 end
--- Queue it unless it is queued already (a second copy of the same task parking).
-if redis.call('hsetnx', KEYS[5], ARGV[1], ARGV[3]) == 1 or redis.call('hdel', KEYS[6], ARGV[1]) == 1 then
-  redis.call('hset', KEYS[5], ARGV[1], ARGV[3])
-  redis.call('rpush', KEYS[4], ARGV[1])
-end
+enqueue(KEYS[4], KEYS[5], KEYS[6], ARGV[1], ARGV[3])
 redis.call('hset', KEYS[10], ARGV[1], limit)
 redis.call('zadd', KEYS[11], math.floor(now_ms() / 1000), KEYS[1])
 for _, key in ipairs({KEYS[4], KEYS[5], KEYS[6], KEYS[10]}) do
