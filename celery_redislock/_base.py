@@ -62,6 +62,9 @@ class LockBase(Generic[Signal]):
     #: ARGV the release script takes after release.lua's six (a semaphore's limit and
     #: permit keys: see :meth:`_with_tail`); none for a lock.
     _release_tail: tuple[Any, ...] = ()
+    #: Whether the watchdog's renewals name the holding's token (a lock on one Redis: its
+    #: hash keeps the token; a quorum's node holds are renewed by owner alone).
+    _fenced_renewals = False
 
     def __init__(
         self,
@@ -340,6 +343,7 @@ class LockBase(Generic[Signal]):
                 lost=signal,
                 notify=self._report_lost,
                 owner_task=None if owner_task is None else weakref.ref(owner_task),
+                fenced=self._fenced_renewals,
             )
             hold.count = 1
             self._holds[owner] = hold

@@ -420,6 +420,7 @@ class Hold:
         "count",
         "deadline",
         "failures",
+        "fenced",
         "keys",
         "lease",
         "lost",
@@ -445,8 +446,12 @@ class Hold:
         lost: LossSignal,
         notify: Callable[[Hold, str], None],
         owner_task: weakref.ref[Any] | None = None,
+        fenced: bool = False,
     ) -> None:
         self.keys = keys
+        #: Renewals name this holding's token (a single Redis's hold: its hash keeps the
+        #: token it was taken with); a later holding of the same owner is not renewed.
+        self.fenced = fenced
         self.owner = owner
         #: The asyncio task a default owner names (weakly): once it is done, nobody can
         #: release the hold, so the watchdog stops renewing it (see :meth:`abandoned`).
@@ -554,9 +559,9 @@ def batched(items: Sequence[Hold], size: int) -> Iterator[Sequence[Hold]]:
 
 
 def renew_args(holds: Sequence[Hold]) -> tuple[list[bytes], list[Any]]:
+    """renew.lua's KEYS and ARGV for ``holds``: owner, lease and (fenced holds) token each."""
     keys = [h.keys.lock for h in holds]
     args: list[Any] = []
     for h in holds:
-        args.append(h.owner)
-        args.append(h.lease)
+        args += (h.owner, h.lease, h.token if h.fenced else "")
     return keys, args

@@ -37,6 +37,7 @@ class SingleBase(LockBase[Signal]):
 
     #: How an acquire script's reply is read (a semaphore's has a decoder of its own).
     _decode_acquire = staticmethod(decode_acquire)
+    _fenced_renewals = True
 
     def _attach(self, client: Any) -> None:
         self._scripts = scripts_for(client)
@@ -79,6 +80,11 @@ class SingleBase(LockBase[Signal]):
         if remaining is not None and remaining <= 0:
             return None
         return wait_bound(pttl, remaining)
+
+    def _extend_args(self, owner: str, lease: int) -> list[Any]:
+        """renew.lua's ARGV for ``extend()``: the owner's holding by its token, if held."""
+        hold = self._holds.get(owner)
+        return [owner, lease, "" if hold is None else hold.token]
 
     def _leave_args(self, owner: str, grant_name: bytes | None) -> Sequence[Any]:
         """release.lua's ARGV to leave the line (and pass on a lock granted meanwhile,

@@ -474,14 +474,14 @@ class AsyncSingle(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
         sent_at = time.monotonic()
         if self.min_replicas:
             codes, acks = await self._replicated(
-                self._scripts.renew, [self._hold_keys(owner).lock], [owner, lease]
+                self._scripts.renew, [self._hold_keys(owner).lock], self._extend_args(owner, lease)
             )
             if self._extend_unreplicated(decode_renew_one(codes), acks):
                 connected = await self._connected_replicas()
                 raise self._replication_error(acks, "extend", owner, connected)
         else:
             codes = await self._scripts.renew(
-                keys=[self._hold_keys(owner).lock], args=[owner, lease]
+                keys=[self._hold_keys(owner).lock], args=self._extend_args(owner, lease)
             )
         self._record_extended(owner, decode_renew_one(codes), lease, sent_at)
 

@@ -234,7 +234,7 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
         sent_at = time.monotonic()
         keys = [self.keys.lock]
         round_ = await self._round(
-            lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease]),
+            lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease, ""]),
             decided_by(renewed, self.quorum),
         )
         self._settle_extend(owner, round_, lease, sent_at)

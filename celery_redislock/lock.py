@@ -271,12 +271,14 @@ class SyncSingle(SingleBase[LeaseLost], SyncContext):
         sent_at = time.monotonic()
         if self.min_replicas:
             codes, acks = self._replicated(
-                self._scripts.renew, [self._hold_keys(owner).lock], [owner, lease]
+                self._scripts.renew, [self._hold_keys(owner).lock], self._extend_args(owner, lease)
             )
             if self._extend_unreplicated(decode_renew_one(codes), acks):
                 raise self._replication_error(acks, "extend", owner, self._connected_replicas())
         else:
-            codes = self._scripts.renew(keys=[self._hold_keys(owner).lock], args=[owner, lease])
+            codes = self._scripts.renew(
+                keys=[self._hold_keys(owner).lock], args=self._extend_args(owner, lease)
+            )
         self._record_extended(owner, decode_renew_one(codes), lease, sent_at)
 
     def owned(self) -> bool:

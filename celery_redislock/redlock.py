@@ -281,7 +281,7 @@ class RedLock(QuorumBase, LockBase[LeaseLost], SyncContext):
         sent_at = time.monotonic()
         keys = [self.keys.lock]
         round_ = self._round(
-            lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease]),
+            lambda i: self._node_scripts[i].renew(keys=keys, args=[owner, lease, ""]),
             decided_by(renewed, self.quorum),
         )
         self._settle_extend(owner, round_, lease, sent_at)

@@ -172,9 +172,9 @@ class _ParkedRun(SyncSingle):
     ) -> _Handed | None:
         """Give the hold back (or keep it ``hold`` seconds more, unrenewed).
 
-        ``token``: only the holding with this fencing token (a release retried late must
-        not touch a later holding of the same run: another copy of its message that took
-        the lock after this one's lease ran out).
+        ``token``: only the holding with this fencing token (default: this object's
+        holding's). A release must not touch a later holding of the same run: another copy
+        of its message that took the lock after this one's lease ran out.
 
         With ``done_ttl``, also mark the task id done so a later delivery of the same
         message does not run again. Returns the parked task the lock was handed to whose
@@ -191,6 +191,8 @@ class _ParkedRun(SyncSingle):
         held = self._holds.get(owner)
         if held is not None:
             held.releasing += 1  # a renewal crossing this release must not report a loss
+            if token is None:  # this holding only: not a later one of this run (another copy)
+                token = held.token
         message = None
         try:
             if hold <= 0:

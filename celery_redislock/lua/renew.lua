@@ -1,23 +1,29 @@
 -- Replace the lease of many holds at once (the watchdog's batch, and extend()).
 -- Owner-checked; never resurrects a missing key. All keys must share one cluster slot.
 -- KEYS[i]      lock hash of hold i
--- ARGV[2i-1]   owner id of hold i
--- ARGV[2i]     new lease of hold i in milliseconds (a whole number from 1 to the longest
+-- ARGV[3i-2]   owner id of hold i
+-- ARGV[3i-1]   new lease of hold i in milliseconds (a whole number from 1 to the longest
 --              duration: args.lua); all are checked before any lease is touched
--- returns      array, one per key: 1 renewed, 0 lock key gone (expired), -1 held by another owner
-if #ARGV ~= 2 * #KEYS then
-  return redis.error_reply('ERR redislock: renew takes an owner and a lease per key')
+-- ARGV[3i]     the holding's fencing token ("": any): a hash of this owner with another
+--              token is a later holding of the same owner (its own lease lapsed meanwhile)
+-- returns      array, one per key: 1 renewed, 0 lock key gone (expired), -1 held by another
+--              owner or another holding of this owner
+if #ARGV ~= 3 * #KEYS then
+  return redis.error_reply('ERR redislock: renew takes an owner, a lease and a token per key')
 end
 local leases = {}
 for i = 1, #KEYS do
-  leases[i] = ms_arg(ARGV[2 * i], 'lease')
+  leases[i] = ms_arg(ARGV[3 * i - 1], 'lease')
 end
 local result = {}
 for i = 1, #KEYS do
   local lease = leases[i]
+  local token = ARGV[3 * i]
   if redis.call('exists', KEYS[i]) == 0 then
     result[i] = 0
-  elseif redis.call('hexists', KEYS[i], ARGV[2 * i - 1]) == 0 then
+  elseif redis.call('hexists', KEYS[i], ARGV[3 * i - 2]) == 0 then
+    result[i] = -1
+  elseif token ~= '' and redis.call('hget', KEYS[i], '__fence__') ~= token then
     result[i] = -1
   else
     redis.call('pexpire', KEYS[i], lease)

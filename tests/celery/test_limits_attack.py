@@ -211,12 +211,6 @@ def test_a_parked_run_of_a_lower_limit_is_not_starved_by_later_runs_of_a_higher_
         run.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="renewals and a run's release name the run's owner, not its holding: a copy whose "
-    "lease lapsed keeps renewing the permit another copy of the run took since (its loss "
-    "never reported), and its release frees that copy's permit (the mutex does the same)",
-)
 def test_a_copy_whose_lease_lapsed_is_told_and_leaves_the_later_copys_permit_alone(
     broker: RedisServer,
 ) -> None:

@@ -231,7 +231,8 @@ def test_renew_lua_checks_every_lease_before_renewing_any(
     before = snapshot(redis_client)
     keys = [first.keys.lock, second.keys.lock]
     script = scripts_for(redis_client).renew
-    assert "lease (ms)" in refused(lambda: script(keys=keys, args=["o", 60000, "o", bad]))
+    args = ["o", 60000, "", "o", bad, ""]
+    assert "lease (ms)" in refused(lambda: script(keys=keys, args=args))
     assert snapshot(redis_client) == before  # the first lease was not touched either
 
 
