@@ -367,6 +367,38 @@ class RateKeys:
         found = cls.for_name(name, prefix)
         return found if found.deferred == key else None
 
+    @property
+    def schedule_pattern(self) -> bytes:
+        """A SCAN ``MATCH`` pattern for this name's schedules (and, to be filtered out
+        by :meth:`period_of`, its deferred list)."""
+        return _glob_literal(self.schedules) + b"*"
+
+    def period_of(self, key: bytes) -> int | None:
+        """The period (µs) of the limit whose schedule is ``key``; None for any other key."""
+        tail = key[len(self.schedules) :] if key.startswith(self.schedules) else b""
+        if not tail.isdigit() or len(tail) > 19 or tail[:1] == b"0":
+            return None
+        return int(tail)
+
+
+def rate_name_from_deferred(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:
+    """The rate key's name whose deferred list is ``key``; None for any other key."""
+    found = RateKeys.for_deferred(key, prefix)
+    if found is None:
+        return None
+    return name_from_lock_key(key[: -len(_RATE + _DEFERRED)], prefix)
+
+
+def deferred_key_pattern(prefix: str, pattern: bytes) -> bytes:
+    """A ``MATCH`` pattern for the deferred lists of the rate keys whose name matches the
+    glob ``pattern`` (escaped as :func:`lock_key_pattern` escapes it)."""
+    return lock_key_pattern(prefix, pattern) + _RATE + _DEFERRED
+
+
+def _glob_literal(value: bytes) -> bytes:
+    """``value`` as a glob that matches only itself."""
+    return re.sub(rb"([*?\[\]\\])", rb"\\\1", value)
+
 
 def lock_key(name: str | bytes, prefix: str = DEFAULT_PREFIX) -> bytes:
     """The lock hash's key: ``<prefix>{<name, escaped>}`` (the prefix checked: a brace in
@@ -405,8 +437,7 @@ def lock_key_pattern(prefix: str, pattern: bytes) -> bytes:
     """A SCAN ``MATCH`` pattern for the lock hashes whose name matches the glob
     ``pattern``: the prefix matched literally (its glob characters escaped), the
     pattern escaped as names are (:func:`escape_name`)."""
-    literal = re.sub(rb"([*?\[\]\\])", rb"\\\1", prefix.encode())
-    return literal + b"{" + escape_name(pattern) + b"}"
+    return _glob_literal(prefix.encode()) + b"{" + escape_name(pattern) + b"}"
 
 
 def semaphore_name(key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes | None:

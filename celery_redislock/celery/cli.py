@@ -2,9 +2,11 @@
 
 ::
 
-    celery -A proj redislock ls [PATTERN] [--json]   held locks and limited keys in use
+    celery -A proj redislock ls [PATTERN] [--json]   held locks, limited keys in use, rate
+                                                     keys with a deferred backlog
     celery -A proj redislock show NAME [--json]      one lock (or limited key): holders,
-                                                     parked tasks, waiters
+                                                     parked tasks, waiters; a rate key:
+                                                     each limit's next free slot, backlog
     celery -A proj redislock release NAME [--yes]    force-release (asks first; logged)
     celery -A proj redislock release NAME --owner OWNER [--yes]
                                                      free one holder's permit of a limited
@@ -15,7 +17,8 @@
 It reads the app's ``redislock_*`` settings (Redis URL, prefix) and only ever uses
 ``SCAN`` (never ``KEYS``), so it is safe against a production Redis. A limited key
 (``lock_limit``: a semaphore) is a name of its own beside the lock of the same name:
-``ls`` marks it, ``show`` shows either or both and says which. With ``redislock_urls``
+``ls`` marks it, ``show`` shows either or both and says which; so is a rate key
+(``lock_rate``), shown when it has a schedule or deferred runs. With ``redislock_urls``
 (the quorum lock) ``ls`` and ``show`` ask every node and say on how many of them a lock
 is held, and ``release`` force-releases on every node and prints what each one did
 (limits are not offered on a quorum: no limited key is looked for there). A node that
@@ -51,10 +54,12 @@ from .handover import send_handed_over
 from .inspection import (
     describe_limited,
     describe_lock,
+    describe_rated,
     limited_names,
     limits_now,
     lock_line,
     permits,
+    rated_names,
     read,
     text,
 )
@@ -208,7 +213,9 @@ def redislock(ctx: click.Context) -> None:
 def list_locks(ctx: click.Context, prefix: str | None, pattern: bytes, as_json: bool) -> None:
     """List held locks, and limited keys in use, whose name matches PATTERN (a glob;
     default: all). A limited key (lock_limit) is marked KIND "limit"; its HOLDS are the
-    permits held out of its limit, its TTL the shortest lease left among them."""
+    permits held out of its limit, its TTL the shortest lease left among them. A rate key
+    (lock_rate) with deferred runs is marked KIND "rate"; its PARKED are the runs
+    deferred on it, its TTL when the first of them is due."""
     nodes = _Nodes(ctx.obj.app, prefix)
     # The prefix is matched literally: its glob characters are escaped.
     match = lock_key_pattern(nodes.prefix, pattern)
@@ -226,7 +233,12 @@ def list_locks(ctx: click.Context, prefix: str | None, pattern: bytes, as_json: 
             describe_limited(client, nodes.prefix, n)
             for n in limited_names(client, nodes.prefix, pattern)
         )
-        return [row for row in found if row is not None and (row["holders"] or row["parked"])]
+        rows = [row for row in found if row is not None and (row["holders"] or row["parked"])]
+        rated = (
+            describe_rated(client, nodes.prefix, n)
+            for n in rated_names(client, nodes.prefix, pattern)
+        )
+        return rows + [row for row in rated if row is not None and row["deferred"]]
 
     results = nodes.each(scan)
     views = [r if isinstance(r, dict) else {} for r in results]
@@ -250,20 +262,26 @@ def list_locks(ctx: click.Context, prefix: str | None, pattern: bytes, as_json: 
             f"{'PARKED':>6}{extra}"
         )
         for row in rows:
-            owner = ", ".join(_owner_text(o) for o in row["owners"]) or "-"
-            ttl = "none" if row["ttl"] is None else f"{row['ttl']:.1f}s"
-            token, holds, kind = row["token"], row["holds"], "lock"
+            owner = ", ".join(_owner_text(o) for o in row.get("owners", ())) or "-"
+            ttl = "none" if row.get("ttl") is None else f"{row['ttl']:.1f}s"
+            token, holds, kind = row.get("token"), row.get("holds"), "lock"
             if row["kind"] == "semaphore":
                 kind, holds = "limit", f"{row['holders']}/{row['limit'] or '?'}"
                 ttl, token = ("-", "-") if not row["holders"] else (ttl, token or "-")
+            elif row["kind"] == "rate":
+                kind, holds, token, owner = "rate", "-", "-", "-"
+                ttl = _due(row["head_due"])
             held = f" {len(row['held_on'])}/{len(nodes.clients):<3}" if nodes.is_quorum else ""
+            parked = row["deferred"] if row["kind"] == "rate" else row["parked"]
             ctx.obj.echo(
                 f"{_shown(row['name']):<40} {kind:<5} {owner:<48} {holds:>5} {ttl:>8} "
-                f"{token:>7} {row['parked']:>6}{held}"
+                f"{token:>7} {parked:>6}{held}"
             )
         in_use = sum(row["kind"] == "semaphore" for row in rows)
+        rated = sum(row["kind"] == "rate" for row in rows)
         limited_text = f", {in_use} limited key(s) in use" if in_use else ""
-        ctx.obj.echo(f"{len(rows) - in_use} lock(s) held{limited_text}")
+        rated_text = f", {rated} rate key(s) with deferred runs" if rated else ""
+        ctx.obj.echo(f"{len(rows) - in_use - rated} lock(s) held{limited_text}{rated_text}")
     if nodes.failed(ctx, results) or (limited and nodes.failed(ctx, limited)):
         ctx.exit(1)
 
@@ -276,8 +294,10 @@ def list_locks(ctx: click.Context, prefix: str | None, pattern: bytes, as_json: 
 def show(ctx: click.Context, prefix: str | None, name: bytes, as_json: bool) -> None:
     """Show lock NAME: owner, holds, TTL, token, parked tasks, waiting processes; or the
     limited key NAME (lock_limit): each holder's permit (holds, lease left, token), its
-    limit, parked tasks with their limits, waiters. A lock and a limited key of one name
-    are two things: both are shown when both are in use, each headed by what it is."""
+    limit, parked tasks with their limits, waiters; or the rate key NAME (lock_rate):
+    each limit's next free slot, the runs deferred on it and when the first is due. A
+    lock, a limited key and a rate key of one name are different things: each in use is
+    shown, headed by what it is."""
     nodes = _Nodes(ctx.obj.app, prefix)
     keys = LockKeys.for_name(name, nodes.prefix)
 
@@ -313,24 +333,32 @@ def show(ctx: click.Context, prefix: str | None, name: bytes, as_json: bool) -> 
     else:
         found = {}
     limited = None
-    if found and not nodes.is_quorum:  # (limits are not offered on a quorum)
+    if found and not nodes.is_quorum:  # (limits and rates are not offered on a quorum)
         limited = nodes.each(
             lambda client: describe_limited(client, nodes.prefix, name, detail=True)
         )
+        rated = nodes.each(lambda client: describe_rated(client, nodes.prefix, name, detail=True))
+    else:
+        rated = None
     semaphore = limited[0] if limited and isinstance(limited[0], dict) else None
-    # The lock is shown unless only the limited key is in use.
+    rate = rated[0] if rated and isinstance(rated[0], dict) else None
+    # The lock is shown unless only the limited key or the rate key is in use.
     lock_in_use = bool(found.get("owners") or found.get("parked_tasks"))
     lock_in_use = lock_in_use or bool(found.get("waiting_processes"))
-    shown = [found] if found and (lock_in_use or semaphore is None) else []
-    shown += [semaphore] if semaphore is not None else []
+    shown = [found] if found and (lock_in_use or (semaphore is None and rate is None)) else []
+    shown += [row for row in (semaphore, rate) if row is not None]
     for row in shown:
         if as_json:
             ctx.obj.echo(json.dumps(row, sort_keys=True))
         elif row["kind"] == "semaphore":
             _print_semaphore(ctx, name, row)
+        elif row["kind"] == "rate":
+            _print_rate(ctx, name, row)
         else:
             _print_lock(ctx, name, row, nodes, headed=len(shown) > 1)
-    if nodes.failed(ctx, results) or (limited and nodes.failed(ctx, limited)):
+    if nodes.failed(ctx, results) or any(
+        each and nodes.failed(ctx, each) for each in (limited, rated)
+    ):
         ctx.exit(1)
 
 
@@ -387,6 +415,39 @@ def _print_semaphore(ctx: click.Context, name: bytes, found: dict[str, Any]) -> 
     for owner in found["waiters"]:
         ctx.obj.echo(f"{'waiter':>18}: {_shown(owner)}")
     ctx.obj.echo(f"{'waiting_processes':>18}: {found['waiting_processes']}")
+
+
+def _due(seconds: float | None) -> str:
+    """When a deferred head is due, for a table cell."""
+    if seconds is None:
+        return "?"
+    return "due" if seconds <= 0 else f"{seconds:.1f}s"
+
+
+def _print_rate(ctx: click.Context, name: bytes, found: dict[str, Any]) -> None:
+    ctx.obj.echo(f"{_shown(name)} (rate key): {found['deferred']} run(s) deferred")
+    for limit in found["limits"]:
+        period = f"{limit['period']:g}s"
+        rate = f"{limit['count']}/{period}" if limit["count"] else f"?/{period}"
+        if limit["next_free"] is None:
+            slot = "unreadable (read as full: the burst just spent)"
+        elif limit["next_free"] == 0:
+            slot = "now"
+        else:
+            slot = f"in {limit['next_free']:.3f}s"
+        ctx.obj.echo(f"{'limit ' + rate:>18}: next free slot {slot}")
+    ctx.obj.echo(f"{'deferred':>18}: {found['deferred']}")
+    if found["deferred"] or found["head_due"] is not None:
+        due = found["head_due"]
+        if due is None:
+            when = "not scheduled (the drainers' registry does not list it)"
+        else:
+            when = f"due in {due:.3f}s" if due > 0 else f"due now (overdue {-due:.3f}s)"
+        task = found["head_task"]
+        named = f"task {_shown(task)}" if task else "unreadable entry"
+        if found["head_task_name"]:
+            named += f" ({_shown(found['head_task_name'])})"
+        ctx.obj.echo(f"{'head':>18}: {named}, {when}")
 
 
 def _owner_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> bytes | None:

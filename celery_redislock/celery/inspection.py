@@ -3,10 +3,12 @@
 :func:`describe_lock` reads one lock hash, :func:`describe_limited` one limited key
 (``lock_limit``: a semaphore's holders, their permits, its parked tasks and line),
 :func:`limited_names` finds limited keys, :func:`limits_now` counts what is in use in
-all of them. Everything read is taken as it comes: anyone who may write the package's
-names may have written anything there, so a value of another type reads as nothing, a
-field that is not what the scripts write is left out, and no read raises for it (a
-connection error does). Names and owners are returned as text (bytes that are not
+all of them; :func:`describe_rated` reads one rate key (``lock_rate``: each limit's
+next free slot, the deferred backlog and its head), :func:`rated_names` finds the rate
+keys with a deferred backlog. Everything read is taken as it comes: anyone who may
+write the package's names may have written anything there, so a value of another type
+reads as nothing, a field that is not what the scripts write is left out, and no read
+raises for it (a connection error does). Names and owners are returned as text (bytes that are not
 UTF-8 as backslash escapes): the CLI escapes them again for the terminal.
 """
 
@@ -14,15 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
 from .._core import CHAIN_FIELD, FENCE_FIELD, GRANT_FIELD, LIMIT_FIELD, LockKeys
 from .._keyspace import (
+    RateKeys,
     SemaphoreKeys,
+    deferred_key_pattern,
+    deferred_registry,
     name_from_lock_key,
     parked_registry,
+    rate_name_from_deferred,
     semaphore_key_pattern,
     semaphore_name,
 )
@@ -249,3 +256,103 @@ def limits_now(client: Any, prefix: str) -> tuple[int, int, dict[str, int]]:
         held += held_here
         keys_in_use += bool(held_here or by_task)
     return keys_in_use, held, parked
+
+
+# ------------------------------------------------------------------ rate keys
+
+
+def deferred_call(entry: Any) -> tuple[str | None, str | None, dict[int, int]]:
+    """A deferred entry's task id, task name and limits (period in µs: count), read as it
+    comes (not verified: for showing); what cannot be read is None (or left out)."""
+    try:
+        found = json.loads(entry.split(b"\n", 1)[1])
+        signature = found["signature"]
+        task_id = signature["options"].get("task_id")
+        task = signature.get("task")
+        limits = {
+            int(period): int(number)
+            for number, period in found.get("limits") or ()
+            if isinstance(number, int) and isinstance(period, int) and number > 0 and period > 0
+        }
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError):
+        return None, None, {}
+    return (
+        task_id if isinstance(task_id, str) else None,
+        task if isinstance(task, str) else None,
+        limits,
+    )
+
+
+def _seconds(value: Any, now_ms: float) -> float | None:
+    """A registry score (ms on the server's clock) as seconds from now, or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return round((value - now_ms) / 1000.0, 3)
+
+
+def describe_rated(
+    client: Any, prefix: str, name: bytes, *, detail: bool = False
+) -> dict[str, Any] | None:
+    """The rate key ``name`` (``lock_rate``): how many runs are ``deferred`` on it, when
+    its head is due (``head_due``: seconds from now on the server's clock, negative when
+    overdue; None if the drainers' registry does not list it) and which task it is. With
+    ``detail`` (``show``), each limit's schedule (found by SCAN): its period, its count
+    when the head names it, and its next free slot for a run (burst 1, as tasks take
+    them: seconds from now, 0 when free now; None when the schedule is not a number the
+    scripts wrote, which they read as full). None when nothing of it is there."""
+    keys = RateKeys.for_name(name, prefix)
+    schedules: list[tuple[int, bytes]] = []
+    if detail:
+        for key in client.scan_iter(match=keys.schedule_pattern, count=1000, _type="string"):
+            period = keys.period_of(key) if isinstance(key, bytes) else None
+            if period is not None:
+                schedules.append((period, key))
+        schedules.sort()
+    clock, backlog, due, head, *values = read(
+        client,
+        ("time",),
+        ("llen", keys.deferred),
+        ("zscore", deferred_registry(prefix), keys.deferred),
+        ("lindex", keys.deferred, 0),
+        *(("get", key) for _, key in schedules),
+    )
+    backlog = count(backlog)
+    if not backlog and due is None and not schedules:
+        return None
+    seconds, micros = clock
+    now_us = int(seconds) * 1_000_000 + int(micros)
+    task_id, task, counts = deferred_call(head) if isinstance(head, bytes) else (None, None, {})
+    row: dict[str, Any] = {
+        "kind": "rate",
+        "name": text(name),
+        "deferred": backlog,
+        "head_due": _seconds(due, now_us / 1000.0),
+        "head_task": task_id,
+        "head_task_name": task,
+    }
+    if detail:
+        limits = []
+        for (period, _key), value in zip(schedules, values):
+            tat = whole(value)
+            limits.append(
+                {
+                    "period": period / 1_000_000,
+                    "count": counts.get(period),
+                    "next_free": None if tat is None else max(tat - now_us, 0) / 1_000_000,
+                }
+            )
+        row["limits"] = limits
+    return row
+
+
+def rated_names(client: Any, prefix: str, pattern: bytes) -> list[bytes]:
+    """The names of the rate keys with a deferred backlog whose name matches the glob
+    ``pattern``, as the drainers' registry lists them (ZSCAN)."""
+    match = deferred_key_pattern(prefix, pattern)
+    found: set[bytes] = set()
+    with contextlib.suppress(ResponseError):  # (not a sorted set: no registry to read)
+        for member, _ in client.zscan_iter(deferred_registry(prefix), match=match):
+            name = rate_name_from_deferred(member, prefix) if isinstance(member, bytes) else None
+            if name:
+                found.add(name)
+    return sorted(found)

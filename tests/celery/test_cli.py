@@ -433,3 +433,95 @@ def test_limits_are_not_looked_for_on_a_quorum(quorum: list[RedisServer]) -> Non
     result = invoke("release", "sem", "--owner", "a", "--yes")
     assert result.exit_code == 2 and "limits are not offered with redislock_urls" in result.output
     assert client.exists(SemaphoreKeys.for_name("sem").permit("a"))
+
+
+# ----------------------------------------------------------------- rate keys (lock_rate)
+
+
+def _server_ms(r: redis.Redis) -> int:
+    seconds, micros = r.time()
+    return seconds * 1000 + micros // 1000
+
+
+def test_show_and_ls_a_rate_key_its_limits_next_slot_and_deferred_backlog(
+    broker: RedisServer,
+) -> None:
+    from celery_redislock._keyspace import RateKeys, deferred_registry
+
+    from .test_rates import _defer
+
+    r = broker.client()
+    keys = RateKeys.for_name("merchant:m", "redislock:")
+    deferred = _defer(r, "m", 4)  # "20/s": the first admitted, three deferred
+    assert len(deferred) == 3
+    # The schedule and the head's due time set far ahead, so what is shown is known.
+    r.set(keys.schedule(1_000_000), str(_server_ms(r) * 1000 + 100_000_000))
+    r.zadd(deferred_registry("redislock:"), {keys.deferred: _server_ms(r) + 60_000})
+    RedisLock(r, "merchant:other", owner="someone", ttl=60).acquire()
+
+    (row,) = [json.loads(line) for line in run("show", "merchant:m", "--json").splitlines()]
+    assert row["kind"] == "rate" and row["name"] == "merchant:m"
+    assert row["deferred"] == 3 and row["head_task"] == deferred[0]
+    assert row["head_task_name"] == ca.charge.name
+    assert 50 < row["head_due"] <= 60
+    (limit,) = row["limits"]
+    assert limit["period"] == 1.0 and limit["count"] == 20 and 90 < limit["next_free"] <= 100
+    shown = run("show", "merchant:m")
+    assert "merchant:m (rate key): 3 run(s) deferred" in shown
+    assert "limit 20/1s: next free slot in" in shown
+    assert f"head: task {deferred[0]} ({ca.charge.name}), due in" in shown
+
+    rows = [json.loads(line) for line in run("ls", "--json").splitlines()]
+    assert sorted((row["name"], row["kind"]) for row in rows) == [
+        ("merchant:m", "rate"),
+        ("merchant:other", "lock"),
+    ]
+    listed = run("ls", "merchant:m*")
+    assert "rate" in listed and "0 lock(s) held, 1 rate key(s) with deferred runs" in listed
+    assert "merchant:m" not in run("ls", "nothing*")
+
+    # A rate key with a schedule only (no backlog): shown, its slot free once passed.
+    r.set(RateKeys.for_name("quiet", "redislock:").schedule(60_000_000), "1", px=60_000)
+    (quiet,) = [json.loads(line) for line in run("show", "quiet", "--json").splitlines()]
+    assert quiet["deferred"] == 0 and quiet["head_due"] is None
+    assert quiet["limits"] == [{"period": 60.0, "count": None, "next_free": 0.0}]
+    assert "limit ?/60s: next free slot now" in run("show", "quiet")
+    # Nothing of it: the lock's "not locked" as before.
+    nothing = run("show", "nothing")
+    assert nothing.startswith("nothing: not locked") and "rate key" not in nothing
+
+
+def test_rate_keys_hostile_data_is_tolerated_and_names_are_escaped(broker: RedisServer) -> None:
+    from celery_redislock._keyspace import RateKeys, deferred_registry
+
+    r = broker.client()
+    registry = deferred_registry("redislock:")
+    name = "\x1b[31mred"
+    keys = RateKeys.for_name(name, "redislock:")
+    r.set(keys.schedule(1_000_000), "12abc")  # junk: read as full by the scripts
+    r.hset(keys.schedule(2_000_000), "x", "1")  # another type: not a schedule
+    r.set(keys.schedules + b"xyz", "5")  # not a period
+    r.rpush(keys.deferred, b"junk", b"D" + b"0" * 64 + b"\n{}")
+    r.zadd(registry, {keys.deferred: float("inf"), b"redislock:{x}:junk": 1, b"\xff": 2})
+    other = RateKeys.for_name("typed", "redislock:")
+    r.set(other.deferred, "not a list")
+    r.zadd(registry, {other.deferred: 5})
+
+    (row,) = [json.loads(line) for line in run("show", name, "--json").splitlines()]
+    assert row["deferred"] == 2 and row["head_due"] is None
+    assert row["head_task"] is None and row["head_task_name"] is None
+    assert row["limits"] == [{"period": 1.0, "count": None, "next_free": None}]
+    shown = run("show", name)
+    assert "\x1b" not in shown and "\\x1b[31mred (rate key): 2 run(s) deferred" in shown
+    assert "next free slot unreadable" in shown and "head: unreadable entry" in shown
+    (typed,) = [json.loads(line) for line in run("show", "typed", "--json").splitlines()]
+    assert typed["deferred"] == 0 and typed["head_due"] is not None
+
+    listed = run("ls")
+    assert "\x1b" not in listed and "\\x1b[31mred" in listed
+    assert "1 rate key(s) with deferred runs" in listed  # "typed" has none; junk skipped
+    # A registry of another type: nothing listed from it, no error.
+    r.delete(registry)
+    r.set(registry, "junk")
+    assert "0 lock(s) held" in run("ls")
+    assert "rate key" in run("show", name)

@@ -6,6 +6,9 @@ prefork workers."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +321,102 @@ def test_rate_then_permits_compose_and_a_permit_is_never_held_waiting(
         assert _overlap([(s[1], s[2]) for s in _sections(r, "acc")]) <= 2
     finally:
         proc.stop()
+
+
+# -- a worker killed during the drain ------------------------------------------------------
+
+
+def _runs(r: redis.Redis, merchant: str) -> list[tuple[int, str]]:
+    """(booked slot, task id) of every start recorded for ``merchant``, copies included."""
+    found = []
+    for line in r.lrange(f"starts:{merchant}", 0, -1):
+        slot, _n, task_id = line.decode().split()
+        found.append((int(slot), task_id))
+    return found
+
+
+def _drained(r: redis.Redis, merchants: list[str]) -> bool:
+    """Nothing of the runs is left anywhere: deferred, taken for sending, queued, unacked."""
+    return (
+        all(r.llen(_keys(m).deferred) == 0 for m in merchants)
+        and r.zcard(SENDING) == 0
+        and r.llen(HANDOFF) == 0
+        and r.llen("celery") == 0
+        and r.hlen("unacked") == 0
+    )
+
+
+def _kill_during_the_drain(
+    broker: RedisServer, tmp_path: Path, charges: int, settles: int, kills: int
+) -> None:
+    """``charges`` rate-only runs ("20/s") and ``settles`` locked ones ("10/s" per
+    merchant, two at a time per account) are sent at once; the worker holding their
+    backlog is killed (SIGKILL of its process group: main process, drainer and pool)
+    while it drains, ``kills`` times, a new worker started each time. Every run is
+    accounted for: none lost; a rate-only run may run twice (at-least-once, counted and
+    reported), a locked one completes once (its done marker); the bound holds over the
+    slots booked."""
+    r = broker.client()
+    env = {"REDISLOCK_TEST_TTL": "3", "REDISLOCK_TEST_VT": "2"}
+    proc = worker(broker.url, tmp_path / "w0.log", concurrency=2, env=env, name="w0")
+    procs = [proc]
+    try:
+        charged = [ca.charge.delay("kill", n).id for n in range(charges)]
+        settled = [ca.settle_rated.delay(f"k{n % 4}", "killmk", 0.2).id for n in range(settles)]
+        backlog_at_kill = []
+        for round_ in range(kills):
+            target = r.llen("starts:kill") + charges // (kills + 2)
+            wait_until(lambda target=target: r.llen("starts:kill") >= target, 60)
+            backlog_at_kill.append(r.llen(_keys("kill").deferred))
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.stop()
+            log = tmp_path / f"w{round_ + 1}.log"
+            proc = worker(broker.url, log, concurrency=2, env=env, name=f"w{round_ + 1}")
+            procs.append(proc)
+        # The kills fell inside the drain: the backlog was still deferred in Redis.
+        assert all(backlog > 0 for backlog in backlog_at_kill), backlog_at_kill
+        wait_until(lambda: _drained(r, ["kill", "killmk"]), 90)
+        time.sleep(1.0)  # room for a late copy to start, had one been sent
+        assert _drained(r, ["kill", "killmk"])
+
+        charge_runs = _runs(r, "kill")
+        ids = [task_id for _, task_id in charge_runs]
+        assert set(ids) == set(charged)  # none lost (and none made up)
+        duplicates = len(ids) - len(set(ids))
+        # Settled runs: each completed exactly once (a copy of a done run is stopped by
+        # its done marker); a start with no section is a run the kill cut short.
+        sections = [line.decode().split()[1] for line in r.lrange("sections:limit", 0, -1)]
+        assert sorted(sections) == sorted(settled)
+        settle_runs = _runs(r, "killmk")
+        assert {task_id for _, task_id in settle_runs} == set(settled)
+        cut_short = len(settle_runs) - len(settled)
+        assert cut_short <= 2 * kills  # at most the killed pool's two runs each time
+
+        # The bound, over the slots booked (a copy of a run reuses its run's slot; a run
+        # sent again by another drainer after its drainer died says "booked" only: 1).
+        for runs, limit in (
+            (charge_runs, Limit(20, 1_000_000)),
+            (settle_runs, Limit(10, 1_000_000)),
+        ):
+            booked = {(slot, task_id) for slot, task_id in runs if slot > 1}
+            assert excess([(slot, 1) for slot, _ in booked], 1, limit) == []
+            assert len(booked) >= len({task_id for _, task_id in runs}) - 2 * kills
+        print(
+            f"\nkilled {kills}x during the drain (backlogs {backlog_at_kill}): "
+            f"{charges} rate-only runs, {duplicates} ran twice; "
+            f"{settles} locked runs, each completed once, {cut_short} cut short by a kill"
+        )
+    finally:
+        for each in procs:
+            each.stop()
+
+
+def test_a_worker_killed_during_the_drain_loses_no_run(broker: RedisServer, tmp_path: Path) -> None:
+    _kill_during_the_drain(broker, tmp_path, charges=60, settles=24, kills=1)
+
+
+@pytest.mark.slow
+def test_workers_killed_again_and_again_during_a_long_drain_lose_no_run(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    _kill_during_the_drain(broker, tmp_path, charges=300, settles=100, kills=3)

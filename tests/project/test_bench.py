@@ -111,3 +111,15 @@ def test_the_settlement_benchmark_runs_lockedtask_without_lost_updates() -> None
     for makespan in re.findall(r"makespan \(s\)\s+(\S+)", out):
         assert float(makespan) > 0  # a number: every task completed (not "timeout")
     assert "LockedTask makespan/ideal W2" in out
+
+
+def test_the_celery_rate_benchmark_runs_at_tiny_sizes() -> None:
+    out = _run(
+        "bench.celery_rates", "--libs", "ours", "--tasks", "12", "--workers", "2", timeout=180
+    )
+    assert _row(out, "tasks completed") == ["12"]
+    assert _row(out, "tasks run twice") == ["0"]
+    # Ours keeps its bound (1 + 20 in any 1 s) over the starts and the booked slots.
+    assert int(_row(out, "most starts in 1 s (bound 21)")[0]) <= 21
+    assert int(_row(out, "most booked slots in 1 s")[0]) <= 21
+    assert "ours (lock_rate): bound kept" in out
