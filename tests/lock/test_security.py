@@ -6,12 +6,12 @@ connection the package opens — the caller's, the shared pub/sub subscriber's a
 watchdog's private client — has to speak TLS for the tests to pass.
 
 ACL: a redis-server with a user confined to ``~redislock:*`` keys and ``&redislock:*``
-channels and only the commands listed below (see docs/security.md). The lock, fencing
-and the Celery layer must work fully as that user, a key outside the prefix must be
-refused, and every listed command is shown to be needed: removing any one of them makes
-the server deny it (ACL LOG) while the same scenario runs. Those trials run in
-subprocesses (``python -m tests.test_security <part> <port> <user>``), one private
-server each.
+channels and only the commands listed below (see docs/security.md). The lock, semaphores
+and rate limiters, fencing and the Celery layer (limited and rate-limited tasks included)
+must work fully as that user, a key outside the prefix must be refused, and every listed
+command is shown to be needed: removing any one of them makes the server deny it (ACL
+LOG) while the same scenario runs. Those trials run in subprocesses (``python -m
+tests.lock.test_security <part> <port> <user>``), one private server each.
 """
 
 from __future__ import annotations
