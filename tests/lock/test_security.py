@@ -6,12 +6,12 @@ connection the package opens — the caller's, the shared pub/sub subscriber's a
 watchdog's private client — has to speak TLS for the tests to pass.
 
 ACL: a redis-server with a user confined to ``~redislock:*`` keys and ``&redislock:*``
-channels and only the commands listed below (see docs/security.md). The lock, fencing
-and the Celery layer must work fully as that user, a key outside the prefix must be
-refused, and every listed command is shown to be needed: removing any one of them makes
-the server deny it (ACL LOG) while the same scenario runs. Those trials run in
-subprocesses (``python -m tests.test_security <part> <port> <user>``), one private
-server each.
+channels and only the commands listed below (see docs/security.md). The lock, semaphores
+and rate limiters, fencing and the Celery layer (limited and rate-limited tasks included)
+must work fully as that user, a key outside the prefix must be refused, and every listed
+command is shown to be needed: removing any one of them makes the server deny it (ACL
+LOG) while the same scenario runs. Those trials run in subprocesses (``python -m
+tests.lock.test_security <part> <port> <user>``), one private server each.
 """
 
 from __future__ import annotations
@@ -37,7 +37,16 @@ import redis
 import redis.asyncio as aioredis
 from redis.connection import SSLConnection
 
-from celery_redislock import AsyncRedisLock, FencedResource, RedisLock, RedisSemaphore, _waiting
+from celery_redislock import (
+    AsyncRedisLock,
+    AsyncRedisRateLimiter,
+    AsyncRedisSemaphore,
+    FencedResource,
+    RedisLock,
+    RedisRateLimiter,
+    RedisSemaphore,
+    _waiting,
+)
 from celery_redislock._keyspace import SemaphoreKeys, parked_registry
 from celery_redislock._renewal import scheduler_for
 from celery_redislock.aio import aclose_background
@@ -80,27 +89,41 @@ LOCK_COMMANDS = (
     "zrem",
     "time",
 )
+#: RedisSemaphore / AsyncRedisSemaphore add the holders set (SADD/SREM/SMEMBERS) and the
+#: look along the line of waiters for the places ahead (LRANGE); RedisRateLimiter /
+#: AsyncRedisRateLimiter add the limits' schedules (GET/SET, in rate.lua).
+LIMITER_EXTRA_COMMANDS = ("sadd", "srem", "smembers", "lrange", "get", "set")
+LIMITER_COMMANDS = LOCK_COMMANDS + LIMITER_EXTRA_COMMANDS
+#: A rate limiter used alone: its one script (rate.lua: TIME, GET and SET of the
+#: schedules), no channel at all.
+RATE_COMMANDS = ("evalsha", "script|load", "get", "set", "time")
 #: FencedResource: fence.lua (GET/SET of ``<prefix>fence:<resource>``) and ``highest()``.
 FENCE_COMMANDS = ("evalsha", "script|load", "get", "set")
 #: LockedTask adds the done marker (SET PX), parking and hand-over (park/handoff/sweep
 #: scripts), the ``<prefix>parked`` registry (ZADD/ZRANGE/ZREM), the workers' stats in
-#: ``<prefix>stats`` (HINCRBY/HINCRBYFLOAT) and PING (client_for's health checks).
+#: ``<prefix>stats`` (HINCRBY/HINCRBYFLOAT) and PING (client_for's health checks) to what
+#: the lock, semaphores and rate limiters use (limited tasks take a semaphore's permits,
+#: rate-limited tasks book a rate limiter's slots). Rate-limited tasks add TYPE (the
+#: deferral script replaces a key of another type where its list or registry belongs) and
+#: ZRANGEBYSCORE (the drainer's look for deferred calls whose drainer stopped).
 CELERY_EXTRA_COMMANDS = (
     "set",
     "hsetnx",
-    "hdel",
     "hgetall",
     "hlen",
     "zrange",
     "hincrbyfloat",
     "ping",
+    "type",
+    "zrangebyscore",
 )
-CELERY_COMMANDS = LOCK_COMMANDS + CELERY_EXTRA_COMMANDS
+CELERY_COMMANDS = tuple(dict.fromkeys(LIMITER_COMMANDS + CELERY_EXTRA_COMMANDS))
 #: ``celery -A proj redislock ls|show|stats|release`` (an operator's user) adds these.
 #: SCAN is not confined by key patterns: it lists key names outside the prefix too.
-#: ZSCAN (the sweeper's registry), SMEMBERS (a limited key's holders) and HMGET (its
-#: parked tasks' limits and messages) read the limited keys (``lock_limit``).
-OPERATOR_EXTRA_COMMANDS = ("scan", "lrange", "pubsub|numsub", "zscan", "smembers", "hmget")
+#: ZSCAN (the sweeper's registry) and HMGET (a limited key's parked tasks' limits and
+#: messages) read the limited keys (``lock_limit``), as SMEMBERS (its holders, already in
+#: the Celery set) does.
+OPERATOR_EXTRA_COMMANDS = ("scan", "pubsub|numsub", "zscan", "hmget")
 OPERATOR_COMMANDS = CELERY_COMMANDS + OPERATOR_EXTRA_COMMANDS
 PASSWORD = "secret"
 #: redis-py sends these on connect (CLIENT SETINFO: Redis >= 7.2; CLIENT MAINT_NOTIFICATIONS:
@@ -228,6 +251,56 @@ def exercise_fence(client: redis.Redis, tag: str, data_key: str) -> None:
     assert resource.highest() == 3
 
 
+def exercise_semaphore(client: redis.Redis, admin: redis.Redis, tag: str) -> None:
+    """Every Redis path of RedisSemaphore: permits taken and re-entered (the first call
+    meets NOSCRIPT), queries, extend, a refusal, a waiter in line woken by the release
+    that hands it the freed permit (over pub/sub), a waiter that times out and leaves the
+    line, and a permit whose lease runs out freed for the next in line."""
+    name = f"{tag}:sem"
+    first = RedisSemaphore(client, name, 2, ttl=30, owner="first")
+    second = RedisSemaphore(client, name, 2, ttl=30, owner="second")
+    assert first.acquire() and first.acquire() and second.acquire()
+    assert first.hold_count == 2 and first.owned() and first.token is not None
+    first.extend(20)
+    assert RedisSemaphore(client, name, 2, owner="third").acquire(blocking=False) is False
+    assert RedisSemaphore(client, name, 2, owner="impatient").acquire(timeout=0.1) is False
+
+    got: list[tuple[bool, float]] = []
+
+    def wait() -> None:
+        waiter = RedisSemaphore(client, name, 2, ttl=30, owner="waiter")
+        got.append((waiter.acquire(timeout=20), time.monotonic()))
+        waiter.release()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    channel = first.keys.channel
+    wait_until(lambda: numsub(admin, channel) == 1, what=f"{channel!r} subscribed")
+    second.release()  # leases of 20-30 s: only the release's grant can wake the waiter
+    released_at = time.monotonic()
+    thread.join(10)
+    assert got and got[0][0] and got[0][1] - released_at < 5.0
+    first.release()
+    first.release()
+
+    lapsing = RedisSemaphore(client, f"{tag}:lapse", 1, ttl=30, owner="lapsing")
+    assert lapsing.acquire(lease=0.3)
+    following = RedisSemaphore(client, f"{tag}:lapse", 1, ttl=30, owner="next in line")
+    assert following.acquire(timeout=10)
+    following.release()
+
+
+def exercise_rate(client: redis.Redis, tag: str) -> None:
+    """Every Redis path of RedisRateLimiter: admitted at once (the first call meets
+    NOSCRIPT), refused without blocking, a slot booked ahead, a blocked call."""
+    limiter = RedisRateLimiter(client, f"{tag}:rate", rate=["20/s", "1000/m"])
+    assert limiter.acquire(blocking=False)
+    assert limiter.acquire(blocking=False) is False
+    slot = limiter.reserve()
+    assert slot.admitted and slot.wait > 0
+    assert limiter.acquire(timeout=5)
+
+
 def exercise_celery(url: str, tag: str, redis_options: dict[str, Any]) -> None:
     """The Celery layer's Redis paths, no worker: ``client_for`` (PING health checks when
     ``health_check_interval`` is short), an eager LockedTask, a worker's TaskLock taking
@@ -238,6 +311,7 @@ def exercise_celery(url: str, tag: str, redis_options: dict[str, Any]) -> None:
 
     from celery_redislock import metrics, signing
     from celery_redislock._core import OwnerFinished
+    from celery_redislock.celery.tasklock import TaskSemaphore
     from celery_redislock.task import (
         LockedTask,
         Sweeper,
@@ -248,14 +322,38 @@ def exercise_celery(url: str, tag: str, redis_options: dict[str, Any]) -> None:
     )
 
     app = Celery(f"security-{tag}", broker="memory://", backend="cache+memory://")
-    app.conf.update(redislock_url=url, redislock_redis_options=redis_options, redislock_wait=5.0)
-    taken: list[TaskLock] = []
+    app.conf.update(
+        redislock_url=url,
+        redislock_redis_options=redis_options,
+        redislock_wait=5.0,
+        # As docs/security.md says for a lock user of its own (the lock URL is not the
+        # broker's): deferred runs are then kept in the lock Redis, not the broker.
+        redislock_park_fallback=False,
+    )
+    taken: list[TaskLock | TaskSemaphore] = []
     try:
 
         @app.task(shared=False, bind=True, base=LockedTask, lock_key="acct:{n}", name=f"t.{tag}")
         def work(self: Any, n: int) -> int:
             self.lock.ensure_held()
             return int(self.lock.token)
+
+        @app.task(
+            shared=False, base=LockedTask, lock_key="tenant:{t}", lock_limit=2, name=f"l.{tag}"
+        )
+        def limited(t: int) -> None:
+            pass
+
+        @app.task(
+            shared=False,
+            base=LockedTask,
+            lock_key="merchant:{m}",
+            lock_limit=None,
+            lock_rate="20/s",
+            name=f"r.{tag}",
+        )
+        def rated(m: str) -> None:
+            pass
 
         app.finalize()
         client = client_for(app)
@@ -313,10 +411,110 @@ def exercise_celery(url: str, tag: str, redis_options: dict[str, Any]) -> None:
         finally:
             metrics.STATS = previous
         assert float(client.hget("redislock:stats", "wait_sum") or 0) >= 0.0123
+
+        _exercise_limited_tasks(app, limited, tag, taken)
+        _exercise_rated_tasks(app, rated, tag)
     finally:
         for lock in taken:
             lock.close()  # after a failure: stop renewing what is still held
         app.close()
+
+
+def _exercise_limited_tasks(app: Any, task: Any, tag: str, taken: list[Any]) -> None:
+    """``lock_limit``: two runs take the key's two permits, two more park behind them
+    (sem_park.lua), a finish hands its permit to the first parked run, whose message the
+    worker checks and sends (sem_handoff.lua), the sweeper hands the permit of a lost
+    holder to the next (sem_sweep.lua), ``lock_hold`` keeps a permit, and the sweeper
+    forgets the key once nothing is parked."""
+    from celery_redislock.celery import signing
+    from celery_redislock.celery.tasklock import TaskSemaphore, task_lock
+    from celery_redislock.task import Sweeper, client_for, deliver_handed_over, settings_for
+
+    client = client_for(app)
+    options = task.lock_options()
+    runs = [
+        task_lock(app, "tenant:7", task_id=f"{tag}-l{n}", options=options, limit=2)
+        for n in range(4)
+    ]
+    taken += runs
+    first, second, third, fourth = runs
+    assert all(isinstance(run, TaskSemaphore) for run in runs)
+    assert first.take() and second.take() and not third.take()
+    key = settings_for(app).signing_key
+    for run in (third, fourth):
+        signature = json.dumps(dict(task.signature((7,), task_id=run.owner)))
+        signed = signing.sign_signature(key, run.keys.lock, run.owner, signature)
+        assert run.park(signed, keep_for=60) is not True
+    handed = first.finish(hold=0, done_ttl=60)
+    assert handed is not None and handed.task_id == third.owner.encode()
+    assert deliver_handed_over(app, handed, 30_000) == 1
+    assert third.take()
+    sweeper = Sweeper(app)
+    assert sweeper.sweep_once() == 0  # both permits held: the parked run waits
+    second.close()  # its holder lost: the permit's lease runs out (here: deleted)
+    client.delete(second.semaphore_keys.permit(second.owner))
+    assert sweeper.sweep_once() == 1  # the freed permit handed to the parked run, sent
+    assert fourth.take()
+    assert third.finish(hold=5, done_ttl=60) is None  # lock_hold: kept 5 s, unrenewed
+    assert fourth.finish(hold=0, done_ttl=60) is None  # nobody parked: publishes
+    assert sweeper.sweep_once() == 0
+    assert client.zrange("redislock:parked", 0, -1) == []  # the key forgotten
+
+
+def _exercise_rated_tasks(app: Any, task: Any, tag: str) -> None:
+    """``lock_rate``: a run admitted at its rate and two deferred behind it
+    (rate_defer.lua); a drainer takes the first for sending and stops before sending it
+    (rate_drain.lua), another sends it again once stale (rate_resend.lua) and the second
+    when it is due."""
+    from celery.exceptions import Ignore
+
+    from celery_redislock import signals
+    from celery_redislock._keyspace import RateKeys, deferred_sending
+    from celery_redislock.celery.deferral import Drainer, admit_or_defer
+    from celery_redislock.task import client_for
+
+    client = client_for(app)
+    deferred = []
+    for n in range(3):
+        task.push_request(id=f"{tag}-r{n}", args=("m",), kwargs={}, headers={})
+        try:
+            admit_or_defer(task, task.request, ("m",), {}, task.lock_options())
+        except Ignore:
+            deferred.append(f"{tag}-r{n}")
+        finally:
+            task.pop_request()
+    assert deferred == [f"{tag}-r1", f"{tag}-r2"]
+
+    class Stopping(Drainer):
+        def _send(self, found: dict[str, Any], slot_us: int = 1) -> None:
+            raise SystemExit("stopped before sending")
+
+    list_key = RateKeys.for_name("merchant:m").deferred
+
+    def stops() -> bool:
+        try:
+            Stopping(app, ["redislock:"]).serve(client, "redislock:", list_key)
+        except SystemExit:
+            return True
+        return False
+
+    wait_until(stops, 10, what="the first deferred run taken for sending")
+    sending = deferred_sending("redislock:")
+    [member] = client.zrange(sending, 0, -1)
+    client.zadd(sending, {member: 0})  # long unconfirmed: its drainer stopped
+    sent: list[str] = []
+
+    def undeferred(sender: Any = None, task_id: Any = None, **_: Any) -> None:
+        sent.append(task_id)
+
+    signals.task_undeferred.connect(undeferred)
+    try:
+        drainer = Drainer(app, ["redislock:"])
+        wait_until(lambda: drainer.drain_once() >= 0 and len(sent) >= 2, 10, what="drained")
+    finally:
+        signals.task_undeferred.disconnect(undeferred)
+    assert sent == deferred  # each once, in order
+    assert client.llen(list_key) == 0 and client.zrange(sending, 0, -1) == []
 
 
 def exercise_cli(url: str, admin: redis.Redis, tag: str) -> None:
@@ -365,7 +563,8 @@ def exercise_cli(url: str, admin: redis.Redis, tag: str) -> None:
 
 
 def _trial_main(argv: list[str]) -> int:
-    """``python -m tests.test_security <lock|fence|celery|cli> <port> <user>``: one trial."""
+    """``python -m tests.lock.test_security <part> <port> <user>``: one trial (part: lock,
+    limiters, rate, fence, celery or cli)."""
     part, port, user = argv
     url = f"redis://{user}:{PASSWORD}@127.0.0.1:{port}/0"
     _waiting.LINGER = 0.2
@@ -374,6 +573,11 @@ def _trial_main(argv: list[str]) -> int:
     try:
         if part == "lock":
             exercise_lock(client, admin, "trial")
+        elif part == "limiters":
+            exercise_semaphore(client, admin, "trial")
+            exercise_rate(client, "trial")
+        elif part == "rate":
+            exercise_rate(client, "trial")
         elif part == "fence":
             exercise_fence(client, "trial", "redislock:data:trial")
         elif part == "cli":
@@ -794,6 +998,8 @@ def acl_server() -> Iterator[RedisServer]:
     with RedisServer(extra=["--acllog-max-len", "1024"]) as server:
         admin = server.client()
         set_user(admin, "locker", acl_rules(LOCK_COMMANDS))
+        set_user(admin, "limiter", acl_rules(LIMITER_COMMANDS))
+        set_user(admin, "rate-limiter", acl_rules(RATE_COMMANDS, channels=()))
         set_user(admin, "fencer", acl_rules(LOCK_COMMANDS + FENCE_COMMANDS[2:]))
         set_user(
             admin,
@@ -894,6 +1100,73 @@ async def test_acl_user_runs_the_async_lock(acl_server: RedisServer, admin: redi
     assert denials(admin) == []
 
 
+def test_acl_user_runs_semaphores_and_rate_limiters(
+    acl_server: RedisServer, admin: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_waiting, "LINGER", 0.2)
+    limiter = user_client(acl_server, "limiter")
+    rate_only = user_client(acl_server, "rate-limiter")
+    locker = user_client(acl_server, "locker")
+    try:
+        exercise_semaphore(limiter, admin, "acl")
+        exercise_rate(limiter, "acl")
+        exercise_rate(rate_only, "acl:alone")
+        assert denials(admin) == []
+        # The lock's set is not enough: refused inside the scripts (SMEMBERS, GET).
+        with pytest.raises(redis.exceptions.ResponseError, match="can't run this command"):
+            RedisSemaphore(locker, "acl:sem:locker", 2).acquire(blocking=False)
+        with pytest.raises(redis.exceptions.ResponseError, match="can't run this command"):
+            RedisRateLimiter(locker, "acl:rate:locker", "5/s").acquire(blocking=False)
+    finally:
+        for client in (limiter, rate_only, locker):
+            client.close()
+    refused = {(e["username"], e["reason"], e["object"]) for e in denials(admin)}
+    # GET is called with redis.pcall (a schedule that cannot be read is read as full):
+    # refused and logged all the same, then SET stops the script.
+    assert refused == {
+        ("locker", "command", "smembers"),
+        ("locker", "command", "get"),
+        ("locker", "command", "set"),
+    }
+
+
+async def test_acl_user_runs_the_async_semaphore_and_rate_limiter(
+    acl_server: RedisServer, admin: redis.Redis
+) -> None:
+    client = aioredis.Redis(
+        host="127.0.0.1", port=acl_server.port, username="limiter", password=PASSWORD
+    )
+    try:
+        first = AsyncRedisSemaphore(client, "acl:asem", 1, ttl=0.3, owner="first")
+        assert await first.acquire() and await first.acquire()
+        await asyncio.sleep(1.0)  # the asyncio watchdog renews the permit
+        assert await first.owned() and not first.lost.is_set()
+
+        async def wait() -> bool:
+            waiter = AsyncRedisSemaphore(client, "acl:asem", 1, ttl=30, owner="waiter")
+            got = await waiter.acquire(timeout=20)
+            await waiter.release()
+            return got
+
+        task = asyncio.ensure_future(wait())
+        for _ in range(500):
+            if numsub(admin, first.keys.channel) == 1:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the asyncio subscriber never subscribed")
+        await first.release()
+        await first.release()
+        assert await asyncio.wait_for(task, 10)
+        limiter = AsyncRedisRateLimiter(client, "acl:arate", "20/s")
+        assert await limiter.acquire(blocking=False)
+        assert (await limiter.reserve()).admitted
+    finally:
+        await aclose_background(client)
+        await client.aclose()
+    assert denials(admin) == []
+
+
 def test_acl_fencing_needs_get_set_and_the_data_keys(
     acl_server: RedisServer, admin: redis.Redis
 ) -> None:
@@ -940,13 +1213,16 @@ def test_the_documented_acl_lines_are_the_tested_ones(
     documented = {line[2]: line[3:] for line in lines}
     tested = {
         "locker": LOCK_COMMANDS,
+        "limiter": LIMITER_COMMANDS,
+        "rate-limiter": RATE_COMMANDS,
         "celery-locks": CELERY_COMMANDS,
         "lock-operator": OPERATOR_COMMANDS,
     }
     assert set(documented) == set(tested)
     for user, rules in documented.items():
         assert sorted(r[1:] for r in rules if r.startswith("+")) == sorted(set(tested[user]))
-        assert [r for r in rules if not r.startswith("+")] == acl_rules(())[1:]
+        channels = () if user == "rate-limiter" else ("redislock:*",)
+        assert [r for r in rules if not r.startswith("+")] == acl_rules((), channels=channels)[1:]
         set_user(admin, f"doc-{user}", rules)  # the server accepts the line as written
 
 
@@ -955,12 +1231,15 @@ def test_acl_operator_runs_the_cli(acl_server: RedisServer, admin: redis.Redis) 
     assert denials(admin) == []
 
 
-def _trial(part: str, commands: tuple[str, ...], removed: str | None) -> tuple[int, list[Any]]:
+def _trial(
+    part: str, commands: tuple[str, ...], removed: str | None, channels: tuple[str, ...]
+) -> tuple[int, list[Any]]:
     """Run one scenario as a user lacking ``removed`` on a private server; ACL LOG after."""
     user = f"trial-{(removed or 'none').replace('|', '-')}"
     with RedisServer(extra=["--acllog-max-len", "1024"]) as server:
         admin = server.client()
-        set_user(admin, user, acl_rules(tuple(c for c in commands if c != removed)))
+        kept = tuple(c for c in commands if c != removed)
+        set_user(admin, user, acl_rules(kept, channels=channels))
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.lock.test_security", part, str(server.port), user],
             cwd=ROOT,
@@ -983,6 +1262,8 @@ def _trial(part: str, commands: tuple[str, ...], removed: str | None) -> tuple[i
     ("part", "commands"),
     [
         ("lock", LOCK_COMMANDS),
+        ("limiters", LIMITER_COMMANDS),
+        ("rate", RATE_COMMANDS),
         ("fence", FENCE_COMMANDS),
         ("celery", CELERY_COMMANDS),
         ("cli", OPERATOR_COMMANDS),
@@ -991,15 +1272,21 @@ def _trial(part: str, commands: tuple[str, ...], removed: str | None) -> tuple[i
 def test_every_command_of_the_minimal_acl_is_needed(part: str, commands: tuple[str, ...]) -> None:
     """The set is enough (no denial at all), and removing any one command is refused.
 
-    For "celery" and "cli" only the commands they add are removed one by one (the lock's
-    are shown needed by the "lock" trials; the Celery scenario does not wait on pub/sub).
+    For "limiters", "celery" and "cli" only the commands they add to the set they extend
+    are removed one by one (the lock's are shown needed by the "lock" trials, the
+    semaphores' and rate limiters' by the "limiters" trials; the Celery scenario does not
+    wait on pub/sub). The rate limiter alone is granted no channel.
     """
-    to_remove = {"celery": CELERY_EXTRA_COMMANDS, "cli": OPERATOR_EXTRA_COMMANDS}.get(
-        part, commands
-    )
+    to_remove = {
+        "limiters": LIMITER_EXTRA_COMMANDS,
+        "celery": CELERY_EXTRA_COMMANDS,
+        "cli": OPERATOR_EXTRA_COMMANDS,
+    }.get(part, commands)
+    channels: tuple[str, ...] = () if part == "rate" else ("redislock:*",)
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         futures = {
-            removed: pool.submit(_trial, part, commands, removed) for removed in (None, *to_remove)
+            removed: pool.submit(_trial, part, commands, removed, channels)
+            for removed in (None, *to_remove)
         }
         results = {removed: future.result() for removed, future in futures.items()}
     code, found = results.pop(None)
