@@ -43,13 +43,11 @@ SCRIPT_NAMES = (
 #: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
 #: ``lock`` reads the clock and takes or re-enters a lock, fair to its line; ``grant`` hands
 #: a freed lock to the first waiter in line (it publishes: only the releasing scripts get
-#: it); ``envelope`` reads parked envelopes; ``parked`` hands a lock to the first parked
-#: task and sends stale hand-overs again (after ``envelope``: it pushes them); ``sem`` counts
-#: a semaphore's permits and takes one (``celery_redislock.semaphore``).
-#: it); ``parked`` hands a lock to the first parked task; ``envelope`` reads parked envelopes;
-#: ``sem`` counts a semaphore's permits still held (``celery_redislock.semaphore``); ``gcra``
-#: decides and books a rate limiter's slot (``celery_redislock.ratelimit``), for ``rate`` and
-#: for a task's deferral and its drain (``celery_redislock.celery.deferral``).
+#: it); ``sem`` counts a semaphore's permits and takes one (``celery_redislock.semaphore``);
+#: ``envelope`` reads parked envelopes; ``parked`` parks a task, hands a lock or permit to
+#: the first parked task and sends stale hand-overs again (after ``envelope``: it pushes
+#: them); ``gcra`` decides and books a rate limiter's slot (``celery_redislock.ratelimit``),
+#: for ``rate`` and for a task's deferral and its drain (``celery_redislock.celery.deferral``).
 PRELUDES: dict[str, tuple[str, ...]] = {
     "acquire": ("args", "lock"),
     "release": ("args", "lock", "grant"),
