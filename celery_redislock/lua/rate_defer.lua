@@ -5,7 +5,8 @@
 --                    the list's head is due (-1: behind others already deferred)
 -- A key with deferred calls admits none at once: a call joins the end of its line, so the
 -- line drains in arrival order (rate_drain.lua). The registry (a sorted set of deferred
--- lists) scores each list by when its head is due, in ms on this server's clock. A key of
+-- lists) scores each list by when its head is due, in ms on this server's clock (a call
+-- joining a line brings a score later than that back to it). A key of
 -- another type where the list or registry belongs is junk: it is replaced.
 if #KEYS < 3 or #ARGV ~= 1 + 2 * (#KEYS - 2) then
   return redis.error_reply(
@@ -30,9 +31,14 @@ if registry_kind ~= 'zset' and registry_kind ~= 'none' then
 end
 if redis.call('llen', KEYS[1]) > 0 then
   redis.call('rpush', KEYS[1], entry)
-  local clock = redis.call('time')
-  redis.call('zadd', KEYS[2], 'NX',
-    string.format('%.0f', clock[1] * 1000 + math.floor(clock[2] / 1000)), KEYS[1])
+  -- Registered when its head is due, unless it is already registered at or before then: a
+  -- score past that (junk) would keep the line waiting for nothing.
+  local _, head_wait, now = gcra(schedules, ARGV, 2, -1)
+  local due = math.ceil((now + head_wait) / 1000)
+  local scored = tonumber(redis.call('zscore', KEYS[2], KEYS[1]))
+  if not scored or scored > due then
+    redis.call('zadd', KEYS[2], string.format('%.0f', due), KEYS[1])
+  end
   return {0, -1}
 end
 local admitted, wait, now = gcra(schedules, ARGV, 2, 0)
