@@ -224,7 +224,7 @@ def decode_rate_defer(reply: Any) -> tuple[int | None, int]:
 
 
 #: rate_drain.lua's codes.
-DRAIN_EMPTY, DRAIN_CHANGED, DRAIN_NOT_DUE, DRAIN_DROPPED, DRAIN_ADMITTED = range(5)
+DRAIN_EMPTY, DRAIN_CHANGED, DRAIN_NOT_DUE, DRAIN_DROPPED, DRAIN_ADMITTED, DRAIN_PASSED = range(6)
 
 
 def decode_rate_drain(reply: Any) -> tuple[int, int]:
@@ -232,7 +232,7 @@ def decode_rate_drain(reply: Any) -> tuple[int, int]:
     slot was booked in µs on the server's clock when admitted; else 0)."""
     table = _table(reply, "rate_drain", 1, 2)
     code = _number(table[0], "rate_drain", reply, "the code")
-    if code in (DRAIN_NOT_DUE, DRAIN_ADMITTED) and len(table) == 2:
+    if code in (DRAIN_NOT_DUE, DRAIN_ADMITTED, DRAIN_PASSED) and len(table) == 2:
         value = _number(table[1], "rate_drain", reply, "the wait or time")
         if value >= 0:
             return code, value

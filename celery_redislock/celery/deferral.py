@@ -30,6 +30,7 @@ through the broker with a countdown to it, and the header.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -44,6 +45,7 @@ from .._keyspace import RateKeys, deferred_registry, deferred_sending
 from .._rates import LONGEST_WAIT_US, Limit, script_args
 from .._replies import (
     DRAIN_ADMITTED,
+    DRAIN_PASSED,
     decode_rate,
     decode_rate_defer,
     decode_rate_drain,
@@ -272,14 +274,17 @@ class Drainer(threading.Thread):
             scripts.rate_drain(keys=[member, registry, sending], args=[head, "drop"])
             _report_refused(self.app, member, None, f"a deferred call: {exc}")
             return 0
+        # A run that expired while it waited books no slot: it is sent on without one, and
+        # its worker drops it (REVOKED) as Celery drops any expired message.
+        mode = "pass" if _expired(found["signature"]) else "admit"
         reply = scripts.rate_drain(
             keys=[member, registry, sending, *_schedules(keys, limits)],
-            args=[head, "admit", *_limit_args(limits)],
+            args=[head, mode, *_limit_args(limits)],
         )
         code, slot_us = decode_rate_drain(reply)
-        if code != DRAIN_ADMITTED:  # not due (rescheduled), or another drainer took it
+        if code not in (DRAIN_ADMITTED, DRAIN_PASSED):  # not due, or another drainer took it
             return 0
-        self._send(found, slot_us)
+        self._send(found, slot_us if code == DRAIN_ADMITTED else None)
         client.zrem(sending, member + b"\n" + head)
         return 1
 
@@ -319,10 +324,17 @@ class Drainer(threading.Thread):
         if rendered.deferred != keys.deferred:
             raise signing.Refused("its arguments do not take the rate key it was deferred on")
 
-    def _send(self, found: dict[str, Any], slot_us: int = 1) -> None:
+    def _send(self, found: dict[str, Any], slot_us: int | None = 1) -> None:
+        """Publish a drained run, with its booked slot (None: not booked, rate-checked
+        again if it runs at all)."""
         signature = dict(found["signature"])
         options = dict(signature.get("options") or {})
-        options["headers"] = {**(options.get("headers") or {}), BOOKED_HEADER: slot_us}
+        headers = dict(options.get("headers") or {})
+        if slot_us is None:
+            headers.pop(BOOKED_HEADER, None)
+        else:
+            headers[BOOKED_HEADER] = slot_us
+        options["headers"] = headers
         signature["options"] = options
         publish_to_handoff_queue(self.app, signature)
         deferred_at = found.get("deferred_at")
@@ -367,3 +379,22 @@ class Drainer(threading.Thread):
 
 
 _drainers: weakref.WeakKeyDictionary[Any, Drainer] = weakref.WeakKeyDictionary()
+
+
+def _expired(signature: Any) -> bool:
+    """Whether a deferred run's ``expires`` (an ISO 8601 time, or seconds since the epoch
+    as Celery may write it) has passed on this host's clock; False when it has none or it
+    cannot be read (the receiving worker decides)."""
+    options = signature.get("options") if isinstance(signature, dict) else None
+    expires = options.get("expires") if isinstance(options, dict) else None
+    try:
+        if isinstance(expires, str):
+            when = datetime.datetime.fromisoformat(expires)
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=datetime.timezone.utc)
+            return when.timestamp() < time.time()
+        if isinstance(expires, (int, float)) and not isinstance(expires, bool):
+            return float(expires) < time.time()
+    except (ValueError, OverflowError, OSError):
+        return False
+    return False

@@ -4,6 +4,8 @@
 --   -> {1}           its head is not the entry given (another drainer took it): nothing done
 --   -> {2, wait_us}  the head is not due: rescheduled in the registry at its due time
 --   -> {3}           mode 'drop': the head removed (refused by the caller), nothing booked
+--   -> {5, now_us}   mode 'pass': the head moved to `sending` as 'admit' does, no slot booked
+--                    (the caller found it expired: it is sent on to be dropped by its worker)
 --   -> {4, now_us}   mode 'admit': the head's slot booked (at now_us) (gcra.lua, max wait 0), the head
 --                    moved from the list to `sending` (member "<list key>\n<entry>", scored
 --                    by now in ms) until the caller has sent it; the list rescheduled at
@@ -14,8 +16,8 @@ if #ARGV ~= 2 + 2 * (#KEYS - 3) or #KEYS < 3 then
     'ERR redislock: rate_drain takes a head and a mode, then an increment and a tolerance per key')
 end
 local mode = ARGV[2]
-if mode ~= 'admit' and mode ~= 'drop' then
-  return redis.error_reply('ERR redislock: rate_drain mode must be admit or drop')
+if mode ~= 'admit' and mode ~= 'drop' and mode ~= 'pass' then
+  return redis.error_reply('ERR redislock: rate_drain mode must be admit, drop or pass')
 end
 local schedules = {}
 for i = 4, #KEYS do
@@ -46,13 +48,19 @@ if mode == 'drop' then
   reschedule(clock[1] * 1000000 + clock[2])
   return {3}
 end
-local admitted, wait, now = gcra(schedules, ARGV, 3, 0)
-if not admitted then
-  redis.call('zadd', KEYS[2], ms(now + wait), KEYS[1])
-  return {2, wait}
+local admitted, wait, now
+if mode == 'pass' then
+  local clock = redis.call('time')
+  now = clock[1] * 1000000 + clock[2]
+else
+  admitted, wait, now = gcra(schedules, ARGV, 3, 0)
+  if not admitted then
+    redis.call('zadd', KEYS[2], ms(now + wait), KEYS[1])
+    return {2, wait}
+  end
 end
 redis.call('lpop', KEYS[1])
 redis.call('zadd', KEYS[3], ms(now), KEYS[1] .. '\n' .. head)
 local _, next_wait = gcra(schedules, ARGV, 3, -1)
 reschedule(now + next_wait)
-return {4, now}
+return {mode == 'pass' and 5 or 4, now}

@@ -415,11 +415,6 @@ def test_a_junk_registry_score_on_a_line_nobody_joins_does_not_wedge_it(
     assert _sent_ids(r) == deferred
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the drainer books a rate slot for a deferred run that expired while it waited: "
-    "each expired run in a line spends a slot, and the runs behind it wait for nothing",
-)
 def test_an_expired_deferred_run_books_no_slot(broker: RedisServer) -> None:
     from datetime import datetime, timedelta, timezone
 
