@@ -567,10 +567,12 @@ def tls_client(tls_server: TLSRedisServer) -> Iterator[redis.Redis]:
 
 
 def test_the_tls_port_refuses_plain_and_unverified_clients(tls_server: TLSRedisServer) -> None:
-    plain = redis.Redis(host="127.0.0.1", port=tls_server.port, socket_timeout=2)
+    # No retries: redis-py's default would only repeat each refused attempt, with backoff.
+    port = tls_server.port
+    plain = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, retry=None)
     with pytest.raises(redis.ConnectionError):
         plain.ping()
-    unverified = redis.Redis(host="127.0.0.1", port=tls_server.port, ssl=True, socket_timeout=2)
+    unverified = redis.Redis(host="127.0.0.1", port=port, ssl=True, socket_timeout=2, retry=None)
     with pytest.raises(redis.ConnectionError, match=r"(?i)certificate verify failed"):
         unverified.ping()
     plain.close()
