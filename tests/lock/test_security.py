@@ -734,6 +734,7 @@ def test_mutual_tls_client_certificate_through_redis_options(mtls_server: TLSRed
         ssl=True,
         ssl_ca_certs=str(mtls_server.certs.ca),
         socket_timeout=2,
+        retry=None,  # redis-py's default would only repeat the refused attempt, with backoff
     )
     with pytest.raises(redis.ConnectionError):
         no_cert.ping()
