@@ -251,7 +251,17 @@ def test_a_redelivered_retry_message_does_not_adopt_the_kept_hold_twice(
     try:
         result = ca.retry_keeping_long.delay("twice", 6.0)
         assert result.get(timeout=60) == "done"
-        time.sleep(3)  # room for a late copy to start, had it been let in
+        # The copy, re-queued while the retry ran, comes back and finds it finished (or
+        # runs out of re-queues); had it been let in, its start would be recorded.
+        ended = (f"[{result.id}] already finished under", f"[{result.id}] gave up after")
+        wait_until(
+            lambda: (
+                any(line in proc.text() for line in ended)
+                or sum(x.startswith(b"start") for x in r.lrange("runs:twice", 0, -1)) > 1
+            ),
+            timeout=30,
+            what="the copy's end",
+        )
         runs = [line.decode().split() for line in r.lrange("runs:twice", 0, -1)]
         starts = [run for run in runs if run[0] == "start"]
         assert len(starts) == 1, runs  # the retry ran once
