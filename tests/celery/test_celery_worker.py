@@ -93,7 +93,7 @@ def test_without_the_lock_updates_are_lost(r: redis.Redis, shared_worker: Celery
 def test_worker_child_sigkilled_lock_freed_task_redelivered_and_fenced(
     r: redis.Redis, shared_worker: CeleryProcess
 ) -> None:
-    result = ca.hold_for.delay("killed", 3.0, fence=True)
+    result = ca.hold_for.delay("killed", 1.5, fence=True)  # killed at its start
     first = wait_until(lambda: r.lindex("started:killed", 0))
     _, token, pid = first.decode().split()
     os.kill(int(pid), signal.SIGKILL)
