@@ -334,7 +334,7 @@ def test_tasks_parked_at_delivery_survive_the_whole_worker_being_killed(
     env = {"REDISLOCK_TEST_TTL": "3", "REDISLOCK_TEST_VT": "2"}
     first = worker(broker.url, tmp_path / "w1.log", env=env, name="doomed")
     try:
-        holder = ca.hold_for.delay("kill", 4.0)
+        holder = ca.hold_for.delay("kill", 2.0)
         wait_until(lambda: r.llen("started:kill") == 1, timeout=30)
         parked = [ca.hold_for.delay("kill", 0.05) for _ in range(3)]
         wait_until(lambda: r.llen(PARKED % "kill") == 3, timeout=30)
