@@ -40,7 +40,7 @@ def shared_worker(
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     proc = worker(broker.url, log, env={"REDISLOCK_TEST_TTL": "30"})
     yield proc
-    proc.stop()
+    proc.kill()
 
 
 def sections(r: redis.Redis, kind: str) -> list[tuple[str, str, float, float]]:
