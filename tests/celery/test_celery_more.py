@@ -48,7 +48,7 @@ def test_parked_tasks_survive_a_holder_that_never_releases_and_a_lost_hand_over(
         assert r.llen("started:lost") == 2
         assert "sweeper hands" in proc.text()
     finally:
-        proc.stop()
+        proc.kill()
 
 
 @pytest.mark.parametrize("pool", ["threads", "solo"])
@@ -79,7 +79,7 @@ def test_settlement_under_threads_and_solo_pools(
             assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
         assert "lost lock" not in proc.text()
     finally:
-        proc.stop()
+        proc.kill()
 
 
 def test_two_beats_fire_the_nightly_job_but_it_runs_once_per_period(
@@ -149,7 +149,7 @@ def test_parked_tasks_survive_a_restart_of_a_separate_lock_redis(
         assert sorted(started) == sorted(res.id for res in results)  # each ran exactly once
         assert "fallback copy" in proc.text()
     finally:
-        proc.stop()
+        proc.kill()
 
 
 def test_a_bad_setting_stops_the_worker_at_start(broker: RedisServer, tmp_path: Path) -> None:
@@ -181,7 +181,7 @@ def test_hand_over_follows_a_task_routed_to_its_own_queue(
         assert int(r.get("balance:77") or 0) == 12
         assert "parked" in proc.text()  # they really contended and were handed over
     finally:
-        proc.stop()
+        proc.kill()
 
 
 RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
@@ -227,7 +227,7 @@ def test_hand_over_through_rabbitmq_follows_the_tasks_own_queue(
         assert int(r.get("balance:78") or 0) == 10
         assert "parked" in proc.text()
     finally:
-        proc.stop()
+        proc.kill()
         client_app.close()
         with Connection(RABBITMQ) as conn:  # leave the shared RabbitMQ as we found it
             for name in (queue, f"{queue}.redislock"):
@@ -276,7 +276,7 @@ def test_a_redelivered_retry_message_does_not_adopt_the_kept_hold_twice(
         assert len(starts) == 1, runs  # the retry ran once
         assert "held by another delivery of this task" in proc.text()  # the copy was seen
     finally:
-        proc.stop()
+        proc.kill()
 
 
 def test_a_task_whose_release_cannot_reach_redis_still_succeeds_and_frees_the_lock(
@@ -315,7 +315,7 @@ def test_a_task_whose_release_cannot_reach_redis_still_succeeds_and_frees_the_lo
         time.sleep(1.0)
         assert not lr.exists(key)  # and nothing renews it back
     finally:
-        proc.stop()
+        proc.kill()
 
 
 def test_a_task_that_cannot_reach_the_lock_redis_at_take_is_not_lost(
@@ -354,7 +354,7 @@ def test_a_task_that_cannot_reach_the_lock_redis_at_take_is_not_lost(
         sections = [raw.decode().split() for raw in r.lrange("sections:settle", 0, -1)]
         assert [t for key, t, _, _ in sections if key == "900"].count(result.id) == 1
     finally:
-        proc.stop()
+        proc.kill()
 
 
 @pytest.mark.parametrize("fault", ["drop_reply", "stall"])
@@ -400,4 +400,4 @@ def test_a_hand_over_whose_reply_is_lost_runs_every_task_once(
             assert sorted(again) == sorted(started)
             assert not lr.exists("redislock:{job:handfault}")
         finally:
-            proc.stop()
+            proc.kill()
