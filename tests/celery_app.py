@@ -181,14 +181,14 @@ def bad_value(user: dict[str, Any]) -> None:
     return None
 
 
-@app.task(base=LockedTask, on_contention="skip", lock_hold=4.0)
+@app.task(base=LockedTask, on_contention="skip", lock_hold=2.0)
 def nightly() -> None:
     r().rpush("nightly:runs", f"{time.time()!r}")
 
 
 if os.environ.get("REDISLOCK_TEST_BEAT"):
     app.conf.beat_schedule = {
-        "nightly": {"task": "tests.celery_app.nightly", "schedule": 2.0},
+        "nightly": {"task": "tests.celery_app.nightly", "schedule": 1.0},
     }
 
 

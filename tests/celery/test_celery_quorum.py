@@ -40,7 +40,7 @@ def quorum_worker(
         celery_broker.url, log, env={"REDISLOCK_TEST_QUORUM": urls, "REDISLOCK_TEST_TTL": "10"}
     )
     yield proc
-    proc.stop()
+    proc.kill()
 
 
 def lock_keys(nodes: list[RedisServer], name: str) -> list[bool]:

@@ -40,7 +40,7 @@ def shared_worker(
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     proc = worker(broker.url, log, env={"REDISLOCK_TEST_TTL": "30"})
     yield proc
-    proc.stop()
+    proc.kill()
 
 
 def sections(r: redis.Redis, kind: str) -> list[tuple[str, str, float, float]]:
@@ -93,7 +93,7 @@ def test_without_the_lock_updates_are_lost(r: redis.Redis, shared_worker: Celery
 def test_worker_child_sigkilled_lock_freed_task_redelivered_and_fenced(
     r: redis.Redis, shared_worker: CeleryProcess
 ) -> None:
-    result = ca.hold_for.delay("killed", 3.0, fence=True)
+    result = ca.hold_for.delay("killed", 1.5, fence=True)  # killed at its start
     first = wait_until(lambda: r.lindex("started:killed", 0))
     _, token, pid = first.decode().split()
     os.kill(int(pid), signal.SIGKILL)
@@ -311,9 +311,18 @@ def test_a_duplicate_delivered_at_any_point_of_a_run_never_runs_it_again(
     copy = ca.hold_for.apply_async((name, 0.5), task_id=first.id)
     assert first.get(timeout=30) is not None
     # The copy is re-queued (the run still holds the lock) or finds the run done; either
-    # way it comes back within the re-queue cap and never runs the body.
+    # way it comes back within the re-queue cap and never runs the body: it ends ignored
+    # as a duplicate (or dropped, had it run out of re-queues). Had it run the body, its
+    # start would be recorded first.
     wait_until(lambda: not r.exists(lock_key(f"job:{name}")), timeout=15)
-    _time.sleep(1.5)  # past the re-queue cap (0.5 s) and the copy's handling
+    ended = (f"[{first.id}] already finished under", f"[{first.id}] gave up after")
+    wait_until(
+        lambda: (
+            any(line in shared_worker.text() for line in ended) or r.llen(f"started:{name}") > 1
+        ),
+        timeout=30,
+        what="the copy's end",
+    )
     assert r.llen(f"started:{name}") == 1
     assert copy.state == "SUCCESS"
     assert not r.exists(lock_key(f"job:{name}"))

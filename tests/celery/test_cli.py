@@ -38,7 +38,7 @@ def test_ls_show_release_and_stats_on_a_running_worker(broker: RedisServer, tmp_
         results = [ca.settle.delay(1, 1) for _ in range(5)]
         for result in results:
             result.get(timeout=60)
-        held = ca.hold_for.delay("cli", 6.0)
+        held = ca.hold_for.delay("cli", 2.0)  # held while the commands below run (well under 1 s)
         wait_until(lambda: r.llen("started:cli"))
         RedisLock(r, "other:lock", owner="someone", ttl=60).acquire()
 

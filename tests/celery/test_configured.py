@@ -51,7 +51,7 @@ def configured_worker(
     log = tmp_path_factory.mktemp("configured") / "worker.log"
     proc = worker(broker.url, log, app=APP)
     yield proc
-    proc.stop()
+    proc.kill()
 
 
 def sections(r: redis.Redis, name: str) -> list[tuple[str, int, bool, float, float]]:

@@ -60,7 +60,7 @@ def pool_worker(
     proc = worker(broker.url, log, app=APP, pool=pool, concurrency=1 if pool == "solo" else 3)
     proc.pool = pool  # type: ignore[attr-defined]
     yield proc
-    proc.stop()
+    proc.kill()
 
 
 def sections(r: redis.Redis, name: str) -> list[tuple[str, str, int, bool, str, float, float]]:
@@ -132,7 +132,7 @@ def test_canvas_over_one_key(r: redis.Redis, broker: RedisServer, tmp_path: Path
         assert f"{P}class_work" in names and f"{P}meta_work" in names
         assert "succeeded" in proc.text()  # (the module's last pool worker consumes too)
     finally:
-        proc.stop()
+        proc.kill()
 
 
 # ---------------------------------------------------------------- in-process: re-applying

@@ -198,7 +198,7 @@ def test_a_worker_parks_contended_tasks_without_a_pool_process_and_runs_them_in_
         assert tokens == sorted(tokens) and len(set(tokens)) == 5
         wait_until(lambda: not r.exists("redislock:{job:line}"), timeout=10)
     finally:
-        proc.stop()
+        proc.kill()
 
 
 def test_parking_at_delivery_needs_the_locks_in_the_brokers_own_redis(
@@ -255,7 +255,7 @@ def test_a_revoked_task_the_lock_was_handed_to_passes_it_on(
         assert "it was dropped before it ran (revoked)" in proc.text()
         wait_until(lambda: not r.exists("redislock:{job:rv}"), timeout=10)
     finally:
-        proc.stop()
+        proc.kill()
 
 
 def test_a_lock_user_that_may_not_write_the_queue_leaves_parking_to_pool_processes(
@@ -334,7 +334,7 @@ def test_tasks_parked_at_delivery_survive_the_whole_worker_being_killed(
     env = {"REDISLOCK_TEST_TTL": "3", "REDISLOCK_TEST_VT": "2"}
     first = worker(broker.url, tmp_path / "w1.log", env=env, name="doomed")
     try:
-        holder = ca.hold_for.delay("kill", 4.0)
+        holder = ca.hold_for.delay("kill", 2.0)
         wait_until(lambda: r.llen("started:kill") == 1, timeout=30)
         parked = [ca.hold_for.delay("kill", 0.05) for _ in range(3)]
         wait_until(lambda: r.llen(PARKED % "kill") == 3, timeout=30)
@@ -355,7 +355,7 @@ def test_tasks_parked_at_delivery_survive_the_whole_worker_being_killed(
         tokens = [int(entry[1]) for entry in started]
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
     finally:
-        second.stop()
+        second.kill()
 
 
 def test_a_copy_looking_for_its_own_delivery_does_not_keep_a_dead_ones_lease_alive(
@@ -551,7 +551,7 @@ def test_a_worker_runs_the_queued_tasks_of_a_busy_lock_ahead_of_the_backlog(
         assert not r.hlen(PARKED % "busy" + ":messages")
         assert not r.hlen(PARKED % "busy" + ":dispatched")
     finally:
-        proc.stop()
+        proc.kill()
 
 
 def test_a_lock_user_that_may_not_read_the_queue_releases_without_look_ahead(

@@ -158,7 +158,7 @@ def shared_worker(
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     proc = worker(worker_broker.url, log, concurrency=2, env={"REDISLOCK_TEST_TTL": "30"})
     yield proc
-    proc.stop()
+    proc.kill()
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,10 @@ from celery_redislock.testing import RedisServer
 
 from .._support import wait_until
 
+#: A master starts a replica's (diskless) sync at once instead of waiting 5 s for more
+#: replicas to join it (repl-diskless-sync-delay): there is only ever one replica here.
+SYNC_AT_ONCE = ["--repl-diskless-sync-delay", "0"]
+
 
 def link_up(master: RedisServer, replica: RedisServer) -> None:
     m, r = master.client(), replica.client()
@@ -51,8 +55,9 @@ def link_up(master: RedisServer, replica: RedisServer) -> None:
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[RedisServer, RedisServer]]:
     """A master and one replica (module-scoped; tests that SIGSTOP it SIGCONT it after)."""
-    with RedisServer() as master:
-        with RedisServer(extra=["--replicaof", "127.0.0.1", str(master.port)]) as replica:
+    with RedisServer(extra=SYNC_AT_ONCE) as master:
+        replica_of = ["--replicaof", "127.0.0.1", str(master.port)]
+        with RedisServer(extra=[*SYNC_AT_ONCE, *replica_of]) as replica:
             link_up(master, replica)
             yield master, replica
 
@@ -235,8 +240,8 @@ def test_sentinel_master_for_acquire_wait_release_and_failover() -> None:
     from celery_redislock.testing import RedisSentinel
 
     with (
-        RedisServer() as master,
-        RedisServer(extra=["--replicaof", "127.0.0.1", str(master.port)]) as replica,
+        RedisServer(extra=SYNC_AT_ONCE) as master,
+        RedisServer(extra=[*SYNC_AT_ONCE, "--replicaof", "127.0.0.1", str(master.port)]) as replica,
     ):
         link_up(master, replica)
         with RedisSentinel(master.port) as sentinel_server:

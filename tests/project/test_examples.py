@@ -34,7 +34,7 @@ def test_example_runs_against_a_real_worker(example: str, tmp_path: Path) -> Non
                 check=False,
             )
         finally:
-            proc.stop()
+            proc.kill()
     assert out.returncode == 0, out.stderr[-3000:] + proc.text()[-3000:]
     if example == "payments":
         for line in out.stdout.strip().splitlines():
