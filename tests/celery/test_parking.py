@@ -190,6 +190,8 @@ def test_a_worker_parks_contended_tasks_without_a_pool_process_and_runs_them_in_
         results = [ca.hold_for.delay("line", 0.01) for _ in range(5)]
         wait_until(lambda: r.llen(PARKED % "line") == 5, timeout=30)
         assert r.llen("started:line") == 0  # no pool process ran any of them
+        # (each one's log line follows its parking's write: waited for, then counted)
+        wait_until(lambda: proc.text().count("before dispatch") >= 5, timeout=10)
         assert proc.text().count("before dispatch") == 5
         assert _release_as(r, "line", "holder")[2].decode() == results[0].id
         tokens = [result.get(timeout=60) for result in results]
@@ -338,6 +340,7 @@ def test_tasks_parked_at_delivery_survive_the_whole_worker_being_killed(
         wait_until(lambda: r.llen("started:kill") == 1, timeout=30)
         parked = [ca.hold_for.delay("kill", 0.05) for _ in range(3)]
         wait_until(lambda: r.llen(PARKED % "kill") == 3, timeout=30)
+        wait_until(lambda: first.text().count("before dispatch") >= 3, timeout=10)
         assert first.text().count("before dispatch") == 3
         os.killpg(first.pid, signal.SIGKILL)
         assert first.process is not None
