@@ -267,7 +267,7 @@ def test_two_copies_of_one_run_never_run_at_once_through_a_worker(
         assert started == ["run-x"], proc.text()[-3000:]
         assert r.llen(keys_of("dup").line.parked) == 0  # copy A's entry went with B's take
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 def test_duplicate_copies_of_limited_runs_run_once_each_and_never_beyond_the_limit(
@@ -298,9 +298,10 @@ def test_duplicate_copies_of_limited_runs_run_once_each_and_never_beyond_the_lim
         assert "another delivery of this task" in proc.text() or "duplicate delivery" in proc.text()
         wait_until(lambda: holders(r, "dups") == set(), timeout=10)
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
+@pytest.mark.slow  # ~10 s; the mutex's redelivery test and the in-process duplicate tests stay default
 def test_a_run_redelivered_after_the_visibility_timeout_runs_once(
     broker: RedisServer, tmp_path: Path
 ) -> None:
@@ -321,12 +322,13 @@ def test_a_run_redelivered_after_the_visibility_timeout_runs_once(
         assert most_at_once(runs) == 2
         assert "held by another delivery of this task" in proc.text()  # the copies were seen
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 # -- retries and replacement -----------------------------------------------------------
 
 
+@pytest.mark.slow  # ~8 s; adoption itself is tested in process (test_limits, this file)
 def test_a_retry_adopts_the_kept_permit_once_and_its_redelivered_copy_does_not(
     broker: RedisServer, tmp_path: Path
 ) -> None:
@@ -355,7 +357,7 @@ def test_a_retry_adopts_the_kept_permit_once_and_its_redelivered_copy_does_not(
         assert "held by another delivery of this task" in proc.text()  # the copy was seen
         wait_until(lambda: holders(r, "retry") == set(), timeout=10)
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 def test_retry_without_throw_and_replace_run_each_run_once_and_free_every_permit(
@@ -382,7 +384,7 @@ def test_retry_without_throw_and_replace_run_each_run_once_and_free_every_permit
         wait_until(lambda: holders(r, "canvas") == set(), timeout=10)
         assert r.keys(keys_of("canvas").permits + b"*") == []
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 # -- reserved names, hostile data ----------------------------------------------------------
@@ -520,7 +522,7 @@ def test_an_unsigned_envelope_parked_under_a_semaphore_is_refused_and_the_permit
         wait_until(lambda: holders(r, "forged") == set(), timeout=10)
         assert r.hlen(sem.line.parked_messages) == 0
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 # -- limits that change between calls ------------------------------------------------------
@@ -571,7 +573,7 @@ def test_runs_with_mixed_limits_on_one_key_each_respect_their_own_limit(
         assert most_at_once(runs) >= 2  # they really ran side by side
         wait_until(lambda: holders(r, "mixed") == set(), timeout=10)
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 # -- the sweeper ---------------------------------------------------------------------------
@@ -654,7 +656,7 @@ def test_a_revoked_parked_limited_task_passes_its_permit_on(
         assert "it was dropped before it ran (revoked)" in proc.text()
         wait_until(lambda: holders(r, "rv") == set(), timeout=10)
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 # -- Redis restarts ----------------------------------------------------------------------------
@@ -695,7 +697,7 @@ def test_a_restart_of_the_lock_redis_with_aof_mid_drain_loses_nothing(
         lr = locks.client()
         wait_until(lambda: holders(lr, "aof") == set(), timeout=15)
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 @pytest.mark.slow  # about 20 s
@@ -733,7 +735,7 @@ def test_a_restart_of_a_separate_lock_redis_without_persistence_loses_no_parked_
         assert most_at_once(runs) == 2
         assert "fallback copy" in proc.text()
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 # -- a child killed while its permit was handed over --------------------------------------------
@@ -775,4 +777,4 @@ def test_a_child_killed_right_after_taking_a_handed_permit_frees_it_for_the_next
         assert "its worker process died" in proc.text()
         wait_until(lambda: holders(r, "kill") == set(), timeout=10)
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran

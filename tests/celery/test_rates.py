@@ -303,7 +303,7 @@ def test_a_merchant_backlog_drains_at_the_rate_once_each_and_others_are_not_behi
         assert "deferred to its slot" in proc.text()
         assert r.llen(_keys("m").deferred) == 0 and r.zcard(SENDING) == 0
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 def test_rate_then_permits_compose_and_a_permit_is_never_held_waiting(
@@ -322,7 +322,7 @@ def test_rate_then_permits_compose_and_a_permit_is_never_held_waiting(
 
         assert _overlap([(s[1], s[2]) for s in _sections(r, "acc")]) <= 2
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 # -- a worker killed during the drain ------------------------------------------------------
@@ -410,7 +410,7 @@ def _kill_during_the_drain(
         )
     finally:
         for each in procs:
-            each.stop()
+            each.kill()
 
 
 def test_a_worker_killed_during_the_drain_loses_no_run(broker: RedisServer, tmp_path: Path) -> None:

@@ -290,7 +290,7 @@ def test_chains_links_and_replace_through_deferred_runs_continue_once_each(
         assert excess([(slot, 1) for slot, *_ in runs], 1, TEN_A_SECOND) == []
         assert "deferred to its slot" in proc.text()
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 def test_a_retry_from_a_drained_run_is_rate_checked_again(
@@ -314,7 +314,7 @@ def test_a_retry_from_a_drained_run_is_rate_checked_again(
         assert len(set(slots)) == 16 and min(slots) > 1
         assert excess([(slot, 1) for slot in slots], 1, TEN_A_SECOND) == []
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 def test_countdown_is_honoured_and_an_expired_deferred_run_is_dropped_not_blocking(
@@ -347,7 +347,7 @@ def test_countdown_is_honoured_and_an_expired_deferred_run_is_dropped_not_blocki
         assert len(dropped) >= 3
         wait_until(lambda: all(job.state == "REVOKED" for job in dropped), 10)
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
 def test_duplicate_deliveries_of_a_deferred_locked_run_complete_it_once(
@@ -371,9 +371,10 @@ def test_duplicate_deliveries_of_a_deferred_locked_run_complete_it_once(
         assert sorted(task_id for _, _, task_id, *_ in runs) == ids
         assert excess([(slot, 1) for slot, *_ in runs], 1, TEN_A_SECOND) == []
     finally:
-        proc.stop()
+        proc.kill()  # everything was checked while it ran
 
 
+@pytest.mark.slow  # ~14 s; the default suite has several drainers in one process (test_rates)
 def test_several_workers_drain_one_line_at_the_rate_each_run_once(
     broker: RedisServer, tmp_path: Path
 ) -> None:

@@ -125,6 +125,7 @@ def test_demo_against_a_given_redis_prints_both_tables_and_cleans_up(
     assert client.keys("*") == [b"users:own:key"]  # the demo removed everything it wrote
 
 
+@pytest.mark.slow  # ~7 s; the default demo test runs the tenants scene too
 def test_the_tenants_scene_alone_with_its_limit_passed_to_the_worker(
     redis_server: RedisServer,
 ) -> None:
