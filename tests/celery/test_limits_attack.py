@@ -301,7 +301,7 @@ def test_duplicate_copies_of_limited_runs_run_once_each_and_never_beyond_the_lim
         proc.kill()  # everything was checked while it ran
 
 
-@pytest.mark.slow  # ~10 s; the mutex's redelivery test and the in-process duplicate tests stay default
+@pytest.mark.slow  # ~10 s; the mutex's redelivery test and in-process duplicates stay default
 def test_a_run_redelivered_after_the_visibility_timeout_runs_once(
     broker: RedisServer, tmp_path: Path
 ) -> None:
