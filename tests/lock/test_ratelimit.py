@@ -50,17 +50,26 @@ def fresh(stem: str = "r") -> str:
     return f"{stem}:{next(_names)}"
 
 
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[RedisServer]:
+    """A server of this module's own: no other test's background threads (watchdogs,
+    retried releases) send it anything, so the command counts these tests assert on
+    are theirs alone."""
+    with RedisServer() as server:
+        yield server
+
+
 @pytest.fixture
-def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    c = redis_server.client()
+def client(own_server: RedisServer) -> Iterator[redis.Redis]:
+    c = own_server.client()
     c.flushall()
     yield c
     c.close()
 
 
 @pytest_asyncio.fixture
-async def aclient(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    c = aioredis.Redis(port=redis_server.port)
+async def aclient(own_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    c = aioredis.Redis(port=own_server.port)
     await c.flushall()
     yield c
     await aclose_background(c)
