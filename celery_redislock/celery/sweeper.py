@@ -15,7 +15,7 @@ from .._replies import decode_sweep
 from .._scripts import scripts_for
 from .base import LockedTask
 from .clients import client_for, settings_for
-from .envelope import _handed, _text
+from .envelope import _Handed, _handed, _text
 from .handover import _report_refused, deliver_handed_over
 from .lookahead import QUEUE_REACH
 
@@ -83,7 +83,8 @@ class Sweeper(threading.Thread):
 
     def _sweep_lock(self, client: Any, scripts: Any, registry: str, lock_key: bytes) -> int:
         keys, args = LockKeys.for_lock(lock_key).sweep_keys(registry), self._sweep_args()
-        return self._send(lock_key, scripts.sweep(keys=keys, args=args), args[0])
+        handed = decode_sweep(scripts.sweep(keys=keys, args=args)).handed
+        return self._send(_handed(lock_key, handed), args[0])
 
     def _sweep_semaphore(
         self, client: Any, scripts: Any, registry: str, semaphore: SemaphoreKeys
@@ -93,21 +94,20 @@ class Sweeper(threading.Thread):
         messages are sent last first: each goes to the read end of its queue, so the first
         parked is the first fetched."""
         keys, args = semaphore.sweep_keys(registry), [*self._sweep_args(), semaphore.permits]
-        replies = []
+        found = []
         for _ in range(MAX_HANDED_PER_PASS):
-            reply = scripts.semaphore.sweep(keys=keys, args=args)
-            if decode_sweep(reply).handed is None:
+            handed = decode_sweep(scripts.semaphore.sweep(keys=keys, args=args)).handed
+            if handed is None:
                 break
-            replies.append(reply)
-        return sum(self._send(semaphore.line.lock, reply, args[0]) for reply in reversed(replies))
+            found.append(_handed(semaphore.line.lock, handed))
+        return sum(self._send(handed, args[0]) for handed in reversed(found))
 
-    def _send(self, lock_key: bytes, reply: Any, lease: int) -> int:
-        handed = _handed(lock_key, decode_sweep(reply).handed)
+    def _send(self, handed: _Handed | None, lease: int) -> int:
         if handed is None:
             return 0
         log.warning(
             "redislock: sweeper hands %r to parked task %r (holder or hand-over lost)",
-            lock_key,
+            handed.lock_key,
             _text(handed.task_id),
         )
         return deliver_handed_over(self.app, handed, lease)

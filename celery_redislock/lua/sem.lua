@@ -95,7 +95,7 @@ local function take_permit(holders, fence, waiters, claims, wake, owner, lease, 
   local held, soonest = live_permits(holders, prefix)
   local free = limit - held
   local wait = soonest or 1000
-  local head = parked and parked_head(parked[1], parked[2], parked[3], prefix)
+  local head = free > 0 and parked and parked_head(parked[1], parked[2], parked[3], prefix)
   if head and head ~= owner then
     free = 0  -- parked tasks first (first come, first served)
   end
