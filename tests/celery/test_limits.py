@@ -367,3 +367,33 @@ def test_wait_skip_and_raise_work_with_n_permits(broker: RedisServer, tmp_path: 
         wait_until(lambda: _holders(r, SemaphoreKeys.for_name("tenant:pol")) == set(), 10)
     finally:
         proc.kill()  # everything was checked while it ran
+
+
+def test_a_limited_task_that_cannot_reach_the_lock_redis_at_take_is_not_lost(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path
+) -> None:
+    """The permit's Redis does not answer at the take (a stalled server): the run is not
+    failed (its acks_late message would be acknowledged, the task lost) but sent again,
+    and runs once when Redis answers; nothing is left held."""
+    locks = redis_server_factory()
+    r = broker.client()
+    env = {"REDISLOCK_TEST_LOCK_URL": locks.url, "REDISLOCK_TEST_LOCK_TIMEOUT": "0.5"}
+    proc = worker(broker.url, tmp_path / "w.log", concurrency=1, env=env)
+    try:
+        assert ca.tenant_job.delay("out", 0.0).get(timeout=30) is not None  # warm
+        locks.signal(signal.SIGSTOP)  # the take gets no answer (socket timeout)
+        try:
+            result = ca.tenant_job.delay("out", 0.0)
+            wait_until(
+                lambda: result.state == "FAILURE" or "could not take 'tenant:out'" in proc.text(),
+                timeout=30,
+            )
+        finally:
+            locks.signal(signal.SIGCONT)
+        assert result.get(timeout=30) is not None
+        started = [line.decode().split()[0] for line in r.lrange("started:out", 0, -1)]
+        assert started.count(result.id) == 1 and len(started) == 2
+        keys = SemaphoreKeys.for_name("tenant:out")
+        wait_until(lambda: locks.client().scard(keys.line.lock) == 0, timeout=10)
+    finally:
+        proc.kill()
