@@ -33,6 +33,13 @@ signal                 sent when                                keyword argument
                        to its slot
 ``task_undeferred``    a drainer sent a deferred task, its      name (the task's), task_id,
                        slot due                                 delay (seconds deferred)
+``task_superseded``    a LockedTask call ended without running: name, task_id (the call that
+                       a newer call of its key took its place   ended), superseded_by (the
+                       (``on_contention="replace"``,            newer call's task id, or None
+                       ``lock_debounce``)                       when a run already started
+                                                                was newer)
+``task_debounced``     a debounced LockedTask call became its   name, task_id, due (seconds
+                       key's pending call, waiting for quiet    from now)
 ``parked_rejected``    a worker refused a parked message read   key, task_id, reason
                        back from Redis (its signature does not
                        verify): it is not sent or run
@@ -117,6 +124,8 @@ parked_rejected = Signal("parked_rejected")
 task_rate_admitted = Signal("task_rate_admitted")
 task_deferred = Signal("task_deferred")
 task_undeferred = Signal("task_undeferred")
+task_superseded = Signal("task_superseded")
+task_debounced = Signal("task_debounced")
 
 __all__ = [
     "Signal",
@@ -134,5 +143,7 @@ __all__ = [
     "task_pulled",
     "task_rate_admitted",
     "task_requeued",
+    "task_debounced",
+    "task_superseded",
     "task_undeferred",
 ]
