@@ -21,6 +21,9 @@ lock hash's key ``<prefix>{<name>}``:
 ``<L>:parked:dispatched``           handed-over task id -> when (a hash)
 ``<L>:parked:unused``               the sweep script's unused slot (never written)
 ``<L>:parked:limit``                a semaphore's: parked task id -> its limit (a hash)
+``<L>:latest``                      "last call wins" (``on_contention="replace"``,
+                                    ``lock_debounce``): the key's pending call and the
+                                    newest call that started (a hash; ``celery.latest``)
 ==================================  =====================================================
 
 A semaphore of the same name (:class:`SemaphoreKeys`) lives beside the lock, under
@@ -59,6 +62,9 @@ Names of a prefix, not of one lock:
 ``<prefix>lookahead:<queue list>``  the lock whose tasks look-ahead moves ahead in a list
 ``<prefix>deferred``                the drainers' registry: deferred lists, scored by when
                                     their head is due (ms on the server's clock; a zset)
+``<prefix>debounce``                the drainers' registry of debounced calls: ``<L>:latest``
+                                    keys scored by when their pending call is due (ms on
+                                    the server's clock; a zset)
 ``<prefix>deferred:sending``        deferred calls taken for sending and not yet confirmed
                                     sent: ``<deferred list>\n<entry>``, scored by when
                                     taken (ms; a zset)
@@ -98,6 +104,7 @@ _PARKED_MESSAGES = b":parked:messages"
 _PARKED_DISPATCHED = b":parked:dispatched"
 _PARKED_UNUSED = b":parked:unused"
 _PARKED_LIMIT = b":parked:limit"
+_LATEST = b":latest"
 _SEMAPHORE = b":sem"
 _PERMIT = b":permit:"
 _RATE = b":rate:"
@@ -215,6 +222,11 @@ class LockKeys:
     def parked_unused(self) -> bytes:
         """sweep.lua's KEYS[6] (the done marker's slot in handoff.lua): never written."""
         return self.lock + _PARKED_UNUSED
+
+    @property
+    def latest(self) -> bytes:
+        """ "Last call wins": the key's pending call and newest started call (a hash)."""
+        return self.lock + _LATEST
 
     @property
     def parked_limit(self) -> bytes:
@@ -470,6 +482,18 @@ def parked_registry(prefix: str) -> str:
 def deferred_registry(prefix: str) -> str:
     """The drainers' registry: deferred lists, scored by when their head is due (a zset)."""
     return prefix + "deferred"
+
+
+def debounce_registry(prefix: str) -> str:
+    """The drainers' registry of debounced calls: ``<L>:latest`` keys scored by when their
+    pending call is due (a zset)."""
+    return prefix + "debounce"
+
+
+def latest_run_key(key: bytes) -> bytes | None:
+    """The run key whose ``:latest`` hash ``key`` is (a debounce registry member), or
+    None if it is not one (anyone who may write the registry may have written it)."""
+    return key[: -len(_LATEST)] if key.endswith(_LATEST) and len(key) > len(_LATEST) else None
 
 
 def deferred_sending(prefix: str) -> str:

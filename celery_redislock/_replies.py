@@ -121,6 +121,64 @@ def decode_park(reply: Any) -> AcquireReply | None:
     return decode_acquire(reply, "park")
 
 
+class LatestReply(NamedTuple):
+    """park.lua / sem_park.lua with "last call wins" (latest.lua), decoded."""
+
+    #: As :func:`decode_park`'s (None: never, "behind" is not used with it); for
+    #: ``superseded`` and ``pending_ms`` an AcquireReply that did not acquire.
+    park: AcquireReply
+    #: This call ended without running: a newer call (its task id; None: unknown) took
+    #: its key.
+    superseded: bool = False
+    superseded_by: bytes | None = None
+    #: This call is its key's pending call until due, in this many ms (debounce); None: not.
+    pending_ms: int | None = None
+    #: The task id of the older pending call this call took the place of, if any.
+    evicted: bytes | None = None
+
+
+def decode_latest(reply: Any, script: str = "park") -> LatestReply:
+    """park.lua (sem_park.lua) with latest.lua: park's replies with a 4th element (the
+    evicted task id, or nil), and ``{4, task id or nil}`` superseded, ``{5, ms}`` pending
+    until due (each with a nil 3rd element and the 4th)."""
+    table = _table(reply, script, 4, 4)
+    code = _number(table[0], script, reply, "the code")
+    evicted = None if table[3] is None else _string(table[3], script, reply, "the evicted id")
+    if code == 4:
+        by = None if table[1] is None else _string(table[1], script, reply, "the newer id")
+        return LatestReply(AcquireReply(False), True, by, evicted=evicted)
+    if code == 5:
+        wait = _number(table[1], script, reply, "the wait")
+        return LatestReply(AcquireReply(False), pending_ms=max(wait, 0), evicted=evicted)
+    if code == 1:
+        park = decode_acquire(list(table[:3]), script)
+    else:
+        park = decode_acquire([table[0], table[1]], script)
+    return LatestReply(park, evicted=evicted)
+
+
+#: latest_due.lua's codes.
+DUE_SEND, DUE_LATER, DUE_NONE = 1, 0, -1
+
+
+def decode_latest_due(reply: Any) -> tuple[int, int, bytes | None, bytes | None]:
+    """latest_due.lua: (code, ms until the next look, message, owner)."""
+    if not isinstance(reply, (list, tuple)) or not reply:
+        raise _malformed("latest_due", reply, "not a non-empty array")
+    code = _number(reply[0], "latest_due", reply, "the code")
+    if code == DUE_NONE:
+        _table(reply, "latest_due", 1, 1)
+        return code, 0, None, None
+    if code == DUE_LATER:
+        _table(reply, "latest_due", 2, 2)
+        return code, _number(reply[1], "latest_due", reply, "the wait"), None, None
+    if code == DUE_SEND:
+        _table(reply, "latest_due", 3, 3)
+        message = _string(reply[1], "latest_due", reply, "the message")
+        return code, 0, message, _string(reply[2], "latest_due", reply, "the owner")
+    raise _malformed("latest_due", reply, f"unknown code {code}")
+
+
 # --------------------------------------------------------------------- release, renew, fence
 
 #: The codes release.lua answers besides a count of holds left (n >= 0).

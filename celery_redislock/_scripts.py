@@ -38,6 +38,7 @@ SCRIPT_NAMES = (
     "rate_defer",
     "rate_drain",
     "rate_resend",
+    "latest_due",
 )
 #: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``), in
 #: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
@@ -46,24 +47,27 @@ SCRIPT_NAMES = (
 #: it); ``sem`` counts a semaphore's permits and takes one (``celery_redislock.semaphore``);
 #: ``envelope`` reads parked envelopes; ``parked`` parks a task, hands a lock or permit to
 #: the first parked task and sends stale hand-overs again (after ``envelope``: it pushes
-#: them); ``gcra`` decides and books a rate limiter's slot (``celery_redislock.ratelimit``),
+#: them); ``latest`` lets the newest call of a key win (``on_contention="replace"``,
+#: ``lock_debounce``: ``celery_redislock.celery.latest``), for ``park`` and ``sem_park``;
+#: ``gcra`` decides and books a rate limiter's slot (``celery_redislock.ratelimit``),
 #: for ``rate`` and for a task's deferral and its drain (``celery_redislock.celery.deferral``).
 PRELUDES: dict[str, tuple[str, ...]] = {
     "acquire": ("args", "lock"),
     "release": ("args", "lock", "grant"),
     "renew": ("args",),
-    "park": ("args", "lock", "envelope", "parked"),
+    "park": ("args", "lock", "envelope", "parked", "latest"),
     "handoff": ("args", "lock", "grant", "envelope", "parked"),
     "sweep": ("args", "lock", "envelope", "parked"),
     "sem_acquire": ("args", "lock", "sem"),
     "sem_release": ("args", "lock", "grant", "sem"),
-    "sem_park": ("args", "lock", "sem", "envelope", "parked"),
+    "sem_park": ("args", "lock", "sem", "envelope", "parked", "latest"),
     "sem_handoff": ("args", "lock", "grant", "sem", "envelope", "parked"),
     "sem_sweep": ("args", "lock", "sem", "envelope", "parked"),
     "rate": ("args", "gcra"),
     "rate_defer": ("args", "gcra"),
     "rate_drain": ("args", "gcra"),
     "rate_resend": ("args",),
+    "latest_due": ("args", "lock"),
 }
 #: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
 MAX_MS_NAME = "MAX_MS"
@@ -139,6 +143,8 @@ class Scripts:
         self.rate_defer = client.register_script(text("rate_defer"))
         self.rate_drain = client.register_script(text("rate_drain"))
         self.rate_resend = client.register_script(text("rate_resend"))
+        #: A debounced task's pending call, sent when due (``celery.latest``).
+        self.latest_due = client.register_script(text("latest_due"))
 
 
 def run(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:

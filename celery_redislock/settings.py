@@ -18,7 +18,14 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_prefix`` (``"redislock:"``) — key prefix of every lock.
 * ``redislock_ttl`` (``30.0``, task: ``lock_ttl``) — lease in seconds, renewed while running.
 * ``redislock_on_contention`` (``"requeue"``, task: ``on_contention``) — ``requeue``,
-  ``wait``, ``skip`` or ``raise``.
+  ``wait``, ``skip``, ``raise`` or ``replace`` (last call wins: one running and the newest
+  pending per key; docs/concepts.md, "Last call wins").
+* ``redislock_debounce`` (``None``, task: ``lock_debounce``) — seconds of quiet: a call runs
+  only once no newer call of its key has been sent for that long, with the newest call's
+  arguments (each newer call supersedes the pending one). Implies ``replace``.
+* ``redislock_debounce_max`` (``None``, task: ``lock_debounce_max``) — with a debounce, the
+  longest a call waits from the oldest call it superseded (a stream of calls still runs at
+  least that often); at least ``redislock_debounce``. Default: no bound.
 * ``redislock_wait`` (``10.0``, task: ``lock_wait``) — how long ``wait`` blocks.
 * ``redislock_wait_fallback`` (``"requeue"``) — after ``wait`` times out: ``requeue``/``raise``.
 * ``redislock_max_requeues`` (``100``) — re-queues of one task before the exhausted action.
@@ -72,7 +79,7 @@ from ._errors import LockConfigurationError
 from ._nodes import check_distinct
 from ._rates import Limit, parse_rates
 
-CONTENTION_POLICIES = ("requeue", "wait", "skip", "raise")
+CONTENTION_POLICIES = ("requeue", "wait", "skip", "raise", "replace")
 WAIT_FALLBACKS = ("requeue", "raise")
 EXHAUSTED_ACTIONS = ("fail", "drop")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -176,6 +183,15 @@ class LockOptions:
     locked: bool = True
     #: The rate of runs per rate key (``lock_rate``), parsed; None: no rate.
     rate: tuple[Limit, ...] | None = None
+    #: Last call wins (``lock_debounce``, ``lock_debounce_max``): seconds of quiet before
+    #: a call runs (0: none), and the bound from the oldest superseded call (None: none).
+    debounce: float = 0.0
+    debounce_max: float | None = None
+
+    @property
+    def latest(self) -> bool:
+        """Whether the newest call of a key wins (``replace``, or a debounce)."""
+        return bool(self.locked and (self.on_contention == "replace" or self.debounce > 0))
 
     @property
     def limited(self) -> bool:
@@ -225,7 +241,36 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
     "hold": ("lock_hold", None, _hold),  # type: ignore[dict-item]
     "limit": ("lock_limit", "redislock_limit", _limit),
     "rate": ("lock_rate", "redislock_rate", _rate),
+    "debounce": ("lock_debounce", "redislock_debounce", lambda v, n: _lease(v, n)),
+    "debounce_max": ("lock_debounce_max", "redislock_debounce_max", lambda v, n: _lease(v, n)),
 }
+
+
+def check_latest(options: LockOptions, where: str) -> None:
+    """The last-call-wins options agree: ``lock_debounce_max`` needs ``lock_debounce`` and
+    is at least it; a debounce goes with ``on_contention`` ``"requeue"`` (the default) or
+    ``"replace"`` only. ``where`` names the task or the settings in the error."""
+    if options.debounce_max is not None and options.debounce <= 0:
+        raise LockConfigurationError(
+            f"{where}: lock_debounce_max ({options.debounce_max}s) needs lock_debounce (the "
+            f"quiet period it bounds)"
+        )
+    if options.debounce_max is not None and options.debounce_max < options.debounce:
+        raise LockConfigurationError(
+            f"{where}: lock_debounce_max ({options.debounce_max}s) must be >= lock_debounce "
+            f"({options.debounce}s)"
+        )
+    if options.debounce > 0 and options.on_contention not in ("requeue", "replace"):
+        raise LockConfigurationError(
+            f"{where}: lock_debounce goes with on_contention 'replace' (or the default "
+            f"'requeue', which it makes 'replace'), got on_contention="
+            f"{options.on_contention!r}"
+        )
+    if options.latest and not options.locked:
+        raise LockConfigurationError(
+            f"{where}: on_contention='replace' and lock_debounce need a lock (lock_limit=None "
+            f"takes none)"
+        )
 
 
 def _prefix(value: object, name: str) -> str:
@@ -307,6 +352,13 @@ class LockSettings:
                 "redislock_rate is not offered with redislock_urls: a rate limiter over a "
                 "quorum of masters is not built; use one Redis (redislock_url) for "
                 "rate-limited tasks"
+            )
+        check_latest(defaults, "redislock settings")
+        if urls and defaults.latest:
+            raise LockConfigurationError(
+                "redislock_on_contention='replace' and redislock_debounce are not offered with "
+                "redislock_urls: the pending call lives beside the lock on one Redis; use one "
+                "Redis (redislock_url) for last-call-wins tasks"
             )
         if urls and defaults.limited:
             raise LockConfigurationError(

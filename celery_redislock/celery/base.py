@@ -51,6 +51,11 @@ On contention (``on_contention``)
     then act as ``lock_wait_fallback`` (``"requeue"`` or ``"raise"``).
 ``"skip"``
     Do not run; record the task as ``SKIPPED`` (for deduplicating periodic jobs).
+``"replace"``
+    Last call wins: one run and one pending call per key; a newer call takes the pending
+    call's place, and the older ends as ``SUPERSEDED`` without running. With
+    ``lock_debounce`` a call also waits for that many seconds of quiet first
+    (``celery_redislock.celery.latest``).
 ``"raise"``
     Fail with ``LockContendedError``.
 
@@ -116,7 +121,7 @@ from ..lock import RedisLock
 from ..ratelimit import RedisRateLimiter
 from ..redlock import RedLock
 from ..semaphore import RedisSemaphore, validate_limit
-from ..settings import APP_SETTING, LockOptions, task_overrides
+from ..settings import APP_SETTING, LockOptions, check_latest, task_overrides
 from . import signing
 from .clients import client_for, quorum_clients_for, settings_for
 from .contention import FIRST_TRY_HEADER, Contention, _Call, first_try
@@ -124,6 +129,7 @@ from .deferral import BOOKED_HEADER, admit_or_defer, rate_pairs
 from .envelope import TAG_PREFIX, _Handed
 from .finish import _claim_kept_hold, _finish_quietly, _mark_kept_hold
 from .handover import deliver_handed_over
+from .latest import LastCallWins
 from .lookahead import (
     LOOKAHEAD_HEADER,
     _lookahead_denied,
@@ -137,7 +143,7 @@ from .tasklock import PARKABLE, AnyTaskLock, TaskLock, TaskSemaphore, request_ow
 log = logging.getLogger(__name__)
 
 
-class LockedTask(Contention):
+class LockedTask(LastCallWins, Contention):
     """Task base that runs each call under a Redis lock keyed on its arguments.
 
     Options (task attributes; ``None`` means the app's ``redislock_*`` setting):
@@ -145,8 +151,8 @@ class LockedTask(Contention):
     ``lock_ttl``, ``lock_prefix``, ``on_contention``, ``lock_wait``,
     ``lock_wait_fallback``, ``lock_max_requeues``, ``lock_requeue_backoff``,
     ``lock_requeue_exhausted``, ``lock_release_on_retry``, ``lock_done_ttl``,
-    ``lock_hold``, ``lock_lookahead``, ``lock_limit``. See the module docstring for what
-    each does.
+    ``lock_hold``, ``lock_lookahead``, ``lock_limit``, ``lock_rate``, ``lock_rate_key``,
+    ``lock_debounce``, ``lock_debounce_max``. See the module docstring for what each does.
     """
 
     abstract = True
@@ -172,6 +178,8 @@ class LockedTask(Contention):
     lock_limit: ClassVar[Any] = APP_SETTING
     lock_rate: ClassVar[Any] = None
     lock_rate_key: ClassVar[Any] = None
+    lock_debounce: ClassVar[float | None] = None
+    lock_debounce_max: ClassVar[float | None] = None
 
     _lock_template: ClassVar[KeyTemplate]
     _rate_template: ClassVar[KeyTemplate]
@@ -200,6 +208,7 @@ class LockedTask(Contention):
                 )
             overrides["locked"] = False
         cls._lock_overrides = overrides
+        check_latest(LockOptions().merged(overrides), f"task {name!r}")
         if not isinstance(cls.lock_key_hash, bool):
             raise LockConfigurationError(
                 f"task {name!r}: lock_key_hash must be True or False, got {cls.lock_key_hash!r}"
@@ -332,7 +341,9 @@ class LockedTask(Contention):
                 kept = _claim_kept_hold(lock, request)
             # One atomic attempt: taken (or handed to this run), held by another owner,
             # held by this very run (another delivery of it: nothing is changed), or done.
-            if not lock.take(adopt=kept):
+            if options.latest and isinstance(lock, PARKABLE):
+                self._take_latest(lock, call)  # returns holding it, else Ignore
+            elif not lock.take(adopt=kept):
                 lock._contended(owner)
                 policy = options.on_contention
                 if policy == "wait" and self._wait_for(lock, options):

@@ -136,7 +136,7 @@ class Contention(Task):  # type: ignore[misc]
         policy = options.on_contention
         if (
             duplicate
-            or policy == "requeue"
+            or policy in ("requeue", "replace")
             or (policy == "wait" and options.wait_fallback == "requeue")
         ):
             return self._requeue(call, duplicate=duplicate)

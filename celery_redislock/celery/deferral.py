@@ -1,5 +1,6 @@
 """Rate limits for tasks (``lock_rate``): a run over its rate is deferred to its slot,
-and each worker's drainer sends deferred runs again when their slots are due.
+and each worker's drainer sends deferred runs again when their slots are due (and
+debounced calls when their quiet period is over: ``celery.latest``).
 
 ::
 
@@ -58,6 +59,7 @@ from .clients import client_for, settings_for
 from .contention import RATE_ADMITTED, RATE_BOOKED, _park_fallback
 from .envelope import _dumps, _text
 from .handover import _report_refused, publish_to_handoff_queue
+from .latest import latest_prefixes, serve_debounced
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +214,8 @@ class Drainer(threading.Thread):
                 if isinstance(t, LockedTask) and t.lock_options().rate is not None
             }
         )
+        #: The prefixes of debounced tasks, whose pending calls it sends when due.
+        self.debounce_prefixes = latest_prefixes(app)
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -227,6 +231,8 @@ class Drainer(threading.Thread):
         (at most :data:`MAX_SLEEP`)."""
         client = client_for(self.app)
         sleep = MAX_SLEEP
+        for prefix in self.debounce_prefixes:
+            sleep = min(sleep, serve_debounced(self.app, client, prefix, self.stale_ms))
         for prefix in self.prefixes:
             self._resend_stale(client, prefix)
             registry = deferred_registry(prefix)

@@ -140,6 +140,8 @@ class Parker:
             return None
         if options.rate is not None or not options.locked:
             return None  # the rate first, in the pool process: never parked before it
+        if options.latest:
+            return None  # last call wins: decided in the pool process (celery.latest)
         try:
             settings = settings_for(app)
             if (

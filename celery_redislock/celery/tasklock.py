@@ -11,19 +11,21 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
 from .._core import LINE_MARGIN_MS, OwnerFinished, OwnerRunning, lease_ms
 from .._errors import LockConfigurationError, LockNotOwnedError, LockQuorumError
-from .._keyspace import parked_registry
+from .._keyspace import debounce_registry, parked_registry
 from .._quorum import decided_by, given_back, quorum_error, release_code
 from .._renewal import scheduler_for
 from .._replies import (
     HandoffReply,
+    LatestReply,
     decode_acquire,
     decode_handoff,
+    decode_latest,
     decode_park,
     decode_release,
 )
@@ -38,6 +40,20 @@ if TYPE_CHECKING:
     from .lookahead import _Pull
 
 log = logging.getLogger(__name__)
+
+
+class LatestCall(NamedTuple):
+    """A "last call wins" call's particulars for its park script (latest.lua): its task
+    id, when it was sent (µs since the epoch, its publisher's clock), and the debounce's
+    quiet period and bound in ms (0, 0: ``on_contention="replace"`` alone)."""
+
+    task_id: str
+    sent_us: int
+    quiet_ms: int = 0
+    max_ms: int = 0
+
+    def args(self) -> list[Any]:
+        return [self.task_id, self.sent_us, self.quiet_ms, self.max_ms]
 
 
 def _task_argv(owner: str, lease: int, line: Any, token: str, adopt: str | None) -> list[Any]:
@@ -86,7 +102,14 @@ class _ParkedRun(SyncSingle):
 
     if TYPE_CHECKING:
 
-        def _park_call(self, owner: str, message: str, keep_ms: int, behind: bool) -> Any: ...
+        def _park_call(
+            self,
+            owner: str,
+            message: str,
+            keep_ms: int,
+            behind: bool,
+            latest: LatestCall | None = None,
+        ) -> Any: ...
         def _keep(
             self, owner: str, hold: float, done_ttl: float | None, token: int | None
         ) -> int: ...
@@ -150,6 +173,28 @@ class _ParkedRun(SyncSingle):
         if is_new:
             scheduler_for(self.client).add(hold)
         return True
+
+    def park_latest(self, message: str, keep_for: float, latest: LatestCall) -> LatestReply:
+        """:meth:`park` for a "last call wins" call (``celery.latest``): superseded by a
+        newer call of its key, pending until due (debounce), taken, or parked as the key's
+        one pending call — taking the place of an older pending call (``evicted``).
+
+        Raises OwnerFinished or OwnerRunning as :meth:`take`.
+        """
+        owner = self._current_owner()
+        sent_at = time.monotonic()
+        keep_ms = lease_ms(keep_for, "parking lifetime")
+        reply = decode_latest(self._park_call(owner, message, keep_ms, False, latest))
+        park = reply.park
+        if park.finished:
+            raise OwnerFinished(self.name)
+        if park.running:
+            raise OwnerRunning(self.name)
+        if park.acquired:
+            hold, is_new = self._record_acquired(owner, park, sent_at, self._lease, True)
+            if is_new:
+                scheduler_for(self.client).add(hold)
+        return reply
 
     def handed(self, reply: HandoffReply) -> _Handed | None:
         """The parked task a hand-over script's ``reply`` says the worker must send, if any."""
@@ -242,7 +287,14 @@ class TaskLock(_ParkedRun, RedisLock):
     def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
         return _task_argv(owner, lease, LINE_MARGIN_MS if line else "", "", self._adopt)
 
-    def _park_call(self, owner: str, message: str, keep_ms: int, behind: bool) -> Any:
+    def _park_call(
+        self,
+        owner: str,
+        message: str,
+        keep_ms: int,
+        behind: bool,
+        latest: LatestCall | None = None,
+    ) -> Any:
         keys = [
             self.keys.lock,
             self.keys.fence,
@@ -258,6 +310,9 @@ class TaskLock(_ParkedRun, RedisLock):
         args = [owner, self._lease, message, keep_ms]
         if behind:
             args.append("behind")
+        if latest is not None:
+            keys += [self.keys.latest, debounce_registry(self.prefix)]
+            args += ["", *latest.args()]
         return self._scripts.park(keys=keys, args=args)
 
     def handoff_args(
@@ -326,10 +381,21 @@ class TaskSemaphore(_ParkedRun, RedisSemaphore):
         argv = super()._acquire_argv(owner, lease, line)
         return [*argv, "task", ""] if self._adopt is None else [*argv, "adopt", self._adopt]
 
-    def _park_call(self, owner: str, message: str, keep_ms: int, behind: bool) -> Any:
+    def _park_call(
+        self,
+        owner: str,
+        message: str,
+        keep_ms: int,
+        behind: bool,
+        latest: LatestCall | None = None,
+    ) -> Any:
         keys = self.semaphore_keys.park_keys(self.done_key, self.registry)
         args = [owner, self._lease, message, keep_ms, "behind" if behind else "", self.limit]
-        return self._scripts.park(keys=keys, args=[*args, self.semaphore_keys.permits])
+        args.append(self.semaphore_keys.permits)
+        if latest is not None:
+            keys += [self.keys.latest, debounce_registry(self.prefix)]
+            args += latest.args()
+        return self._scripts.park(keys=keys, args=args)
 
     def handoff_args(
         self,

@@ -18,6 +18,7 @@ from celery.worker.request import Request
 from .. import metrics
 from .._errors import LockConfigurationError
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
+from ..settings import check_latest
 from .base import LockedTask
 from .clients import _clients, settings_for
 from .deferral import Drainer, _drainers
@@ -119,6 +120,20 @@ def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
                 f"is not built), but {', '.join(map(repr, rated))} set it: use one Redis "
                 f"(redislock_url) for rate-limited tasks"
             )
+        latest = []
+        for task in app.tasks.values():
+            if isinstance(task, LockedTask):
+                options = task.lock_options()
+                check_latest(options, f"task {task.name!r}")
+                if options.latest:
+                    latest.append(task.name)
+        if settings.urls and latest:
+            raise LockConfigurationError(
+                f"on_contention='replace' and lock_debounce are not offered with "
+                f"redislock_urls (the pending call lives beside the lock on one Redis), but "
+                f"{', '.join(map(repr, sorted(latest)))} set them: use one Redis "
+                f"(redislock_url) for last-call-wins tasks"
+            )
         if settings.urls and limited:
             raise LockConfigurationError(
                 f"lock_limit is not offered with redislock_urls (a quorum semaphore is not "
@@ -183,12 +198,13 @@ def _stop_sweeper(sender: Any = None, **_: Any) -> None:
 
 
 def _start_drainer(sender: Any = None, **_: Any) -> None:
-    """A drainer for every worker whose app has rate-limited tasks (``lock_rate``)."""
+    """A drainer for every worker whose app has rate-limited tasks (``lock_rate``) or
+    debounced ones (``lock_debounce``)."""
     app = getattr(sender, "app", None)
     if app is None or app in _drainers:
         return
     drainer = Drainer(app)
-    if drainer.prefixes:
+    if drainer.prefixes or drainer.debounce_prefixes:
         _drainers[app] = drainer
         drainer.start()
 

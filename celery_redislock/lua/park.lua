@@ -7,6 +7,11 @@
 -- id's done marker; parked: list of parked task ids, oldest first; messages: hash task id ->
 -- message (a signature, or a broker envelope: envelope.lua); dispatched: as handoff.lua's;
 -- registry: the sweeper's sorted set of lock keys, entered when the task parks (single Redis).
+-- Last call wins (latest.lua): with keys latest, debounce registry and args task_id, sent_us,
+-- quiet_ms, max_ms (behind ""), the call first passes latest_gate: {4, task id} superseded,
+-- {5, ms} pending until due (its message kept in latest; the key entered in the debounce
+-- registry at its due time); else it takes or parks as below, as the key's one pending call.
+-- Each reply then carries, 4th, the task id of the pending call it took the place of.
 -- owner: the task id; lease_ms: its lease; message: published again when the lock is handed
 -- to it; keep_ms: lifetime of the parked structures; behind "behind": only park behind
 -- another owner's hold, never take the lock (the worker's main process).
@@ -26,9 +31,40 @@ local held = redis.call('hget', KEYS[1], ARGV[1])
 if held and held ~= '0' then
   return {3, redis.call('pttl', KEYS[1])}  -- another delivery of this run holds it
 end
+local latest, evicted, first = KEYS[11], false, nil
+local sent, quiet_ms, max_ms
+if latest then
+  sent = whole_arg(ARGV[7], 'sent time', 0, 9007199254740991)
+  quiet_ms = ms_arg(ARGV[8], 'debounce', 0)
+  max_ms = ms_arg(ARGV[9], 'debounce max', 0)
+  local gate
+  gate, evicted, first = latest_gate(latest, ARGV[1], ARGV[6], sent, quiet_ms, max_ms, ARGV[3],
+    function(owner) return redis.call('hexists', KEYS[1], owner) == 1 end,
+    function(owner)
+      redis.call('lrem', KEYS[4], 0, owner)
+      redis.call('hdel', KEYS[5], owner)
+      redis.call('hdel', KEYS[6], owner)
+    end)
+  if gate then
+    if gate[1] == 5 then
+      redis.call('zadd', KEYS[12], redis.call('hget', latest, 'pd'), latest)
+      if redis.call('pttl', latest) < keep_for then
+        redis.call('pexpire', latest, keep_for)
+      end
+    end
+    return {gate[1], gate[2], false, evicted}
+  end
+end
 local reply = take_or_enter(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1], lease)
 if reply and reply[1] == 1 then
+  if latest then
+    latest_after(latest, ARGV[1], ARGV[6], sent, first, true, keep_for)
+    return {reply[1], reply[2], reply[3], evicted}
+  end
   return reply  -- taken, or handed to this task (count 0) and taken up
+end
+if latest then
+  latest_after(latest, ARGV[1], ARGV[6], sent, first, false, keep_for)
 end
 enqueue(KEYS[4], KEYS[5], KEYS[6], ARGV[1], ARGV[3])
 if KEYS[10] then
@@ -37,4 +73,4 @@ end
 redis.call('pexpire', KEYS[4], keep_for)
 redis.call('pexpire', KEYS[5], keep_for)
 redis.call('pexpire', KEYS[6], keep_for)
-return {0, reply and reply[2] or redis.call('pttl', KEYS[1])}
+return {0, reply and reply[2] or redis.call('pttl', KEYS[1]), false, evicted}

@@ -9,6 +9,8 @@
 -- waits until fewer are held), kept as long as the parked records. ARGV as park.lua's, then the task's limit and
 -- the permit key prefix. Parked tasks come first (take_permit). "behind": park only when every
 -- permit is held (by others) or other tasks are parked first.
+-- Last call wins: as park.lua's, with keys latest and debounce registry after registry, and
+-- args task_id, sent_us, quiet_ms, max_ms after the permit key prefix.
 -- Replies as park.lua's: {1, token, count} taken (or a hand-over to it taken up); {3, ms}
 -- this task id holds a permit (another delivery of the run); {0, ms} parked (ms: the wait
 -- for a change); {-1, 0} it finished; {2, 0} "behind": a permit is free, or this task id's.
@@ -27,15 +29,50 @@ end
 if held and held ~= '0' then
   return {3, redis.call('pttl', prefix .. ARGV[1])}  -- another delivery of this run holds it
 end
+local latest, evicted, first = KEYS[12], false, nil
+local sent, quiet_ms, max_ms
+if latest then
+  sent = whole_arg(ARGV[9], 'sent time', 0, 9007199254740991)
+  quiet_ms = ms_arg(ARGV[10], 'debounce', 0)
+  max_ms = ms_arg(ARGV[11], 'debounce max', 0)
+  local gate
+  gate, evicted, first = latest_gate(latest, ARGV[1], ARGV[8], sent, quiet_ms, max_ms, ARGV[3],
+    function(owner) return redis.call('hexists', prefix .. owner, owner) == 1 end,
+    function(owner)
+      redis.call('lrem', KEYS[4], 0, owner)
+      redis.call('hdel', KEYS[5], owner)
+      redis.call('hdel', KEYS[6], owner)
+      redis.call('hdel', KEYS[10], owner)
+    end)
+  if gate then
+    if gate[1] == 5 then
+      redis.call('zadd', KEYS[13], redis.call('hget', latest, 'pd'), latest)
+      if redis.call('pttl', latest) < keep_for then
+        redis.call('pexpire', latest, keep_for)
+      end
+    end
+    return {gate[1], gate[2], false, evicted}
+  end
+end
 local reply = take_permit(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1], lease, limit, prefix,
   nil, {KEYS[4], KEYS[5], KEYS[10]})
 if reply[1] == 1 then
+  if latest then
+    latest_after(latest, ARGV[1], ARGV[8], sent, first, true, keep_for)
+    return {reply[1], reply[2], reply[3], evicted}
+  end
   return reply  -- taken, or handed to this task (count 0) and taken up
+end
+if latest then
+  latest_after(latest, ARGV[1], ARGV[8], sent, first, false, keep_for)
 end
 enqueue(KEYS[4], KEYS[5], KEYS[6], ARGV[1], ARGV[3])
 redis.call('hset', KEYS[10], ARGV[1], limit)
 redis.call('zadd', KEYS[11], math.floor(now_ms() / 1000), KEYS[1])
 for _, key in ipairs({KEYS[4], KEYS[5], KEYS[6], KEYS[10]}) do
   redis.call('pexpire', key, keep_for)
+end
+if latest then
+  return {reply[1], reply[2], false, evicted}
 end
 return reply

@@ -1,0 +1,245 @@
+"""Last call wins: ``on_contention="replace"`` and ``lock_debounce``.
+
+::
+
+    @app.task(base=LockedTask, lock_key="user:{user_id}", on_contention="replace")
+    def rebuild_index(user_id, version): ...
+
+    @app.task(base=LockedTask, lock_key="doc:{doc_id}", lock_debounce=2.0,
+              lock_debounce_max=30.0)
+    def reindex(doc_id, revision): ...
+
+Each key has at most one run going (``lock_limit`` runs) and one *pending* call. A call
+that finds its key busy becomes the pending call; a newer call takes its place, and the
+older one ends without running, as ``SUPERSEDED``. When the run ends, the pending call
+(the newest) is handed the lock, as a parked task is. A call older than a run that has
+already started is superseded too: a call never runs after a newer call of its key began.
+
+With ``lock_debounce=d`` every call is first the pending call for ``d`` seconds from when
+it was sent; a newer call restarts that quiet period (``lock_debounce_max`` bounds it,
+counted from the oldest call superseded since the last run). When it is due, a drainer
+(a thread of each worker's main process, :func:`serve_debounced`) sends its message, which
+then takes the lock, or waits in the parked line as the key's pending call. No worker
+slot waits during the quiet period.
+
+**Newest** is decided by when a call was *published*: :func:`stamp_sent` (a
+``before_task_publish`` receiver) writes :data:`SENT_HEADER` (µs since the epoch on the
+publisher's clock) into every message that lacks one, so re-queues, parkings and retries of
+a call keep its time. Ties are broken by task id. A message without the header (published
+by a process that did not import this package) counts as sent when its worker received it;
+a header later than the worker's clock is taken as the worker's time (a publisher's clock
+that runs ahead cannot make its calls win for longer). Keep the publishers' clocks in sync
+(NTP): calls sent closer together than their clocks' offset may be ordered by the offset.
+
+Everything is decided in one script run per delivery (``latest.lua`` in ``park.lua`` /
+``sem_park.lua``), atomically with the take or the parking. A superseded call is reported
+in the result backend as :data:`SUPERSEDED` (meta ``{"lock": name, "superseded_by": id}``),
+by the worker that superseded it, with :data:`~celery_redislock.signals.task_superseded`.
+``SUPERSEDED`` is not one of Celery's ready states: ``AsyncResult.get()`` on it waits
+like on any unfinished task (give it a ``timeout``); read ``AsyncResult.state``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import Task
+from celery import signals as celery_signals
+from celery.exceptions import Ignore
+
+from .. import signals
+from .._core import MAX_MS, lease_ms
+from .._errors import LockConfigurationError
+from .._keyspace import debounce_registry, latest_run_key, parked_under
+from .._replies import DUE_SEND, decode_latest_due
+from .._scripts import scripts_for
+from . import signing
+from .clients import settings_for
+from .contention import _Call, _park_fallback
+from .envelope import _dumps, _Handed, _text
+from .handover import _checked, _report_refused
+from .tasklock import LatestCall, TaskLock, TaskSemaphore
+
+log = logging.getLogger(__name__)
+
+#: The result state of a call a newer call of its key took the place of.
+SUPERSEDED = "SUPERSEDED"
+#: Message header: when the call was published (µs since the epoch, publisher's clock).
+SENT_HEADER = "redislock_sent"
+#: How far ahead of now a debounced key is looked at again at the latest (a stale send).
+MAX_SLEEP = 1.0
+#: Keys one drainer pass serves at most.
+MAX_PER_PASS = 1000
+
+
+def stamp_sent(headers: Any = None, **_: Any) -> None:
+    """``before_task_publish`` receiver: write :data:`SENT_HEADER` into a message that has
+    none (a re-sent copy of a call keeps its own)."""
+    if isinstance(headers, dict) and SENT_HEADER not in headers:
+        headers[SENT_HEADER] = time.time_ns() // 1000
+
+
+def sent_us(request: Any, now_us: int | None = None) -> int:
+    """When the call of ``request`` was published (:data:`SENT_HEADER`), in µs: at most
+    now (the worker's clock); now when the header is missing or not a whole number."""
+    now = time.time_ns() // 1000 if now_us is None else now_us
+    headers = getattr(request, "headers", None)
+    value = headers.get(SENT_HEADER) if isinstance(headers, dict) else None
+    if value is None:
+        value = getattr(request, SENT_HEADER, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return now
+    return min(value, now)
+
+
+def latest_call(task_id: str, sent: int, options: Any) -> LatestCall:
+    """The script arguments of one call under ``options`` (:class:`LockOptions`)."""
+    if options.debounce <= 0:
+        return LatestCall(task_id, sent)
+    quiet = lease_ms(options.debounce, "lock_debounce")
+    bound = options.debounce_max
+    bound = MAX_MS if bound is None else lease_ms(bound, "lock_debounce_max")
+    return LatestCall(task_id, sent, quiet, bound)
+
+
+class LastCallWins(Task):  # type: ignore[misc]
+    """The last-call-wins step of :class:`~celery_redislock.celery.base.LockedTask` (a
+    base class of it, not a task base of its own)."""
+
+    def _take_latest(self, lock: TaskLock | TaskSemaphore, call: _Call) -> None:
+        """Return once this call holds its lock (permit); else it is superseded, pending
+        until due, or parked as its key's pending call: ``Ignore``. Raises OwnerFinished
+        and OwnerRunning (another delivery of this run) as ``take`` does."""
+        request, options, name = call.request, call.options, call.name
+        signature = self._sent_again(call, dict(request.headers or {}))
+        try:
+            text = _dumps(dict(signature))
+        except TypeError as exc:
+            raise LockConfigurationError(
+                f"task {self.name}[{request.id}]: on_contention='replace' and lock_debounce "
+                f"keep the pending call's message in Redis as JSON, and these arguments are "
+                f"not JSON-serialisable ({exc})"
+            ) from None
+        key = settings_for(self.app).signing_key
+        owner = lock.owner or request.id
+        message = signing.sign_signature(key, lock.keys.lock, owner, text)
+        latest = latest_call(str(request.id), sent_us(request), options)
+        reply = lock.park_latest(message, self._parking_lifetime(options), latest)
+        if reply.evicted is not None:
+            self._superseded(_text(reply.evicted), name, by=request.id)
+        if reply.park.acquired:
+            return
+        if reply.superseded:
+            by = None if reply.superseded_by is None else _text(reply.superseded_by)
+            self._superseded(str(request.id), name, by=by)
+            raise Ignore()
+        with_fallback = _park_fallback(self.app)
+        fallback = self._fallback_delay(options)
+        if reply.pending_ms is not None:
+            due = reply.pending_ms / 1000
+            signals.task_debounced.send(self, name=name, task_id=request.id, due=due)
+            if with_fallback:
+                self._publish(signature, countdown=due + fallback)
+            log.info(
+                "redislock: %s[%s] is the pending call of %r, due in %.3fs",
+                self.name,
+                request.id,
+                name,
+                due,
+            )
+            raise Ignore()
+        if with_fallback:
+            self._publish(signature, countdown=fallback)
+        signals.task_parked.send(self, name=name, task_id=request.id, limit=call.limit)
+        log.info(
+            "redislock: %s[%s] is the pending call of %r, behind its run",
+            self.name,
+            request.id,
+            name,
+        )
+        raise Ignore()
+
+    def _superseded(self, task_id: str, name: str, *, by: str | None) -> None:
+        """Record the call ``task_id`` as ``SUPERSEDED`` (unless results are ignored) and
+        send :data:`~celery_redislock.signals.task_superseded`."""
+        log.info(
+            "redislock: %s[%s] superseded on %r by %s",
+            self.name,
+            task_id,
+            name,
+            f"the newer call {by}" if by else "a newer call",
+        )
+        if not self.ignore_result:
+            try:
+                meta = {"lock": name, "superseded_by": by}
+                self.backend.store_result(task_id, meta, SUPERSEDED)
+            except Exception:  # the call still ends: its state is only a record
+                log.warning(
+                    "redislock: could not record %s[%s] as SUPERSEDED",
+                    self.name,
+                    task_id,
+                    exc_info=True,
+                )
+        signals.task_superseded.send(self, name=name, task_id=task_id, superseded_by=by)
+
+
+# ----------------------------------------------------------------------------- drainer
+
+
+def latest_prefixes(app: Any) -> list[str]:
+    """The prefixes of the app's debounced tasks (where a drainer looks)."""
+    from .base import LockedTask  # (base imports this module)
+
+    found = set()
+    for task in app.tasks.values():
+        if isinstance(task, LockedTask):
+            options = task.lock_options()
+            if options.latest and options.debounce > 0:
+                found.add(options.prefix)
+    return sorted(found)
+
+
+def serve_debounced(app: Any, client: Any, prefix: str, stale_ms: int) -> float:
+    """Send every debounced pending call of ``prefix`` that is due (its message checked
+    first); the seconds until the next is due (at most :data:`MAX_SLEEP`)."""
+    registry = debounce_registry(prefix)
+    script = scripts_for(client).latest_due
+    sleep = MAX_SLEEP
+    for _ in range(MAX_PER_PASS):
+        pipe = client.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(registry, 0, 0, withscores=True)
+        (seconds, micros), earliest = pipe.execute()
+        if not earliest:
+            break
+        member, score = earliest[0]
+        now_ms = seconds * 1000 + micros / 1000
+        if score > now_ms:
+            sleep = min(sleep, (score - now_ms) / 1000)
+            break
+        run_key = latest_run_key(member)
+        if run_key is None or parked_under(run_key, prefix) is None:
+            client.zrem(registry, member)
+            _report_refused(app, member, None, "not a last-call-wins key of this prefix")
+            continue
+        code, _wait, message, owner = decode_latest_due(
+            script(keys=[member, registry], args=[stale_ms])
+        )
+        if code != DUE_SEND or message is None or owner is None:
+            continue
+        handed = _Handed(run_key, owner, message)
+        try:
+            send = _checked(app, handed)
+        except signing.Refused as exc:
+            client.hdel(member, "p", "pt", "ps", "pf", "pd", "pm", "pq")
+            _report_refused(app, run_key, owner, f"a debounced call: {exc}")
+            continue
+        send()
+    else:
+        sleep = 0.0
+    return max(sleep, 0.0)
+
+
+celery_signals.before_task_publish.connect(stamp_sent, weak=False)

@@ -1,0 +1,98 @@
+-- Prepended to park.lua and sem_park.lua: "last call wins" (on_contention="replace",
+-- lock_debounce; docs/concepts.md, "Last call wins"). One hash per key, `latest`:
+--   p, pt, ps, pf, pd, pm, pq  the pending call: its owner, task id, sent time (µs on its
+--                              publisher's clock), the sent time of the oldest call it took
+--                              the place of (lock_debounce_max counts from it), when it is
+--                              due (ms on the server's clock; 0: its quiet period is over and
+--                              it waits for the lock in the parked line), its message (while
+--                              it waits to be due), when a drainer last sent it (ms)
+--   s, st                      the newest call that started: its sent time and task id
+-- Calls are ordered by (sent time, task id): "newer" is sent later.
+-- latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, message, holds, evict)
+--   -> reply, evicted, first
+--   reply: {4, task id or false} superseded (by the pending call or by a run that started);
+--          {5, ms} pending until due (quiet period); nil: go on and take (or park).
+--   evicted: the task id of the older pending call this call took the place of (its parked
+--   records removed: evict(owner)), else false. first: the chain's oldest sent time.
+--   holds(owner): whether owner holds the lock (a permit), handed over or running.
+-- latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
+--   taken: the newest started call is this one (if newer), and it is no longer pending;
+--   else (parked): this call is the pending one, waiting for the lock.
+local function latest_older(s1, t1, s2, t2)
+  if s1 ~= s2 then
+    return s1 < s2
+  end
+  return t1 < t2
+end
+local function latest_clear(latest)
+  redis.call('hdel', latest, 'p', 'pt', 'ps', 'pf', 'pd', 'pm', 'pq')
+end
+local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, message, holds, evict)
+  local kind = redis.call('type', latest).ok
+  if kind ~= 'hash' and kind ~= 'none' then
+    redis.call('del', latest)  -- junk where the hash belongs: whoever may write the prefix
+  end
+  local f = redis.call('hmget', latest, 'p', 'pt', 'ps', 'pf', 's', 'st')
+  local p, pt, ps, pf = f[1], f[2], tonumber(f[3]), tonumber(f[4])
+  local s, st = tonumber(f[5]), f[6]
+  if s and not st then
+    s = nil
+  end
+  if s and latest_older(sent, task_id, s, st) then
+    return {4, st}, false, sent
+  end
+  local first, evicted = sent, false
+  if p and p ~= owner then
+    if not ps or not pt then
+      latest_clear(latest)  -- junk
+    elseif holds(p) then  -- handed over (or running): it started
+      if not s or latest_older(s, st, ps, pt) then
+        redis.call('hset', latest, 's', f[3], 'st', pt)
+        if latest_older(sent, task_id, ps, pt) then
+          latest_clear(latest)
+          return {4, pt}, false, sent
+        end
+      end
+      latest_clear(latest)
+    elseif latest_older(sent, task_id, ps, pt) then
+      return {4, pt}, false, sent
+    else
+      evict(p)
+      evicted = pt
+      first = math.min(pf or ps, ps, sent)
+      latest_clear(latest)
+    end
+  elseif p == owner then
+    first = math.min(pf or sent, sent)
+  end
+  if quiet_ms > 0 then
+    local due = math.min(math.floor(sent / 1000) + quiet_ms, math.floor(first / 1000) + max_ms)
+    local now = now_ms()
+    if now < due then
+      redis.call('hset', latest, 'p', owner, 'pt', task_id, 'ps', string.format('%.0f', sent),
+        'pf', string.format('%.0f', first), 'pd', string.format('%.0f', due), 'pm', message)
+      redis.call('hdel', latest, 'pq')
+      return {5, due - now}, evicted, first
+    end
+  end
+  return nil, evicted, first
+end
+local function latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
+  if taken then
+    local f = redis.call('hmget', latest, 's', 'st', 'p')
+    local s, st = tonumber(f[1]), f[2]
+    if not s or not st or latest_older(s, st, sent, task_id) then
+      redis.call('hset', latest, 's', string.format('%.0f', sent), 'st', task_id)
+    end
+    if f[3] == owner then
+      latest_clear(latest)
+    end
+  else
+    redis.call('hset', latest, 'p', owner, 'pt', task_id, 'ps', string.format('%.0f', sent),
+      'pf', string.format('%.0f', first), 'pd', '0')
+    redis.call('hdel', latest, 'pm', 'pq')
+  end
+  if redis.call('pttl', latest) < keep_ms then
+    redis.call('pexpire', latest, keep_ms)
+  end
+end
