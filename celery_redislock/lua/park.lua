@@ -73,4 +73,8 @@ end
 redis.call('pexpire', KEYS[4], keep_for)
 redis.call('pexpire', KEYS[5], keep_for)
 redis.call('pexpire', KEYS[6], keep_for)
-return {0, reply and reply[2] or redis.call('pttl', KEYS[1]), false, evicted}
+local wait = reply and reply[2] or redis.call('pttl', KEYS[1])
+if latest then
+  return {0, wait, false, evicted}
+end
+return {0, wait}
