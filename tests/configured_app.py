@@ -30,6 +30,7 @@ ENTRIES: dict[str, Any] = {
     "tests.configured_app.plain_*": {"lock_key": "job:{name}"},
     "tests.configured_app.based_work": {"lock_key": "job:{name}"},
     "tests.configured_app.skip_*": {"lock_key": "job:{name}", "on_contention": "skip"},
+    "tests.configured_app.newest_*": {"lock_key": "job:{name}", "on_contention": "replace"},
     "tests.configured_app.nothing.*": {"lock_key": None},
 }
 BAD = {
@@ -122,6 +123,14 @@ if not os.environ.get("REDISLOCK_TEST_ONLY_CONFIGURED"):  # no LockedTask of its
     def hooked_first(self: Any, name: str, seconds: float = 0.05, outcome: str = "ok") -> str:
         _section(name, outcome, seconds)
         return "done"
+
+
+@app.task
+def newest_work(name: str, tag: str, seconds: float = 0.0) -> str:
+    """Last call wins by configuration: records its tag."""
+    time.sleep(seconds)
+    r().rpush(f"newest:{name}", tag)
+    return tag
 
 
 @app.task

@@ -143,6 +143,18 @@ def test_skip_when_held(r: redis.Redis, configured_worker: CeleryProcess) -> Non
     assert cfg.skip_work.delay("skipped").get(timeout=30) == "ran"
 
 
+def test_replace_by_configuration_runs_the_first_and_the_newest(
+    r: redis.Redis, configured_worker: CeleryProcess
+) -> None:
+    first = cfg.newest_work.delay("newest", "0", 0.8)
+    wait_until(lambda: r.exists("redislock:{job:newest}"), what="the first run's lock")
+    burst = [cfg.newest_work.delay("newest", str(i)) for i in range(1, 11)]
+    assert first.get(timeout=30) == "0" and burst[-1].get(timeout=30) == "10"
+    wait_until(lambda: all(c.state == "SUPERSEDED" for c in burst[:-1]), what="superseded")
+    assert r.lrange("newest:newest", 0, -1) == [b"0", b"10"]
+    wait_until(lambda: not r.exists("redislock:{job:newest}"), what="the lock released")
+
+
 def test_worker_start_warns_of_an_unmatched_pattern(configured_worker: CeleryProcess) -> None:
     text = configured_worker.text()
     assert "redislock_tasks entry 'tests.configured_app.nothing.*' matches no registered task" in (
@@ -156,6 +168,7 @@ def test_only_matching_tasks_are_configured() -> None:
         "tests.configured_app.plain_work": "tests.configured_app.plain_*",
         "tests.configured_app.based_work": "tests.configured_app.based_work",
         "tests.configured_app.skip_work": "tests.configured_app.skip_*",
+        "tests.configured_app.newest_work": "tests.configured_app.newest_*",
     }
     assert outcome.unmatched == ["tests.configured_app.nothing.*"]
     assert not outcome.errors and not outcome.own_base
