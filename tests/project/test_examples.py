@@ -14,7 +14,7 @@ from celery_redislock.testing import RedisServer
 from .._celery import ROOT, CeleryProcess
 
 
-@pytest.mark.parametrize("example", ["payments", "per_user"])
+@pytest.mark.parametrize("example", ["payments", "per_user", "indexing"])
 def test_example_runs_against_a_real_worker(example: str, tmp_path: Path) -> None:
     with RedisServer() as server:
         env = {"REDIS_URL": server.url}
@@ -40,5 +40,12 @@ def test_example_runs_against_a_real_worker(example: str, tmp_path: Path) -> Non
         for line in out.stdout.strip().splitlines():
             _account, balance, _, _, expected = line.replace("b'", "").replace("'", "").split()
             assert int(balance) == int(expected), line
+    elif example == "indexing":
+        # The burst of edits runs once, with the last revision; the rebuilds run the first
+        # request and the newest (the first may already have found the key free).
+        assert "20 edits: 1 run, 19 superseded" in out.stdout, out.stdout
+        assert "indexed revisions: [20]" in out.stdout, out.stdout
+        rebuilt = out.stdout.split("rebuilt versions: ")[1].strip()
+        assert rebuilt in ("[1, 10]", "[10]"), out.stdout
     else:
         assert "rebuilt" in out.stdout and "ada@example.com" in out.stdout
