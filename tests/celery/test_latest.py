@@ -100,6 +100,9 @@ def test_replace_across_two_workers_runs_the_newest_sent_whatever_the_delivery_o
         wait_until(lambda: _settled(ids, {first.id, newest}), timeout=30, what="states")
         runs = _runs(r, "b")
         assert [run[0] for run in runs] == ["0", "29"], runs
+        # The newest call ran with the time it was sent: its parked message kept the header.
+        latest = LockKeys.for_name("lw:b").latest
+        assert r.hmget(latest, "s", "st") == [str(base + 29_000).encode(), newest.encode()]
         _nothing_left(r, "b")
     finally:
         for proc in procs:
