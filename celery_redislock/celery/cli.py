@@ -52,6 +52,7 @@ from ..lock import RedisLock
 from .clients import client_for, quorum_clients_for, settings_for
 from .handover import send_handed_over
 from .inspection import (
+    describe_latest,
     describe_limited,
     describe_lock,
     describe_rated,
@@ -309,6 +310,9 @@ def show(ctx: click.Context, prefix: str | None, name: bytes, as_json: bool) -> 
             "holds": 0,
         }
         found["waiting_processes"], found["parked_tasks"] = lock_line(client, keys)
+        latest = describe_latest(client, keys.latest)
+        if latest is not None:
+            found["latest"] = latest
         return found
 
     results = nodes.each(look)
@@ -341,6 +345,12 @@ def show(ctx: click.Context, prefix: str | None, name: bytes, as_json: bool) -> 
     else:
         rated = None
     semaphore = limited[0] if limited and isinstance(limited[0], dict) else None
+    if semaphore is not None:
+        sem_latest = describe_latest(
+            nodes.clients[0], SemaphoreKeys.for_name(name, nodes.prefix).line.latest
+        )
+        if sem_latest is not None:
+            semaphore["latest"] = sem_latest
     rate = rated[0] if rated and isinstance(rated[0], dict) else None
     # The lock is shown unless only the limited key or the rate key is in use.
     lock_in_use = bool(found.get("owners") or found.get("parked_tasks"))
@@ -383,6 +393,7 @@ def _print_lock(
             ctx.obj.echo(f"{field:>18}: {found[field]}")
     for task_id in found["parked_tasks"]:
         ctx.obj.echo(f"{'parked':>18}: task {_shown(task_id)}")
+    _print_latest(ctx, found)
     for label, view in found.get("nodes", {}).items():
         if "error" in view:
             state = "unreachable"
@@ -415,6 +426,20 @@ def _print_semaphore(ctx: click.Context, name: bytes, found: dict[str, Any]) -> 
     for owner in found["waiters"]:
         ctx.obj.echo(f"{'waiter':>18}: {_shown(owner)}")
     ctx.obj.echo(f"{'waiting_processes':>18}: {found['waiting_processes']}")
+    _print_latest(ctx, found)
+
+
+def _print_latest(ctx: click.Context, found: dict[str, Any]) -> None:
+    """A last-call-wins key's pending call and newest started call, if any."""
+    latest = found.get("latest") or {}
+    pending = latest.get("pending")
+    if pending:
+        due = pending["due_in"]
+        when = "waits for the lock" if due is None else f"due in {due:.3f}s (debounce)"
+        ctx.obj.echo(f"{'pending call':>18}: task {_shown(pending['task'])}, {when}")
+    started = latest.get("newest_started")
+    if started:
+        ctx.obj.echo(f"{'newest started':>18}: task {_shown(started['task'])}")
 
 
 def _due(seconds: float | None) -> str:

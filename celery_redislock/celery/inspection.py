@@ -356,3 +356,34 @@ def rated_names(client: Any, prefix: str, pattern: bytes) -> list[bytes]:
             if name:
                 found.add(name)
     return sorted(found)
+
+
+def describe_latest(client: Any, key: bytes) -> dict[str, Any] | None:
+    """A last-call-wins key's ``:latest`` hash ``key`` (``celery.latest``): its pending call
+    (task id, sent time, when due: seconds from now, None once it waits for the lock) and
+    the newest call that started (task id, sent time); None when it holds neither. Junk
+    fields (anyone who may write the prefix) read as missing."""
+    try:
+        fields, (seconds, micros) = read(
+            client, ("hmget", key, "pt", "ps", "pd", "st", "s"), ("time",)
+        )
+    except Exception:  # not a hash: nothing to show
+        return None
+    pending, sent, due, started, started_sent = (fields or [None] * 5)[:5]
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    due_ms = whole(due)
+    row: dict[str, Any] = {}
+
+    def at(micros: Any) -> float | None:
+        value = whole(micros)
+        return None if value is None else value / 1_000_000
+
+    if pending is not None:
+        row["pending"] = {
+            "task": text(pending),
+            "sent": at(sent),
+            "due_in": None if not due_ms else max(due_ms - now_ms, 0) / 1000,
+        }
+    if started is not None:
+        row["newest_started"] = {"task": text(started), "sent": at(started_sent)}
+    return row or None

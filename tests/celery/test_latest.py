@@ -248,6 +248,11 @@ def test_a_debounced_call_still_runs_once_after_its_worker_is_killed(
             lambda: r.hget(LockKeys.for_name("lw:h").latest, "pt") == call.id.encode(),
             what="the call pending",
         )
+        from celery.bin.celery import celery as celery_command
+        from click.testing import CliRunner
+
+        shown = CliRunner().invoke(celery_command, ["-A", APP, "redislock", "show", "lw:h"])
+        assert f"pending call: task {call.id}, due in" in shown.output, shown.output
         one.kill()  # before its quiet period ends: no drainer is left
         time.sleep(la.DEBOUNCE)
         two = worker(broker.url, tmp_path / "w2.log", concurrency=2, name="w2", app=APP)
