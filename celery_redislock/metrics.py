@@ -44,6 +44,8 @@ COUNTERS = (
     "rate_admitted",
     "deferred",
     "undeferred",
+    "superseded",
+    "debounced",
 )
 
 #: Counters of limited tasks' runs, per task name (fields ``<counter>@<task name>``):
@@ -210,6 +212,8 @@ _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.task_rate_admitted, _per_task("rate_admitted")),
     (signals.task_deferred, _per_task("deferred")),
     (signals.task_undeferred, _on_undeferred),
+    (signals.task_superseded, _per_task("superseded")),
+    (signals.task_debounced, _per_task("debounced")),
 ]
 _enabled = False
 
@@ -357,6 +361,8 @@ def enable_prometheus(registry: Any = None) -> None:
         (signals.task_rate_admitted, "rate_admitted"),
         (signals.task_deferred, "deferred"),
         (signals.task_undeferred, "undeferred"),
+        (signals.task_superseded, "superseded"),
+        (signals.task_debounced, "debounced"),
     ):
         signal.connect(lambda sender=None, _c=counters[name], **_: _c.inc())
     signals.lock_renewed.connect(lambda sender=None, count=1, **_: counters["renewed"].inc(count))
