@@ -116,14 +116,15 @@ CELERY_EXTRA_COMMANDS = (
     "ping",
     "type",
     "zrangebyscore",
+    "hmget",
 )
 CELERY_COMMANDS = tuple(dict.fromkeys(LIMITER_COMMANDS + CELERY_EXTRA_COMMANDS))
 #: ``celery -A proj redislock ls|show|stats|release`` (an operator's user) adds these.
 #: SCAN is not confined by key patterns: it lists key names outside the prefix too.
-#: ZSCAN (the sweeper's registry) and HMGET (a limited key's parked tasks' limits and
-#: messages) read the limited keys (``lock_limit``), as SMEMBERS (its holders, already in
-#: the Celery set) does.
-OPERATOR_EXTRA_COMMANDS = ("scan", "pubsub|numsub", "zscan", "hmget")
+#: ZSCAN (the sweeper's registry) reads the limited keys (``lock_limit``), as SMEMBERS
+#: (its holders) and HMGET (its parked tasks' limits; a last-call-wins key's pending
+#: call), already in the Celery set, do.
+OPERATOR_EXTRA_COMMANDS = ("scan", "pubsub|numsub", "zscan")
 OPERATOR_COMMANDS = CELERY_COMMANDS + OPERATOR_EXTRA_COMMANDS
 PASSWORD = "secret"
 #: redis-py sends these on connect (CLIENT SETINFO: Redis >= 7.2; CLIENT MAINT_NOTIFICATIONS:
@@ -355,6 +356,12 @@ def exercise_celery(url: str, tag: str, redis_options: dict[str, Any]) -> None:
         def rated(m: str) -> None:
             pass
 
+        @app.task(
+            shared=False, base=LockedTask, lock_key="doc:{d}", lock_debounce=0.05, name=f"d.{tag}"
+        )
+        def debounced(d: int) -> None:
+            pass
+
         app.finalize()
         client = client_for(app)
         assert work.apply(args=(1,)).get() >= 1  # eager: a plain RedisLock on client_for(app)
@@ -414,6 +421,7 @@ def exercise_celery(url: str, tag: str, redis_options: dict[str, Any]) -> None:
 
         _exercise_limited_tasks(app, limited, tag, taken)
         _exercise_rated_tasks(app, rated, tag)
+        _exercise_latest_tasks(app, debounced, tag, taken)
     finally:
         for lock in taken:
             lock.close()  # after a failure: stop renewing what is still held
@@ -459,6 +467,35 @@ def _exercise_limited_tasks(app: Any, task: Any, tag: str, taken: list[Any]) -> 
     assert fourth.finish(hold=0, done_ttl=60) is None  # nobody parked: publishes
     assert sweeper.sweep_once() == 0
     assert client.zrange("redislock:parked", 0, -1) == []  # the key forgotten
+
+
+def _exercise_latest_tasks(app: Any, task: Any, tag: str, taken: list[Any]) -> None:
+    """Last call wins (``lock_debounce``): two calls of one key (the newer supersedes the
+    pending older one), the drainer's send of the due call, and its run taking the lock."""
+    from celery_redislock.celery import signing
+    from celery_redislock.celery.latest import latest_call, serve_debounced
+    from celery_redislock.celery.tasklock import TaskLock
+    from celery_redislock.task import client_for, settings_for
+
+    client, key = client_for(app), settings_for(app).signing_key
+    options = task.lock_options()
+    calls = [TaskLock(client, "doc:1", task_id=f"{tag}-d{i}", options=options) for i in (1, 2)]
+    taken += calls
+    sent = time.time_ns() // 1000
+    replies = []
+    for i, call in enumerate(calls):
+        text = json.dumps(dict(task.signature((1,), task_id=call.owner)))
+        message = signing.sign_signature(key, call.keys.lock, call.owner, text)
+        replies.append(call.park_latest(message, 60, latest_call(call.owner, sent + i, options)))
+    assert replies[0].pending_ms is not None and replies[1].pending_ms is not None
+    assert replies[1].evicted == calls[0].owner.encode()  # the older pending call superseded
+    time.sleep(0.1)  # its quiet period over: the drainer sends it
+    assert serve_debounced(app, client, "redislock:", 30_000) == 1.0
+    text = json.dumps(dict(task.signature((1,), task_id=calls[1].owner)))
+    message = signing.sign_signature(key, calls[1].keys.lock, calls[1].owner, text)
+    reply = calls[1].park_latest(message, 60, latest_call(calls[1].owner, sent + 1, options))
+    assert reply.park.acquired
+    assert calls[1].finish(hold=0, done_ttl=60) is None
 
 
 def _exercise_rated_tasks(app: Any, task: Any, tag: str) -> None:
