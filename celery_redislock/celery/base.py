@@ -450,6 +450,7 @@ class LockedTask(LastCallWins, Contention):
             or not str(properties.get("delivery_tag", "")).startswith(TAG_PREFIX)
             or not options.lookahead
             or options.on_contention != "requeue"
+            or options.latest  # (a debounce): the next call is the pending one, not the queue's
             or queue_list in _lookahead_denied
         ):
             return None

@@ -215,7 +215,7 @@ class Drainer(threading.Thread):
             }
         )
         #: The prefixes of debounced tasks, whose pending calls it sends when due.
-        self.debounce_prefixes = latest_prefixes(app)
+        self.debounce_prefixes, self.debounce_look = latest_prefixes(app)
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -232,7 +232,8 @@ class Drainer(threading.Thread):
         client = client_for(self.app)
         sleep = MAX_SLEEP
         for prefix in self.debounce_prefixes:
-            sleep = min(sleep, serve_debounced(self.app, client, prefix, self.stale_ms))
+            look = self.debounce_look
+            sleep = min(sleep, serve_debounced(self.app, client, prefix, self.stale_ms, look))
         for prefix in self.prefixes:
             self._resend_stale(client, prefix)
             registry = deferred_registry(prefix)

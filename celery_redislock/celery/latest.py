@@ -188,25 +188,37 @@ class LastCallWins(Task):  # type: ignore[misc]
 # ----------------------------------------------------------------------------- drainer
 
 
-def latest_prefixes(app: Any) -> list[str]:
-    """The prefixes of the app's debounced tasks (where a drainer looks)."""
+#: The drainer looks at the debounce registry at least every quarter of the shortest
+#: debounce (a newly pending call is due at most that late), and no more often than this.
+MIN_LOOK = 0.05
+
+
+def latest_prefixes(app: Any) -> tuple[list[str], float]:
+    """The prefixes of the app's debounced tasks (where a drainer looks), and how long
+    the drainer may sleep at most: a quarter of the shortest debounce (at least
+    :data:`MIN_LOOK`, at most :data:`MAX_SLEEP`), so that a call pending in a registry the
+    drainer found empty is sent at most that late."""
     from .base import LockedTask  # (base imports this module)
 
     found = set()
+    shortest = MAX_SLEEP * 4
     for task in app.tasks.values():
         if isinstance(task, LockedTask):
             options = task.lock_options()
             if options.latest and options.debounce > 0:
                 found.add(options.prefix)
-    return sorted(found)
+                shortest = min(shortest, options.debounce)
+    return sorted(found), min(MAX_SLEEP, max(MIN_LOOK, shortest / 4))
 
 
-def serve_debounced(app: Any, client: Any, prefix: str, stale_ms: int) -> float:
+def serve_debounced(
+    app: Any, client: Any, prefix: str, stale_ms: int, longest: float = MAX_SLEEP
+) -> float:
     """Send every debounced pending call of ``prefix`` that is due (its message checked
-    first); the seconds until the next is due (at most :data:`MAX_SLEEP`)."""
+    first); the seconds until the next is due (at most ``longest``)."""
     registry = debounce_registry(prefix)
     script = scripts_for(client).latest_due
-    sleep = MAX_SLEEP
+    sleep = longest
     for _ in range(MAX_PER_PASS):
         pipe = client.pipeline(transaction=False)
         pipe.time()
