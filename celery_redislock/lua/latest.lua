@@ -15,6 +15,12 @@
 --   evicted: the task id of the older pending call this call took the place of (its parked
 --   records removed: evict(owner)), else false. first: the chain's oldest sent time.
 --   holds(owner): whether owner holds the lock (a permit), handed over or running.
+-- latest_enter(latest, registry, owner, task_id, sent, quiet_ms, max_ms, message, keep_ms,
+--              holds, evict) -> reply, evicted, first, sent
+--   The parking scripts' step: the arguments checked (sent, quiet_ms, max_ms: as given in
+--   ARGV, before any write), latest_gate, and for a call pending until due its key entered
+--   in the debounce registry at its due time. reply: the gate's as a parking script's
+--   reply ({code, value, nil, evicted}), or nil: go on and take (or park).
 -- latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
 --   taken: the newest started call is this one (if newer), and it is no longer pending;
 --   else (parked): this call is the pending one, waiting for the lock.
@@ -76,6 +82,24 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
     end
   end
   return nil, evicted, first
+end
+local function latest_enter(latest, registry, owner, task_id, sent, quiet_ms, max_ms, message,
+    keep_ms, holds, evict)
+  sent = whole_arg(sent, 'sent time', 0, 9007199254740991)
+  quiet_ms = ms_arg(quiet_ms, 'debounce', 0)
+  max_ms = ms_arg(max_ms, 'debounce max', 0)
+  local gate, evicted, first = latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, message,
+    holds, evict)
+  if not gate then
+    return nil, evicted, first, sent
+  end
+  if gate[1] == 5 then
+    redis.call('zadd', registry, redis.call('hget', latest, 'pd'), latest)
+    if redis.call('pttl', latest) < keep_ms then
+      redis.call('pexpire', latest, keep_ms)
+    end
+  end
+  return {gate[1], gate[2], false, evicted}, evicted, first, sent
 end
 local function latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
   if taken then

@@ -31,14 +31,11 @@ local held = redis.call('hget', KEYS[1], ARGV[1])
 if held and held ~= '0' then
   return {3, redis.call('pttl', KEYS[1])}  -- another delivery of this run holds it
 end
-local latest, evicted, first = KEYS[11], false, nil
-local sent, quiet_ms, max_ms
+local latest, evicted, first, sent = KEYS[11], false, nil, nil
 if latest then
-  sent = whole_arg(ARGV[7], 'sent time', 0, 9007199254740991)
-  quiet_ms = ms_arg(ARGV[8], 'debounce', 0)
-  max_ms = ms_arg(ARGV[9], 'debounce max', 0)
   local gate
-  gate, evicted, first = latest_gate(latest, ARGV[1], ARGV[6], sent, quiet_ms, max_ms, ARGV[3],
+  gate, evicted, first, sent = latest_enter(latest, KEYS[12], ARGV[1], ARGV[6], ARGV[7], ARGV[8],
+    ARGV[9], ARGV[3], keep_for,
     function(owner) return redis.call('hexists', KEYS[1], owner) == 1 end,
     function(owner)
       redis.call('lrem', KEYS[4], 0, owner)
@@ -46,13 +43,7 @@ if latest then
       redis.call('hdel', KEYS[6], owner)
     end)
   if gate then
-    if gate[1] == 5 then
-      redis.call('zadd', KEYS[12], redis.call('hget', latest, 'pd'), latest)
-      if redis.call('pttl', latest) < keep_for then
-        redis.call('pexpire', latest, keep_for)
-      end
-    end
-    return {gate[1], gate[2], false, evicted}
+    return gate
   end
 end
 local reply = take_or_enter(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1], lease)

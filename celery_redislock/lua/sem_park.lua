@@ -29,14 +29,11 @@ end
 if held and held ~= '0' then
   return {3, redis.call('pttl', prefix .. ARGV[1])}  -- another delivery of this run holds it
 end
-local latest, evicted, first = KEYS[12], false, nil
-local sent, quiet_ms, max_ms
+local latest, evicted, first, sent = KEYS[12], false, nil, nil
 if latest then
-  sent = whole_arg(ARGV[9], 'sent time', 0, 9007199254740991)
-  quiet_ms = ms_arg(ARGV[10], 'debounce', 0)
-  max_ms = ms_arg(ARGV[11], 'debounce max', 0)
   local gate
-  gate, evicted, first = latest_gate(latest, ARGV[1], ARGV[8], sent, quiet_ms, max_ms, ARGV[3],
+  gate, evicted, first, sent = latest_enter(latest, KEYS[13], ARGV[1], ARGV[8], ARGV[9], ARGV[10],
+    ARGV[11], ARGV[3], keep_for,
     function(owner) return redis.call('hexists', prefix .. owner, owner) == 1 end,
     function(owner)
       redis.call('lrem', KEYS[4], 0, owner)
@@ -45,13 +42,7 @@ if latest then
       redis.call('hdel', KEYS[10], owner)
     end)
   if gate then
-    if gate[1] == 5 then
-      redis.call('zadd', KEYS[13], redis.call('hget', latest, 'pd'), latest)
-      if redis.call('pttl', latest) < keep_for then
-        redis.call('pexpire', latest, keep_for)
-      end
-    end
-    return {gate[1], gate[2], false, evicted}
+    return gate
   end
 end
 local reply = take_permit(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1], lease, limit, prefix,
