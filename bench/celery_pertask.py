@@ -164,6 +164,8 @@ def run_variant(
     pa: Any,
     args: argparse.Namespace,
     tasks: int | None = None,
+    *,
+    monitored: bool = False,
 ) -> dict[str, Any]:
     token = secrets.token_hex(3)
     queue = f"pertask-{variant}-{token}"
@@ -171,7 +173,7 @@ def run_variant(
     tasks = args.tasks if tasks is None else tasks
     first, last = args.warm, args.warm + tasks
     monitor = None
-    if tasks != args.tasks:  # the counting run, under MONITOR
+    if monitored:  # the counting run
         monitor = Monitor(url, pa.mark_key(run, "first"))
         monitor.start()
         time.sleep(0.2)
@@ -278,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.count_tasks:
                 log(f"  counting run under MONITOR ({args.count_tasks} tasks each)")
                 for variant in args.variant_list:
-                    counted[variant] = run_variant(variant, url, store, pa, args, args.count_tasks)
+                    counted[variant] = run_variant(
+                        variant, url, store, pa, args, args.count_tasks, monitored=True
+                    )
         finally:
             pa.app.close()
             store.close()
