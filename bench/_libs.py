@@ -24,6 +24,7 @@ LABELS = {
     "prl": "python-redis-lock",
     "pottery": "pottery Redlock",
     "floor": "floor (2 RTT)",
+    "token": "floor (BLPOP token)",
 }
 
 
@@ -51,6 +52,9 @@ class Adapter:
             self.lock = Redlock(key=name, masters={client}, auto_release_time=ttl)
         elif lib == "floor":
             self.lock = client.register_script("return 1")
+        elif lib == "token":
+            self.client, self.name = client, name
+            self.lock = None
         else:
             raise ValueError(f"unknown lib {lib!r}")
 
@@ -69,6 +73,9 @@ class Adapter:
         if lib == "floor":
             lock()
             return True
+        if lib == "token":
+            wait = 0 if timeout is None else timeout
+            return self.client.blpop([self.name], timeout=wait) is not None
         raise AssertionError(lib)
 
     def try_acquire(self) -> bool:
@@ -82,8 +89,18 @@ class Adapter:
     def release(self) -> None:
         if self.lib == "floor":
             self.lock()
+        elif self.lib == "token":
+            self.client.lpush(self.name, "token")
         else:
             self.lock.release()
+
+
+def seed_token(client: Any, name: str) -> None:
+    """Put the one token of a ``token`` floor in its list (and nothing else)."""
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(name)
+    pipe.lpush(name, "token")
+    pipe.execute()
 
 
 def make(lib: str, client: Any, name: str, ttl: float, *, renew: bool = True) -> Adapter:

@@ -13,8 +13,9 @@ only in how (whether) they lock the account:
 * ``settle.prl``      a blocking python-redis-lock inside the task;
 * ``settle.locked``   ``LockedTask`` in its default requeue mode.
 
-Configured from the environment (set by the benchmark): ``SETTLE_URL`` (broker, locks
-and data: one private redis-server), ``SETTLE_PREFIX`` (key prefix of the data),
+Configured from the environment (set by the benchmark): ``SETTLE_URL`` (locks and data:
+one private redis-server), ``SETTLE_BROKER`` (the broker; default ``SETTLE_URL``),
+``SETTLE_PREFIX`` (key prefix of the data),
 ``SETTLE_QUEUE`` (the worker's queue), ``SETTLE_WORK`` (seconds), ``SETTLE_PREFETCH``,
 ``SETTLE_TASKS`` (comma-separated variants to register; default all), ``SETTLE_LOOKAHEAD``
 (``redislock_lookahead``; default: the package's).
@@ -40,9 +41,10 @@ VARIANTS = ("nolock", "recipe", "redispy", "prl", "locked")
 REGISTER = {v.strip() for v in os.environ.get("SETTLE_TASKS", ",".join(VARIANTS)).split(",")}
 
 app = Celery("bench._settlement_app")
+BROKER = os.environ.get("SETTLE_BROKER") or URL
 app.conf.update(
-    broker_url=URL,
-    redislock_url=URL,  # the same string as the broker: no parked-task fallback copies
+    broker_url=BROKER,
+    redislock_url=URL,  # the broker's string (by default): no parked-task fallback copies
     task_default_queue=os.environ.get("SETTLE_QUEUE", "settle"),
     task_ignore_result=True,
     task_acks_late=True,

@@ -10,6 +10,13 @@ redis-py lock in the task; d. a blocking python-redis-lock in the task; e. ``Loc
 (requeue mode, default settings). Workloads: W1 100 tasks over 4 accounts (seeded
 random); W2 200 tasks, a quarter on one hot account, the rest each on its own account.
 
+``--broker`` puts the broker elsewhere than the locks' Redis database (``otherdb``: the
+same server's database 1; ``amqp``: RabbitMQ on 127.0.0.1:5672 when one answers, on
+queues of the run's own, deleted after it); several comma-separated brokers run one
+after the other. W2's hot account gives the hot-key chain efficiency: its 50 tasks'
+work (50 x 20 ms) divided by the span from its first section's start to its last one's
+end.
+
 Prints one table (rows: metric per workload; columns: variants) and a targets block;
 writes bench/results/settlement.json. One private redis-server on a free loopback port
 (broker, locks and balances) is started and stopped here by pid; each variant gets a
@@ -52,6 +59,8 @@ LABELS = {
     "locked": "e. LockedTask",
 }
 WORKLOADS = ("W1", "W2")
+BROKERS = ("same", "otherdb", "amqp")
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 monotonic = time.monotonic
 
 
@@ -196,16 +205,55 @@ class Worker:
 # --------------------------------------------------------------------------- one run
 
 
-def publish(task: Any, run: str, accounts: list[str], queue: str) -> tuple[float, float]:
+def publish(
+    task: Any, run: str, accounts: list[str], queue: str, broker: str
+) -> tuple[float, float]:
     """Publish every task through one producer: (first publish's time, last one's end)."""
     app = task.app
     first = 0.0
-    with app.producer_or_acquire() as producer:
+    with app.connection_for_write(broker) as conn:
+        producer = app.amqp.Producer(conn)
         for i, account in enumerate(accounts):
             if i == 0:
                 first = monotonic()
             task.apply_async((run, f"{run}:{account}"), queue=queue, producer=producer)
     return first, monotonic()
+
+
+def broker_url(broker: str, url: str) -> str:
+    """The broker URL of a ``--broker`` choice, the locks being on ``url`` (database 0)."""
+    if broker == "same":
+        return url
+    if broker == "otherdb":
+        return url.rsplit("/", 1)[0] + "/1"
+    return AMQP_URL
+
+
+def amqp_reachable() -> bool:
+    import socket
+
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 5672), 1):
+        return True
+    return False
+
+
+def delete_queues(broker: str, names: list[str]) -> None:
+    """Delete the run's own queues (and, on RabbitMQ, their exchanges) from the broker."""
+    if not broker.startswith("amqp"):
+        client = redis.Redis.from_url(broker)
+        client.delete(*names)
+        client.close()
+        return
+    from kombu import Connection
+
+    with Connection(broker, connect_timeout=5) as conn:
+        for name in names:
+            for delete in (conn.default_channel.queue_delete, conn.default_channel.exchange_delete):
+                try:
+                    delete(name)
+                except Exception:  # absent: a fresh channel for the next name
+                    conn.release()
+                    conn.connect()
 
 
 def wait_done(
@@ -274,6 +322,12 @@ def analyse(
         "gap_p90_ms": (statistics.quantiles(gaps, n=10)[-1] * 1e3 if len(gaps) >= 2 else None),
         "hot_first_enter": (hot_secs[0][0] - t0) if hot_secs else None,
         "hot_span": (hot_secs[-1][1] - hot_secs[0][0]) if hot_secs else None,
+        # the hot-key chain efficiency: the hot account's work over its span (1.0: back to back)
+        "hot_efficiency": (
+            expected[hot] * work / (hot_secs[-1][1] - hot_secs[0][0])
+            if complete and len(hot_secs) == expected[hot] and expected[hot] > 1
+            else None
+        ),
         "unrelated_done": (max(unrelated) - t0) if unrelated and complete else None,
     }
 
@@ -285,12 +339,14 @@ def run_variant(
     sa: Any,
     args: argparse.Namespace,
     repeat: int,
+    broker: str,
 ) -> dict[str, Any]:
     token = secrets.token_hex(3)
     queue = f"settle-{variant}-{token}"
     env = {
         **os.environ,
         "SETTLE_URL": url,
+        "SETTLE_BROKER": broker,
         "SETTLE_PREFIX": sa.PREFIX,
         "SETTLE_QUEUE": queue,
         "SETTLE_WORK": str(args.work),
@@ -307,7 +363,7 @@ def run_variant(
         # scripts; a contended group loads the contended paths (park/hand-over, waits).
         run = f"{token}-warm"
         warm = [f"w{i}" for i in range(2 * args.concurrency)] + ["wc"] * (2 * args.concurrency)
-        publish(task, run, warm, queue)
+        publish(task, run, warm, queue, broker)
         if not wait_done(store, sa, run, len(warm), worker, args.start_timeout):
             raise SystemExit(
                 f"{variant}: warm-up not done in {args.start_timeout}s:\n{worker.text()[-3000:]}"
@@ -317,7 +373,7 @@ def run_variant(
             accounts = workload(name, args.seed)
             run = f"{token}-{name}"
             parked0 = int(store.get(sa.parked_key()) or 0)
-            t0, t_published = publish(task, run, accounts, queue)
+            t0, t_published = publish(task, run, accounts, queue, broker)
             complete = wait_done(store, sa, run, len(accounts), worker, args.timeout)
             time.sleep(0.05)
             res = analyse(store, sa, run, accounts, t0, args.work, args.concurrency, complete)
@@ -341,7 +397,7 @@ def run_variant(
         if args.keep_logs:
             keep = Path(args.keep_logs) / f"{variant}-r{repeat + 1}.log"
         worker.stop(keep)
-        store.delete(queue, f"{queue}.redislock")
+        delete_queues(broker, [queue, f"{queue}.redislock"])
     return out
 
 
@@ -386,6 +442,7 @@ def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) 
         wl_rows = list(rows)
         if wl == "W2":
             wl_rows.append(("last unrelated task done (s)", "unrelated_done", ".2f", ""))
+            wl_rows.append(("hot key: 50 x work / its span", "hot_efficiency", ".2f", ""))
         for label, key, spec, suffix in wl_rows:
             cells = []
             for v in variants:
@@ -485,6 +542,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--lookahead", type=int, help="redislock_lookahead for LockedTask (package default)"
     )
+    ap.add_argument(
+        "--broker",
+        default="same",
+        help="comma list of same (the locks' database), otherdb (database 1), amqp "
+        "(RabbitMQ on 127.0.0.1:5672); one run of every variant per broker (same)",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=240.0, help="per workload (240 s)")
     ap.add_argument("--start-timeout", type=float, default=60.0, help="worker start + warm-up")
@@ -494,6 +557,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.concurrency < 1 or args.work <= 0:
         ap.error("--repeat and --concurrency must be >= 1, --work > 0")
+    args.broker_list = [b.strip() for b in args.broker.split(",") if b.strip()]
+    if not args.broker_list or any(b not in BROKERS for b in args.broker_list):
+        ap.error(f"--broker: a comma list of {BROKERS}")
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variant_list if v not in VARIANTS]
     if unknown:
@@ -505,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = monotonic()
     load_before = os.getloadavg()
-    runs: list[dict[str, Any]] = []
+    by_broker: dict[str, list[dict[str, Any]]] = {}
     with RedisServer() as server:
         url = server.url
         prefix = f"settle:{secrets.token_hex(3)}:"
@@ -517,45 +583,71 @@ def main(argv: list[str] | None = None) -> int:
         version = store.info("server")["redis_version"]
         log(f"private redis-server {version} at {url} (pid {server.pid})")
         try:
-            for rep in range(args.repeat):
-                results: dict[str, Any] = {}
-                for variant in args.variant_list:
-                    results[variant] = run_variant(variant, url, store, sa, args, rep)
-                runs.append(results)
+            for broker in args.broker_list:
+                if broker == "amqp" and not amqp_reachable():
+                    log("  amqp: nothing answers on 127.0.0.1:5672; skipped")
+                    continue
+                log(f"broker: {broker} ({broker_url(broker, url).split('@')[-1]})")
+                runs = by_broker.setdefault(broker, [])
+                for rep in range(args.repeat):
+                    results: dict[str, Any] = {}
+                    for variant in args.variant_list:
+                        results[variant] = run_variant(
+                            variant, url, store, sa, args, rep, broker_url(broker, url)
+                        )
+                    runs.append(results)
         finally:
             sa.app.close()
             store.close()
     elapsed = monotonic() - started
     load_after = os.getloadavg()
 
-    med: dict[str, dict[str, dict[str, Any]]] = {}
-    for v in args.variant_list:
-        for wl in WORKLOADS:
-            if not any(wl in r.get(v, {}) for r in runs):
-                continue
-            keys = runs[0][v].get(wl, next(r[v][wl] for r in runs if wl in r[v])).keys()
-            med.setdefault(v, {})[wl] = {k: median_of(runs, v, wl, k) for k in keys}
-            med[v][wl]["complete"] = all(r[v][wl]["complete"] for r in runs if wl in r[v])
-            if not med[v][wl]["complete"]:
-                med[v][wl]["ratio"] = med[v][wl]["makespan"] = None
-
     import celery
 
     import celery_redislock
 
-    lines = [
+    meds: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    where = {
+        "same": "broker + locks in one database of one private redis-server",
+        "otherdb": "locks in database 0, broker in database 1 of one private redis-server",
+        "amqp": "locks on a private redis-server, broker RabbitMQ on 127.0.0.1:5672",
+    }
+    lines: list[str] = []
+    for broker, runs in by_broker.items():
+        med: dict[str, dict[str, dict[str, Any]]] = {}
+        for v in args.variant_list:
+            for wl in WORKLOADS:
+                if not any(wl in r.get(v, {}) for r in runs):
+                    continue
+                keys = runs[0][v].get(wl, next(r[v][wl] for r in runs if wl in r[v])).keys()
+                med.setdefault(v, {})[wl] = {k: median_of(runs, v, wl, k) for k in keys}
+                med[v][wl]["complete"] = all(r[v][wl]["complete"] for r in runs if wl in r[v])
+                if not med[v][wl]["complete"]:
+                    med[v][wl]["ratio"] = med[v][wl]["makespan"] = None
+        meds[broker] = med
+        lines += [
+            "",
+            f"Celery settlement: prefork worker x{args.concurrency}, {args.work * 1e3:.0f} ms "
+            f"read-modify-write per task, prefetch multiplier {args.prefetch}, acks_late; "
+            f"{where[broker]} (redis-server {version}); {os.cpu_count()} CPUs, "
+            f"Python {sys.version.split()[0]}, Celery {celery.__version__}, redis-py "
+            f"{redis.__version__}; "
+            + (f"median of {args.repeat} runs" if args.repeat > 1 else "1 run"),
+            "",
+            *build_table(med, args.variant_list),
+            "",
+            "Targets:",
+            *("  " + x for x in target_lines(med, args)),
+            f"  publishing took {publish_times(runs)} (median over variants; part of the makespan)",
+        ]
+    effs = [
+        f"{broker} {fmt(m.get('locked', {}).get('W2', {}).get('hot_efficiency'), '.2f')}"
+        for broker, m in meds.items()
+    ]
+    lines += [
         "",
-        f"Celery settlement: prefork worker x{args.concurrency}, {args.work * 1e3:.0f} ms "
-        f"read-modify-write per task, prefetch multiplier {args.prefetch}, acks_late; "
-        f"broker + locks on one private redis-server {version}; {os.cpu_count()} CPUs, "
-        f"Python {sys.version.split()[0]}, Celery {celery.__version__}, redis-py "
-        f"{redis.__version__}; "
-        + (f"median of {args.repeat} runs" if args.repeat > 1 else "1 run"),
-        "",
-        *build_table(med, args.variant_list),
-        "",
-        "Targets:",
-        *("  " + x for x in target_lines(med, args)),
+        "Hot-key chain efficiency (W2, LockedTask: 50 x work / the hot account's span; "
+        "targets >= 0.92 same database, >= 0.88 elsewhere): " + ", ".join(effs),
         "",
         "Notes:",
         "  makespan = first publish -> last section's end; ideal = max(hottest account's tasks"
@@ -565,20 +657,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (other jobs on the box add noise)",
         "  same-account gap = next section's start - previous section's end on one account "
         "(hand-over time as the work sees it; not shown without a lock, where sections overlap)",
-        f"  publishing took {publish_times(runs)} (median over variants; part of the makespan)",
         f"  total run time {elapsed:.0f}s",
     ]
     print("\n".join(lines))
+    first = next(iter(by_broker), "same")
+    med = meds.get(first, {})
+    runs = by_broker.get(first, [])
     if not args.no_json:
         RESULTS.mkdir(parents=True, exist_ok=True)
         out = {
             "elapsed_s": elapsed,
-            "args": {k: v for k, v in vars(args).items() if k != "variant_list"},
+            "args": {
+                k: v for k, v in vars(args).items() if k not in ("variant_list", "broker_list")
+            },
             "variants": args.variant_list,
             "package": package_origin(celery_redislock),
             "loadavg": {"before": load_before, "after": load_after},
             "median": med,
             "runs": runs,
+            "by_broker": {b: {"median": meds[b], "runs": by_broker[b]} for b in by_broker},
         }
         (RESULTS / "settlement.json").write_text(json.dumps(out, indent=1))
         print("  results: bench/results/settlement.json")

@@ -33,7 +33,7 @@ import redis
 from celery_redislock.testing import RedisServer
 
 from . import _workers as W
-from ._libs import LABELS, LIBS, make
+from ._libs import LABELS, LIBS, make, seed_token
 
 monotonic = time.monotonic
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -157,8 +157,12 @@ def scenario_contended(
     ctx: Any, url: str, libs: list[str], procs: int, duration: float, hold: float, work: float
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for lib in libs:
+    for lib in [*libs, "token"]:  # the one-token hand-off floor, in the same harness and run
         name = f"bench:cont:{lib}"
+        if lib == "token":
+            seeder = redis.Redis.from_url(url)
+            seed_token(seeder, name)
+            seeder.close()
         ready_q, out_q = ctx.Queue(), ctx.Queue()
         go = ctx.Event()
         start_at = ctx.Value("d", 0.0)
@@ -467,7 +471,10 @@ def build_table(cols: list[str], r: dict[str, Any], renew_counts: list[int]) -> 
     many = r.get("many", {})
     ren = r.get("renewal", {})
     if unc:
-        row("1 uncontended acquire+release /s", lambda c: fmt(unc.get(c), ".0f"))
+        row(
+            "1 uncontended acquire+release /s",
+            lambda c: fmt(unc.get(c), ".0f") if c != "token" else "-",
+        )
     if con:
 
         def cget(key: str, spec: str, scale: float = 1.0) -> Any:
@@ -504,7 +511,7 @@ def build_table(cols: list[str], r: dict[str, Any], renew_counts: list[int]) -> 
                 if res is None:
                     if c == "prl":
                         return "thread/lock" if n > 1000 else "n/a"
-                    return "n/a" if c != "floor" else "-"
+                    return "n/a" if c not in ("floor", "token") else "-"
                 return fmt(res[key] * scale if scale != 1.0 else res[key], spec)
 
             return get
@@ -557,6 +564,14 @@ def ratio_lines(r: dict[str, Any], libs: list[str]) -> list[str]:
                 f"{con['ours'][key] / con[best][key]:.2f}x  "
                 f"({con['ours'][key] * 1e3:.3f} ms vs {LABELS[best]} {con[best][key] * 1e3:.3f} ms)"
             )
+        if "token" in con:
+            for key, what in (("gap_median", "median"), ("gap_p99", "p99")):
+                floor = con["token"][key]
+                out.append(
+                    f"contended    {what:6s} gap / token floor       = "
+                    + ", ".join(f"{c} {con[c][key] / floor:.2f}x" for c in libs if c in con)
+                    + f"  (floor {floor * 1e3:.3f} ms)"
+                )
         best = max((p for p in peers if p in con), key=lambda p: con[p]["fairness"])
         out.append(
             f"contended    fairness ours                   = {con['ours']['fairness']:.2f} "
@@ -744,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
         probe.close()
     elapsed = monotonic() - started
 
-    cols = [*libs, "floor"]
+    cols = [*libs, "floor", *(["token"] if "contended" in results else [])]
     lines = [
         "",
         f"Redis lock comparison: redis-server {version} on loopback, {os.cpu_count()} CPUs, "

@@ -23,8 +23,10 @@ local done = KEYS[6] ~= void and KEYS[6]
 if done and redis.call('exists', done) == 1 then
   return {-1, 0}
 end
+local present = nil  -- a task's: whether the lock exists, read once (take_or_enter)
 if ARGV[5] == 'task' then
-  local count = redis.call('hget', KEYS[1], ARGV[1])
+  present = redis.call('exists', KEYS[1]) == 1
+  local count = present and redis.call('hget', KEYS[1], ARGV[1])
   if count and count ~= '0' then
     return {2, redis.call('pttl', KEYS[1])}
   end
@@ -55,7 +57,8 @@ if ARGV[6] and ARGV[6] ~= '' and redis.call('hexists', KEYS[1], ARGV[1]) == 1
   end
   return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')), count}
 end
-local reply = take_or_enter(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], lease, ARGV[4] == 'new-token')
+local reply = take_or_enter(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], lease,
+  ARGV[4] == 'new-token', present)
 if not reply then
   reply = {0, redis.call('pttl', KEYS[1])}
   join_line(reply[2])

@@ -23,18 +23,28 @@ local pulled = ARGV[5] and ARGV[5] ~= ''
 local keep_ms = pulled and ms_arg(ARGV[8], 'parking lifetime')
 local reach = pulled and whole_arg(ARGV[9], 'look-ahead reach', 1, 2147483647)
 local grant_ms = grant_lease(ARGV[13])
-if ARGV[2] == 'unstarted' and redis.call('hget', KEYS[1], ARGV[1]) ~= '0' then
+-- One read of the lock's few fields answers what follows (its owner's count, its token).
+local fields = redis.call('hgetall', KEYS[1])
+local count, fence
+for i = 1, #fields, 2 do
+  if fields[i] == ARGV[1] then
+    count = fields[i + 1]
+  elseif fields[i] == '__fence__' then
+    fence = fields[i + 1]
+  end
+end
+if ARGV[2] == 'unstarted' and count ~= '0' then
   return {-3}
 end
-local exists = redis.call('exists', KEYS[1]) == 1
-if exists and redis.call('hexists', KEYS[1], ARGV[1]) == 0 then
+local exists = #fields > 0
+if exists and not count then
   return {-2}
 end
-if exists and ARGV[12] and ARGV[12] ~= '' and redis.call('hget', KEYS[1], '__fence__') ~= ARGV[12] then
+if exists and ARGV[12] and ARGV[12] ~= '' and fence ~= ARGV[12] then
   return {-2}  -- a later holding of this owner (another copy of the run): a late retry leaves it
 end
 local code = exists and 0 or -1
-if exists and ARGV[2] == 'one' and tonumber(redis.call('hget', KEYS[1], ARGV[1])) > 1 then
+if exists and ARGV[2] == 'one' and tonumber(count) > 1 then
   return {redis.call('hincrby', KEYS[1], ARGV[1], -1)}
 end
 run_over(KEYS[6], done_ms, KEYS[5], KEYS[7], ARGV[1])

@@ -1,6 +1,6 @@
 -- Prepended to the scripts that take a lock or read the clock (see _scripts.PRELUDES).
 -- now_ms()                             the server's time in milliseconds
--- take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token)
+-- take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token, present)
 --   -> {1, token, count}  taken (a free lock: count 1, a fresh token) or re-entered (one more
 --                         hold of owner: its token, or a fresh one with new_token; the lease
 --                         is extended to `lease` if shorter, never shortened)
@@ -9,6 +9,7 @@
 --   -> nil                another owner holds the lock
 -- Places at the head of the line that have lapsed (claims score in the past) are dropped
 -- on the way, with their wake ids; the owner's own place at the head goes when it takes it.
+-- present: whether the lock exists, when the caller has just read it (nil: it is read here).
 -- enter_line(waiters, claims, wake, owner, keep_ms, wake_id, lease)
 --   A refused blocked attempt's place in line (joined at the back, or kept where it is),
 --   kept keep_ms from now; wake_id: the waiter's, for a direct grant (kept as
@@ -30,8 +31,11 @@ local function enter_line(waiters, claims, wake, owner, keep_ms, wake_id, lease)
     redis.call('hdel', wake, owner)
   end
 end
-local function take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token)
-  if redis.call('exists', lock) == 0 then
+local function take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token, present)
+  if present == nil then
+    present = redis.call('exists', lock) == 1
+  end
+  if not present then
     if redis.call('llen', waiters) > 0 then
       local now = now_ms()
       local head = redis.call('lindex', waiters, 0)

@@ -18,14 +18,16 @@
 -- Replies: {1, token, count} taken (or a hand-over to it taken up); {3, ms} this task id holds
 -- it (another delivery of the run); {0, ms} parked (or parked already; ms: the holder's lease
 -- left, or the wait for the first in line); {-1, 0} it finished; {2, 0} "behind": the lock
--- is free or this task id's.
+-- is free or this task id's (finished or not).
 local lease = ms_arg(ARGV[2], 'lease')
 local keep_for = ms_arg(ARGV[4], 'parking lifetime')
-if redis.call('exists', KEYS[3]) == 1 then
-  return {-1, 0}
-end
+-- "behind" on a free lock (or this task id's) answers before the done marker is read:
+-- either way the worker delivers the task, whose own acquire reads the marker.
 if ARGV[5] == 'behind' and (redis.call('exists', KEYS[1]) == 0 or redis.call('hexists', KEYS[1], ARGV[1]) == 1) then
   return {2, 0}
+end
+if redis.call('exists', KEYS[3]) == 1 then
+  return {-1, 0}
 end
 local held = redis.call('hget', KEYS[1], ARGV[1])
 if held and held ~= '0' then

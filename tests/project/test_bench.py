@@ -55,7 +55,9 @@ def test_the_lock_benchmark_runs_at_tiny_sizes() -> None:
         "--no-json",
         timeout=240,
     )  # fmt: skip
-    assert _row(out, "2 overlapping sections")[:2] == ["0", "0"]  # then the floor's "-"
+    # ours, redis-py, the two-round-trip floor's "-", the one-token floor
+    assert _row(out, "2 overlapping sections") == ["0", "0", "-", "0"]
+    assert "gap / token floor" in out
     assert _row(out, "5 renew 100: leases lost")[0] == "0"
     assert _row(out, "5 renew 100: loss reports on clean release")[0] == "0"
     uncontended = _row(out, "1 uncontended acquire+release /s")
@@ -123,3 +125,17 @@ def test_the_celery_rate_benchmark_runs_at_tiny_sizes() -> None:
     assert int(_row(out, "most starts in 1 s (bound 21)")[0]) <= 21
     assert int(_row(out, "most booked slots in 1 s")[0]) <= 21
     assert "ours (lock_rate): bound kept" in out
+
+
+def test_the_per_task_cost_benchmark_runs_every_locked_task_once() -> None:
+    out = _run(
+        "bench.celery_pertask",
+        "--variants", "locked",
+        "--tasks", "30",
+        "--warm", "10",
+        "--count-tasks", "0",
+        "--no-json",
+        timeout=120,
+    )  # fmt: skip
+    assert _row(out, "tasks run (of published)") == ["40/40"]
+    assert float(_row(out, "Redis commands per task")[0]) > 0
