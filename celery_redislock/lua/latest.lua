@@ -14,7 +14,8 @@
 --          {5, ms} pending until due (quiet period); nil: go on and take (or park).
 --   evicted: the task id of the older pending call this call took the place of (its parked
 --   records removed: evict(owner)), else false. first: the chain's oldest sent time.
---   holds(owner): whether owner holds the lock (a permit), handed over or running.
+--   holds(owner): whether owner holds the lock (a permit), handed over or running; a call
+--   that holds it (handed over to it) is never superseded nor made to wait: it takes it up.
 -- latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
 --   taken: the newest started call is this one (if newer), and it is no longer pending;
 --   else (parked): this call is the pending one, waiting for the lock.
@@ -31,6 +32,12 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
   local kind = redis.call('type', latest).ok
   if kind ~= 'hash' and kind ~= 'none' then
     redis.call('del', latest)  -- junk where the hash belongs: whoever may write the prefix
+  end
+  if holds(owner) then
+    -- A release handed this call the lock (a permit): it started (a newer call that came
+    -- since is the pending one, behind it). Superseding it would leave its hand-over
+    -- untaken, handed to it again by every sweep.
+    return nil, false, sent
   end
   local f = redis.call('hmget', latest, 'p', 'pt', 'ps', 'pf', 's', 'st')
   local p, pt, ps, pf = f[1], f[2], tonumber(f[3]), tonumber(f[4])

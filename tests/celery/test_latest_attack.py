@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
 import redis
 from celery.result import AsyncResult
 
@@ -130,12 +129,6 @@ def test_a_retry_of_a_call_older_than_a_run_that_started_is_superseded(
 # -- a call handed the lock -------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="latest_gate supersedes a call handed the lock by the newer pending call: its "
-    "hand-over is never taken up, the sweeper hands it to it again and again, the lock "
-    "stays held and the newer call never runs",
-)
 def test_a_call_handed_the_lock_runs_though_a_newer_call_came_meanwhile(
     broker: RedisServer, tmp_path: Path
 ) -> None:
@@ -181,7 +174,6 @@ def test_a_call_handed_the_lock_runs_though_a_newer_call_came_meanwhile(
             late.kill()
 
 
-@pytest.mark.xfail(strict=True, reason="latest_gate supersedes a call handed the lock")
 def test_scripts_a_handed_over_call_takes_its_lock_whatever_is_pending(
     redis_server: RedisServer,
 ) -> None:
