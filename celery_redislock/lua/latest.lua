@@ -9,11 +9,13 @@
 --   s, st                      the newest call that started: its sent time and task id
 -- Calls are ordered by (sent time, task id): "newer" is sent later.
 -- latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, message, holds, evict)
---   -> reply, evicted, first
+--   -> reply, evicted, first, sent
 --   reply: {4, task id or false} superseded (by the pending call or by a run that started);
 --          {5, ms} pending until due (quiet period); nil: go on and take (or park).
 --   evicted: the task id of the older pending call this call took the place of (its parked
 --   records removed: evict(owner)), else false. first: the chain's oldest sent time.
+--   sent: this call's sent time as it counts (another delivery of the pending call keeps
+--   the one it was first pending with).
 --   holds(owner): whether owner holds the lock (a permit), handed over or running; a call
 --   that holds it (handed over to it) is never superseded nor made to wait: it takes it up.
 -- latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
@@ -37,7 +39,7 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
     -- A release handed this call the lock (a permit): it started (a newer call that came
     -- since is the pending one, behind it). Superseding it would leave its hand-over
     -- untaken, handed to it again by every sweep.
-    return nil, false, sent
+    return nil, false, sent, sent
   end
   local f = redis.call('hmget', latest, 'p', 'pt', 'ps', 'pf', 's', 'st')
   local p, pt, ps, pf = f[1], f[2], tonumber(f[3]), tonumber(f[4])
@@ -46,7 +48,7 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
     s = nil
   end
   if s and latest_older(sent, task_id, s, st) then
-    return {4, st}, false, sent
+    return {4, st}, false, sent, sent
   end
   local first, evicted = sent, false
   if p and p ~= owner then
@@ -57,12 +59,12 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
         redis.call('hset', latest, 's', f[3], 'st', pt)
         if latest_older(sent, task_id, ps, pt) then
           latest_clear(latest)
-          return {4, pt}, false, sent
+          return {4, pt}, false, sent, sent
         end
       end
       latest_clear(latest)
     elseif latest_older(sent, task_id, ps, pt) then
-      return {4, pt}, false, sent
+      return {4, pt}, false, sent, sent
     else
       evict(p)
       evicted = pt
@@ -70,6 +72,12 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
       latest_clear(latest)
     end
   elseif p == owner then
+    -- Another delivery of the pending call (a drainer's send, a copy): it keeps the sent
+    -- time it was first pending with. A header ahead of the worker's clock is capped at
+    -- each delivery's time: taken anew, it would restart the quiet period at every send.
+    if ps then
+      sent = math.min(sent, ps)
+    end
     first = math.min(pf or sent, sent)
   end
   if quiet_ms > 0 then
@@ -79,10 +87,10 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
       redis.call('hset', latest, 'p', owner, 'pt', task_id, 'ps', string.format('%.0f', sent),
         'pf', string.format('%.0f', first), 'pd', string.format('%.0f', due), 'pm', message)
       redis.call('hdel', latest, 'pq')
-      return {5, due - now}, evicted, first
+      return {5, due - now}, evicted, first, sent
     end
   end
-  return nil, evicted, first
+  return nil, evicted, first, sent
 end
 local function latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
   if taken then

@@ -38,7 +38,7 @@ if latest then
   quiet_ms = ms_arg(ARGV[8], 'debounce', 0)
   max_ms = ms_arg(ARGV[9], 'debounce max', 0)
   local gate
-  gate, evicted, first = latest_gate(latest, ARGV[1], ARGV[6], sent, quiet_ms, max_ms, ARGV[3],
+  gate, evicted, first, sent = latest_gate(latest, ARGV[1], ARGV[6], sent, quiet_ms, max_ms, ARGV[3],
     function(owner) return redis.call('hexists', KEYS[1], owner) == 1 end,
     function(owner)
       redis.call('lrem', KEYS[4], 0, owner)
