@@ -9,12 +9,15 @@
 --   s, st                      the newest call that started: its sent time and task id
 -- Calls are ordered by (sent time, task id): "newer" is sent later.
 -- latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, message, holds, evict)
---   -> reply, evicted, first
+--   -> reply, evicted, first, sent
 --   reply: {4, task id or false} superseded (by the pending call or by a run that started);
 --          {5, ms} pending until due (quiet period); nil: go on and take (or park).
 --   evicted: the task id of the older pending call this call took the place of (its parked
 --   records removed: evict(owner)), else false. first: the chain's oldest sent time.
---   holds(owner): whether owner holds the lock (a permit), handed over or running.
+--   sent: this call's sent time as it counts (another delivery of the pending call keeps
+--   the one it was first pending with).
+--   holds(owner): whether owner holds the lock (a permit), handed over or running; a call
+--   that holds it (handed over to it) is never superseded nor made to wait: it takes it up.
 -- latest_enter(latest, registry, owner, task_id, sent, quiet_ms, max_ms, message, keep_ms,
 --              holds, evict) -> reply, evicted, first, sent
 --   The parking scripts' step: the arguments checked (sent, quiet_ms, max_ms: as given in
@@ -38,6 +41,12 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
   if kind ~= 'hash' and kind ~= 'none' then
     redis.call('del', latest)  -- junk where the hash belongs: whoever may write the prefix
   end
+  if holds(owner) then
+    -- A release handed this call the lock (a permit): it started (a newer call that came
+    -- since is the pending one, behind it). Superseding it would leave its hand-over
+    -- untaken, handed to it again by every sweep.
+    return nil, false, sent, sent
+  end
   local f = redis.call('hmget', latest, 'p', 'pt', 'ps', 'pf', 's', 'st')
   local p, pt, ps, pf = f[1], f[2], tonumber(f[3]), tonumber(f[4])
   local s, st = tonumber(f[5]), f[6]
@@ -45,7 +54,7 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
     s = nil
   end
   if s and latest_older(sent, task_id, s, st) then
-    return {4, st}, false, sent
+    return {4, st}, false, sent, sent
   end
   local first, evicted = sent, false
   if p and p ~= owner then
@@ -56,12 +65,12 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
         redis.call('hset', latest, 's', f[3], 'st', pt)
         if latest_older(sent, task_id, ps, pt) then
           latest_clear(latest)
-          return {4, pt}, false, sent
+          return {4, pt}, false, sent, sent
         end
       end
       latest_clear(latest)
     elseif latest_older(sent, task_id, ps, pt) then
-      return {4, pt}, false, sent
+      return {4, pt}, false, sent, sent
     else
       evict(p)
       evicted = pt
@@ -69,6 +78,12 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
       latest_clear(latest)
     end
   elseif p == owner then
+    -- Another delivery of the pending call (a drainer's send, a copy): it keeps the sent
+    -- time it was first pending with. A header ahead of the worker's clock is capped at
+    -- each delivery's time: taken anew, it would restart the quiet period at every send.
+    if ps then
+      sent = math.min(sent, ps)
+    end
     first = math.min(pf or sent, sent)
   end
   if quiet_ms > 0 then
@@ -78,17 +93,18 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
       redis.call('hset', latest, 'p', owner, 'pt', task_id, 'ps', string.format('%.0f', sent),
         'pf', string.format('%.0f', first), 'pd', string.format('%.0f', due), 'pm', message)
       redis.call('hdel', latest, 'pq')
-      return {5, due - now}, evicted, first
+      return {5, due - now}, evicted, first, sent
     end
   end
-  return nil, evicted, first
+  return nil, evicted, first, sent
 end
 local function latest_enter(latest, registry, owner, task_id, sent, quiet_ms, max_ms, message,
     keep_ms, holds, evict)
   sent = whole_arg(sent, 'sent time', 0, 9007199254740991)
   quiet_ms = ms_arg(quiet_ms, 'debounce', 0)
   max_ms = ms_arg(max_ms, 'debounce max', 0)
-  local gate, evicted, first = latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, message,
+  local gate, evicted, first
+  gate, evicted, first, sent = latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, message,
     holds, evict)
   if not gate then
     return nil, evicted, first, sent
