@@ -268,6 +268,9 @@ class HandoffReply(NamedTuple):
     handed: Handed | None = None
     #: The look-ahead's queued task handed the lock (its message moved, nothing to send).
     pulled: bytes | None = None
+    #: The parked task handed the lock whose envelope the script pushed back to its queue
+    #: itself (nothing to send).
+    pushed: bytes | None = None
 
 
 def _absent(value: object) -> bool:
@@ -291,7 +294,7 @@ def decode_handoff(reply: Any) -> HandoffReply:
     if _absent(table[1]):
         if len(table) == 4:
             return HandoffReply(code, pulled=task_id)
-        return HandoffReply(code)
+        return HandoffReply(code, pushed=task_id)
     message = _string(table[1], "handoff", reply, "the message")
     tag = _tag(table[3], "handoff", reply) if len(table) == 4 else b""
     return HandoffReply(code, handed=Handed(task_id, message, tag))

@@ -43,12 +43,16 @@ log = logging.getLogger(__name__)
 MAX_REFUSALS = 100
 
 
-def deliver_handed_over(app: Any, handed: _Handed | None, lease: int) -> int:
+def deliver_handed_over(
+    app: Any, handed: _Handed | None, lease: int, *, via: str = "release"
+) -> int:
     """:func:`send_handed_over`: 1 if a message was sent, else 0."""
-    return 0 if send_handed_over(app, handed, lease) is None else 1
+    return 0 if send_handed_over(app, handed, lease, via=via) is None else 1
 
 
-def send_handed_over(app: Any, handed: _Handed | None, lease: int) -> _Handed | None:
+def send_handed_over(
+    app: Any, handed: _Handed | None, lease: int, *, via: str = "release"
+) -> _Handed | None:
     """Check the message of the parked task a lock was handed to, then send it; returns
     the hand-over whose message was sent (``handed``, or a later parked task's after
     refusals), or None.
@@ -61,16 +65,23 @@ def send_handed_over(app: Any, handed: _Handed | None, lease: int) -> _Handed | 
     list. Anything else is refused: not sent, reported (:func:`refuse_handed_over`), and its
     parked record removed, the lock handed on to the next parked task (``lease`` ms), whose
     message is checked in turn. Redis and publishing errors propagate.
+
+    A message sent is announced with ``task_handed_over`` (``via``: who handed it on:
+    ``release``, ``sweeper``, ``worker``, ``cli``).
     """
     for _ in range(MAX_REFUSALS):
         if handed is None:
             return None
         try:
-            send = _checked(app, handed)
+            send, task, queue = _checked(app, handed)
         except signing.Refused as exc:
             handed = refuse_handed_over(app, handed.lock_key, handed.task_id, str(exc), lease)
             continue
         send()
+        if signals.task_handed_over.receivers:
+            signals.task_handed_over.send(
+                app, name=task, task_id=_text(handed.task_id), via=via, queue=queue
+            )
         return handed
     if handed is not None:
         log.warning(
@@ -81,8 +92,9 @@ def send_handed_over(app: Any, handed: _Handed | None, lease: int) -> _Handed | 
     return None
 
 
-def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
-    """How to send a handed-over task's message, once it is checked; raises Refused."""
+def _checked(app: Any, handed: _Handed) -> tuple[Callable[[], Any], str, str]:
+    """How to send a handed-over task's message, once it is checked, with its task's name
+    and queue (for counting; "" where the message does not say); raises Refused."""
     key = settings_for(app).signing_key
     message = handed.message
     try:
@@ -96,11 +108,21 @@ def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
             )
             if run != handed.task_id.decode():
                 raise signing.Refused("its run is not the one it was parked as")
-            _check_parked_under(app, signature.get("task"), handed.lock_key, signature)
-            return functools.partial(publish_to_handoff_queue, app, signature)
+            task = signature.get("task")
+            _check_parked_under(app, task, handed.lock_key, signature)
+            queue = options.get("queue") or options.get("routing_key")
+            return (
+                functools.partial(publish_to_handoff_queue, app, signature),
+                task if isinstance(task, str) else "",
+                queue if isinstance(queue, str) else "",
+            )
         if message[:1] == ENVELOPE.encode():
-            queue_list, pushed = _checked_envelope(app, key, handed)
-            return functools.partial(client_for(app).rpush, queue_list, pushed)
+            queue_list, pushed, task = _checked_envelope(app, key, handed)
+            return (
+                functools.partial(client_for(app).rpush, queue_list, pushed),
+                task,
+                _text(queue_list),
+            )
     except signing.Refused:
         raise
     except Exception as exc:  # undecodable: no worker parked it
@@ -108,7 +130,7 @@ def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
     raise signing.Refused("not a signed parked message")
 
 
-def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes]:
+def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes, str]:
     head, placeholder, text = handed.message[1:].split(b"\n", 2)
     envelope = kombu_json.loads(text)  # type: ignore[no-untyped-call]
     if not isinstance(envelope, dict):
@@ -124,8 +146,10 @@ def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, byt
     once = text.count(placeholder) == 1  # where the tag goes, exactly
     if tag != placeholder.decode() or not tag.startswith(TAG_PREFIX) or not once:
         raise signing.Refused("its delivery tag is not its placeholder")
-    _check_parked_under(app, envelope["headers"].get("task"), handed.lock_key, envelope)
-    return head, text.replace(placeholder, placeholder + b"h" + handed.tag, 1)
+    task = envelope["headers"].get("task")
+    _check_parked_under(app, task, handed.lock_key, envelope)
+    pushed = text.replace(placeholder, placeholder + b"h" + handed.tag, 1)
+    return head, pushed, task if isinstance(task, str) else ""
 
 
 def _check_parked_under(app: Any, name: Any, lock_key: bytes, message: dict[str, Any]) -> None:
