@@ -67,13 +67,14 @@ def test_handoff() -> None:
     assert decode_handoff([0, b"msg", b"id", 12]) == HandoffReply(
         0, handed=Handed(b"id", b"msg", b"12")
     )
-    assert decode_handoff([0, None, b"id"]) == HandoffReply(0)  # envelope pushed back
+    # An envelope pushed back to its queue by the script: named, nothing to send.
+    assert decode_handoff([0, None, b"id"]) == HandoffReply(0, pushed=b"id")
     assert decode_handoff([0, None, b"id", 1]) == HandoffReply(0, pulled=b"id")
     # The releasing hold had expired: the lock still went to the next task.
     assert decode_handoff([-1, b"msg", b"id", 3]) == HandoffReply(
         -1, handed=Handed(b"id", b"msg", b"3")
     )
-    assert decode_handoff([-1, None, b"id"]) == HandoffReply(-1)
+    assert decode_handoff([-1, None, b"id"]) == HandoffReply(-1, pushed=b"id")
     assert decode_handoff([-1, None, b"id", 1]) == HandoffReply(-1, pulled=b"id")
 
 
