@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from celery_redislock import signals
 from celery_redislock.task import LockedTask
 
 URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6399/0")
@@ -85,8 +86,24 @@ def unrenewable(self: Any, key: str) -> str:
     lock_key = self.lock.keys.lock
     r().delete(lock_key)
     r().set(lock_key, "not a lock", px=10_000)
-    time.sleep(2.0)
-    r().delete(lock_key)
+    time.sleep(2.0)  # (its release then fails too: the script finds a value of another type)
+    return key
+
+
+#: Counts the runs re-queued in the worker, for the test to wait on.
+REQUEUED = "mon:requeued"
+
+
+@signals.task_requeued.connect
+def _count_requeued(sender: Any = None, **_: Any) -> None:
+    r().incr(REQUEUED)
+
+
+@app.task(base=LockedTask, lock_key="mon-wait:{key}", on_contention="wait", lock_wait=0.1)
+def waiting(key: str, gate: str) -> str:
+    """Holds its lock until ``gate`` is set; a second call waits 0.1 s for it, then is
+    re-queued with a countdown (``lock_wait_fallback="requeue"``)."""
+    _until(lambda: r().exists(gate))
     return key
 
 

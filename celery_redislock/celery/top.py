@@ -80,7 +80,14 @@ def table(found: dict[str, Any], *, title: str = "") -> Any:
         ("LEASE", "right"),
         ("TASKS WAITING", "left"),
     ):
-        grid.add_column(header, justify=justify, no_wrap=header != "TASKS WAITING")
+        wraps = header in ("KEY", "TASKS WAITING")  # (folded, never cut short)
+        grid.add_column(
+            header,
+            justify=justify,
+            no_wrap=not wraps,
+            overflow="fold" if wraps else "ellipsis",
+            min_width=None if wraps else len(header),
+        )
     for key in found["keys"]:
         if key["kind"] == "rate":
             holders = "-"
