@@ -37,6 +37,7 @@ def snapshot(state: Survey, count: int) -> dict[str, Any]:
 
 def _rich() -> Any:
     try:
+        import rich.box
         import rich.table
         import rich.text
     except ImportError as exc:
@@ -68,25 +69,20 @@ def table(found: dict[str, Any], *, title: str = "") -> Any:
         f"{totals['deferred']} deferred, {totals['waiting']} waiting; "
         f"oldest wait {_seconds(totals['oldest_wait'])}"
     )
-    grid = rich.table.Table(title=title or None, caption=caption, expand=False)
-    for header, justify in (
-        ("KEY", "left"),
-        ("KIND", "left"),
-        ("HOLDERS", "right"),
-        ("PARKED", "right"),
-        ("DEFERRED", "right"),
-        ("WAITING", "right"),
-        ("OLDEST WAIT", "right"),
-        ("LEASE", "right"),
-        ("TASKS WAITING", "left"),
-    ):
-        wraps = header in ("KEY", "TASKS WAITING")  # (folded, never cut short)
+    waiting = any(key["waiting"] for key in found["keys"])  # (blocking waiters: rare)
+    grid = rich.table.Table(
+        title=title or None, caption=caption, expand=False, box=rich.box.SIMPLE_HEAD
+    )
+    columns = ["KEY", "KIND", "HELD", "PARKED", "DEFERRED"]
+    columns += ["WAITING"] * waiting + ["OLDEST", "LEASE", "TASKS"]
+    for header in columns:
+        folds = header in ("KEY", "TASKS")  # (folded, never cut short)
         grid.add_column(
             header,
-            justify=justify,
-            no_wrap=not wraps,
-            overflow="fold" if wraps else "ellipsis",
-            min_width=None if wraps else len(header),
+            justify="left" if folds or header == "KIND" else "right",
+            no_wrap=not folds,
+            overflow="fold" if folds else "ellipsis",
+            min_width=8 if folds else len(header),
         )
     for key in found["keys"]:
         if key["kind"] == "rate":
@@ -98,18 +94,19 @@ def table(found: dict[str, Any], *, title: str = "") -> Any:
             holders = f"{key['holders']}/{key['limit'] or '?'}"
             lease = _seconds(key["ttl"]) if key["holders"] else "-"
             tasks = ", ".join(
-                f"{_shown(task)} {n}"
+                f"{task} {n}"
                 for task, n in sorted(key["parked_by_task"].items(), key=lambda kv: -kv[1])
             )
-        grid.add_row(
+        cells = [
             rich.text.Text(_shown(key["name"])),
             key["kind"],
             holders,
             str(key["parked"]),
             str(key["deferred"]),
-            str(key["waiting"]),
+            *([str(key["waiting"])] if waiting else []),
             _seconds(key["oldest_wait"]),
             lease,
             rich.text.Text(_shown(tasks) if tasks else "-"),
-        )
+        ]
+        grid.add_row(*cells)
     return grid
