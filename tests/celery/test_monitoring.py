@@ -182,6 +182,30 @@ def test_promtool_accepts_the_rules_and_the_dashboards_queries() -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+@pytest.mark.skipif(
+    _promtool() is None,
+    reason="promtool is not installed (Debian: prometheus; or set PROMTOOL): alerts not run",
+)
+def test_each_alert_fires_on_what_should_fire_it_and_not_before() -> None:
+    """monitoring/prometheus/alerts.test.yaml: promtool's unit tests of the rules."""
+    promtool = _promtool()
+    assert promtool is not None
+    tests = RULES.with_name("alerts.test.yaml")
+    checked = subprocess.run(
+        [promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    yaml = pytest.importorskip("yaml")
+    tested = {
+        case["alertname"]
+        for group in yaml.safe_load(tests.read_text())["tests"]
+        for case in group["alert_rule_test"]
+        if case["exp_alerts"]
+    }
+    rules = yaml.safe_load(RULES.read_text())
+    assert tested == {r["alert"] for g in rules["groups"] for r in g["rules"]}  # every alert
+
+
 # ------------------------------------------------------------------ the real run
 
 
@@ -309,6 +333,35 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         run.after = _scrape(server.url)
         mon.app.close()
     yield run
+
+
+def test_the_exporter_serves_its_series_over_http(tmp_path: Path) -> None:
+    """``redislock exporter`` as Prometheus scrapes it: /metrics on its port."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with RedisServer() as server:
+        server.client().hset("redislock:stats", series.field(
+            "celery_redislock_task_acquired_total",
+            {"name": "t", "queue_name": "q", "kind": "lock"},
+        ), 3)  # fmt: skip
+        log = tmp_path / "exporter.log"
+        args = ["exporter", "--addr", "127.0.0.1", "--port", str(port), "--interval", "0.1"]
+        proc = CeleryProcess(["redislock", *args], url=server.url, log=log)
+        proc.app = "tests.monitoring_app"
+        proc.start()
+        try:
+            proc.wait_for_log("serving http://127.0.0.1")
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as got:
+                body = got.read().decode()
+        finally:
+            proc.kill()
+    wanted = 'celery_redislock_task_acquired_total{kind="lock",name="t",queue_name="q"} 3.0'
+    assert wanted in body
+    assert "celery_redislock_exporter_redis_up 1.0" in body
 
 
 def _outcome(result: Any) -> Any:
