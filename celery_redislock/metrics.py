@@ -25,6 +25,7 @@ to Redis (a process that dies would leave its count there for ever).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import os
 import threading
@@ -180,15 +181,21 @@ def end_run(owner: str) -> None:
     _runs.pop(owner, None)
 
 
+@functools.lru_cache(maxsize=4096)
+def _field(name: str, labels: tuple[tuple[str, str], ...]) -> str:
+    # (label sets are few: a task's name and queue, a kind; built once each)
+    return series.field(name, dict(labels))
+
+
 def _count(short: str, **labels: str) -> None:
-    STATS.add(series.field(series.NAMESPACE + short, labels))
+    STATS.add(_field(series.NAMESPACE + short, tuple(labels.items())))
 
 
 def _observe(short: str, seconds: float, **labels: str) -> None:
     found = series.series(short)
     bound = series.bucket_bound(found.buckets, seconds)
-    STATS.add(series.field(found.name + "_bucket", {**labels, "le": bound}))
-    STATS.add(series.field(found.name + "_sum", labels), seconds)
+    STATS.add(_field(found.name + "_bucket", (*labels.items(), ("le", bound))))
+    STATS.add(_field(found.name + "_sum", tuple(labels.items())), seconds)
 
 
 def _task_of(sender: Any, task_id: Any) -> tuple[str, str]:
