@@ -299,7 +299,10 @@ def _trouble(r: Any) -> dict[str, Any]:
 #: Scenarios run while the exporter and top look (the gauges of what is held, parked and
 #: deferred now); each returns the results of the tasks it sent, by task.
 LIVE: list[Scenario] = [_contention]
-#: Scenarios run after the gate opens (counters); the last-call-wins scenarios go here.
+#: Scenarios run after the gate opens (counters). Last call wins goes here: a task of
+#: tests/monitoring_app.py with on_contention="replace" (and one with lock_debounce), a
+#: scenario sending two calls of one key and waiting for their outcome, its entries taken
+#: out of AWAITING_SENDER, and its results added to test_the_run_ended_as_each_scenario_says.
 AFTER: list[Scenario] = [_trouble]
 
 
