@@ -10,6 +10,7 @@ hands the lock on.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -73,12 +74,13 @@ def send_handed_over(
         if handed is None:
             return None
         try:
-            send, task, queue = _checked(app, handed)
+            send = _checked(app, handed)
         except signing.Refused as exc:
             handed = refuse_handed_over(app, handed.lock_key, handed.task_id, str(exc), lease)
             continue
         send()
         if signals.task_handed_over.receivers:
+            task, queue = _named(handed.message)
             signals.task_handed_over.send(
                 app, name=task, task_id=_text(handed.task_id), via=via, queue=queue
             )
@@ -92,9 +94,8 @@ def send_handed_over(
     return None
 
 
-def _checked(app: Any, handed: _Handed) -> tuple[Callable[[], Any], str, str]:
-    """How to send a handed-over task's message, once it is checked, with its task's name
-    and queue (for counting; "" where the message does not say); raises Refused."""
+def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
+    """How to send a handed-over task's message, once it is checked; raises Refused."""
     key = settings_for(app).signing_key
     message = handed.message
     try:
@@ -108,21 +109,11 @@ def _checked(app: Any, handed: _Handed) -> tuple[Callable[[], Any], str, str]:
             )
             if run != handed.task_id.decode():
                 raise signing.Refused("its run is not the one it was parked as")
-            task = signature.get("task")
-            _check_parked_under(app, task, handed.lock_key, signature)
-            queue = options.get("queue") or options.get("routing_key")
-            return (
-                functools.partial(publish_to_handoff_queue, app, signature),
-                task if isinstance(task, str) else "",
-                queue if isinstance(queue, str) else "",
-            )
+            _check_parked_under(app, signature.get("task"), handed.lock_key, signature)
+            return functools.partial(publish_to_handoff_queue, app, signature)
         if message[:1] == ENVELOPE.encode():
-            queue_list, pushed, task = _checked_envelope(app, key, handed)
-            return (
-                functools.partial(client_for(app).rpush, queue_list, pushed),
-                task,
-                _text(queue_list),
-            )
+            queue_list, pushed = _checked_envelope(app, key, handed)
+            return functools.partial(client_for(app).rpush, queue_list, pushed)
     except signing.Refused:
         raise
     except Exception as exc:  # undecodable: no worker parked it
@@ -130,7 +121,23 @@ def _checked(app: Any, handed: _Handed) -> tuple[Callable[[], Any], str, str]:
     raise signing.Refused("not a signed parked message")
 
 
-def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes, str]:
+def _named(message: bytes) -> tuple[str, str]:
+    """The task and queue a parked message (checked already) names, for counting; ""
+    for what it does not say."""
+    try:
+        if message[:1] == signing.SIGNED.encode():
+            found = json.loads(message.split(b"\n", 1)[1])
+            options = found.get("options") or {}
+            task, queue = found.get("task"), options.get("queue") or options.get("routing_key")
+        else:  # a broker envelope: its queue list, then its headers
+            head, _placeholder, text = message[1:].split(b"\n", 2)
+            task, queue = json.loads(text)["headers"].get("task"), _text(head)
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError):
+        return "", ""
+    return (task if isinstance(task, str) else "", queue if isinstance(queue, str) else "")
+
+
+def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes]:
     head, placeholder, text = handed.message[1:].split(b"\n", 2)
     envelope = kombu_json.loads(text)  # type: ignore[no-untyped-call]
     if not isinstance(envelope, dict):
@@ -146,10 +153,8 @@ def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, byt
     once = text.count(placeholder) == 1  # where the tag goes, exactly
     if tag != placeholder.decode() or not tag.startswith(TAG_PREFIX) or not once:
         raise signing.Refused("its delivery tag is not its placeholder")
-    task = envelope["headers"].get("task")
-    _check_parked_under(app, task, handed.lock_key, envelope)
-    pushed = text.replace(placeholder, placeholder + b"h" + handed.tag, 1)
-    return head, pushed, task if isinstance(task, str) else ""
+    _check_parked_under(app, envelope["headers"].get("task"), handed.lock_key, envelope)
+    return head, text.replace(placeholder, placeholder + b"h" + handed.tag, 1)
 
 
 def _check_parked_under(app: Any, name: Any, lock_key: bytes, message: dict[str, Any]) -> None:
