@@ -304,6 +304,10 @@ class _SchedulerBase:
             hold.failures += 1
             delay = backoff(hold.failures, base=0.02, cap=max(0.05, hold.renew_interval / 2))
             hold.next_due = min(now + delay, hold.deadline)
+            if signals.lock_renewal_failed.receivers:
+                signals.lock_renewal_failed.send(
+                    self, key=hold.keys.lock, owner=hold.owner, error=exc, failures=hold.failures
+                )
             log.info(
                 "redislock: renewing %r failed (%r); retry %d in %.3fs, lease valid for %.3fs",
                 hold.keys.lock,

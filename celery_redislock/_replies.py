@@ -138,11 +138,18 @@ class LatestReply(NamedTuple):
 
 
 def decode_latest(reply: Any, script: str = "park") -> LatestReply:
-    """park.lua (sem_park.lua) with latest.lua: park's replies with a 4th element (the
-    evicted task id, or nil), and ``{4, task id or nil}`` superseded, ``{5, ms}`` pending
-    until due (each with a nil 3rd element and the 4th)."""
-    table = _table(reply, script, 4, 4)
+    """park.lua (sem_park.lua) with latest.lua: ``{-1, 0}`` (this run finished) and
+    ``{3, ms}`` (another delivery of it holds the lock) as park's, answered before the
+    gate; park's other replies with a 4th element (the evicted task id, or nil); and
+    ``{4, task id or nil}`` superseded, ``{5, ms}`` pending until due (each with a nil 3rd
+    element and the 4th)."""
+    table = _table(reply, script, 2, 4)
     code = _number(table[0], script, reply, "the code")
+    if len(table) == 2:  # answered before the gate: this run finished, or holds it
+        if code not in (-1, 3):
+            raise _malformed(script, reply, f"code {code} needs 4 elements")
+        return LatestReply(decode_acquire(list(table), script))
+    _table(reply, script, 4, 4)
     evicted = None if table[3] is None else _string(table[3], script, reply, "the evicted id")
     if code == 4:
         by = None if table[1] is None else _string(table[1], script, reply, "the newer id")
@@ -326,6 +333,9 @@ class HandoffReply(NamedTuple):
     handed: Handed | None = None
     #: The look-ahead's queued task handed the lock (its message moved, nothing to send).
     pulled: bytes | None = None
+    #: The parked task handed the lock whose envelope the script pushed back to its queue
+    #: itself (nothing to send).
+    pushed: bytes | None = None
 
 
 def _absent(value: object) -> bool:
@@ -349,7 +359,7 @@ def decode_handoff(reply: Any) -> HandoffReply:
     if _absent(table[1]):
         if len(table) == 4:
             return HandoffReply(code, pulled=task_id)
-        return HandoffReply(code)
+        return HandoffReply(code, pushed=task_id)
     message = _string(table[1], "handoff", reply, "the message")
     tag = _tag(table[3], "handoff", reply) if len(table) == 4 else b""
     return HandoffReply(code, handed=Handed(task_id, message, tag))

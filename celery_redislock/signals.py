@@ -16,7 +16,8 @@ signal                 sent when                                keyword argument
 ``lock_released``      the last hold is given back              name, owner, held
 ``lock_lost``          a hold's lease is known lost             name, owner, reason
 ``lock_renewed``       the watchdog renewed a batch             count
-``task_parked``        a LockedTask was parked behind a holder  name, task_id, limit
+``task_parked``        a LockedTask was parked behind a holder  name, task_id, limit (and
+                                                                queue: parked at delivery)
 ``task_requeued``      a LockedTask was re-queued (countdown)   name, task_id, countdown, limit
 ``task_permit_taken``  a limited LockedTask's run (or direct    name, task_id, limit, waited
                        call) holds its permit
@@ -40,13 +41,28 @@ signal                 sent when                                keyword argument
                                                                 was newer)
 ``task_debounced``     a debounced LockedTask call became its   name, task_id, due (seconds
                        key's pending call, waiting for quiet    from now)
+``task_handed_over``   a parked run's message was sent on,     name (the task's), task_id,
+                       handed its lock or permit                via (release, sweeper,
+                                                                worker, cli), queue; or,
+                                                                pushed back by a release's
+                                                                script: name "", owner (the
+                                                                releasing run's)
+``task_skipped``       a LockedTask run did not run: its key    name, task_id, limit
+                       was held (``on_contention="skip"``)
+``task_duplicate``     a delivery of a run that had already     name, task_id
+                       finished was ignored
+``lock_renewal_failed``  a renewal of a hold failed; retried   key (its hash), owner, error,
+                                                                failures
+                       until its lease's deadline (then
+                       ``lock_lost``, reason unreachable)
 ``parked_rejected``    a worker refused a parked message read   key, task_id, reason
                        back from Redis (its signature does not
                        verify): it is not sent or run
 =====================  =======================================  ================================
 
 ``sender`` is the lock object (the task for ``task_*``, the Celery app for
-``parked_rejected``, the watchdog for ``lock_renewed``). ``limit`` is the run's
+``parked_rejected`` and ``task_handed_over``, the watchdog for ``lock_renewed`` and
+``lock_renewal_failed``). ``limit`` is the run's
 ``lock_limit`` (None for the mutex); ``waited`` is the time since the run's first
 attempt at its permit (over deferrals: wall clocks). Receivers run synchronously in
 the thread that sent the signal — for ``lock_lost`` and ``lock_renewed`` that is the
@@ -126,6 +142,10 @@ task_deferred = Signal("task_deferred")
 task_undeferred = Signal("task_undeferred")
 task_superseded = Signal("task_superseded")
 task_debounced = Signal("task_debounced")
+task_handed_over = Signal("task_handed_over")
+task_skipped = Signal("task_skipped")
+task_duplicate = Signal("task_duplicate")
+lock_renewal_failed = Signal("lock_renewal_failed")
 
 __all__ = [
     "Signal",
@@ -134,15 +154,19 @@ __all__ = [
     "lock_lost",
     "lock_release_failed",
     "lock_released",
+    "lock_renewal_failed",
     "lock_renewed",
     "parked_rejected",
     "task_parked",
     "task_permit_ended",
     "task_permit_taken",
     "task_deferred",
+    "task_duplicate",
+    "task_handed_over",
     "task_pulled",
     "task_rate_admitted",
     "task_requeued",
+    "task_skipped",
     "task_debounced",
     "task_superseded",
     "task_undeferred",

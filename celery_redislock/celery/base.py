@@ -359,6 +359,7 @@ class LockedTask(LastCallWins, Contention):
                 request.id,
                 name,
             )
+            signals.task_duplicate.send(self, name=name, task_id=request.id)
             raise Ignore() from None
         except OwnerRunning:
             # Another delivery of this very run holds the lock (running, or just died and

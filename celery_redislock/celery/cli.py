@@ -609,7 +609,7 @@ def _free_permit(ctx: click.Context, nodes: _Nodes, name: bytes, owner: bytes, y
     if handed is None:
         return
     try:
-        sent = send_handed_over(app, handed, lease)
+        sent = send_handed_over(app, handed, lease, via="cli")
     except Exception as exc:  # the sweeper sends it again once the hand-over is stale
         ctx.obj.error(
             f"{_shown(name)}: handed on to parked task {_shown(handed.task_id)}, whose message "
@@ -688,3 +688,7 @@ def _no_counts() -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(("taken", "parked", "requeued", "deferred"), 0)
     row.update(dict.fromkeys(("wait_p50", "wait_p95", "wait_p99")))
     return row
+
+
+# The live views (exporter, top) are commands of this group, kept in a module of their own.
+from . import cli_ops as cli_ops  # noqa: E402

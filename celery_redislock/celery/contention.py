@@ -144,6 +144,7 @@ class Contention(Task):  # type: ignore[misc]
             log.info("redislock: %s[%s] skipped: %r is held", self.name, request.id, name)
             if not self.ignore_result and request.id:
                 self.update_state(state=SKIPPED, meta={"lock": name})
+            signals.task_skipped.send(self, name=name, task_id=request.id, limit=call.limit)
             raise Ignore()
         raise LockContendedError(
             f"task {self.name}[{request.id}] did not run: lock {name!r} is held by another task "

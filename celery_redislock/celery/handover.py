@@ -10,6 +10,7 @@ hands the lock on.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -43,12 +44,16 @@ log = logging.getLogger(__name__)
 MAX_REFUSALS = 100
 
 
-def deliver_handed_over(app: Any, handed: _Handed | None, lease: int) -> int:
+def deliver_handed_over(
+    app: Any, handed: _Handed | None, lease: int, *, via: str = "release"
+) -> int:
     """:func:`send_handed_over`: 1 if a message was sent, else 0."""
-    return 0 if send_handed_over(app, handed, lease) is None else 1
+    return 0 if send_handed_over(app, handed, lease, via=via) is None else 1
 
 
-def send_handed_over(app: Any, handed: _Handed | None, lease: int) -> _Handed | None:
+def send_handed_over(
+    app: Any, handed: _Handed | None, lease: int, *, via: str = "release"
+) -> _Handed | None:
     """Check the message of the parked task a lock was handed to, then send it; returns
     the hand-over whose message was sent (``handed``, or a later parked task's after
     refusals), or None.
@@ -61,6 +66,9 @@ def send_handed_over(app: Any, handed: _Handed | None, lease: int) -> _Handed | 
     list. Anything else is refused: not sent, reported (:func:`refuse_handed_over`), and its
     parked record removed, the lock handed on to the next parked task (``lease`` ms), whose
     message is checked in turn. Redis and publishing errors propagate.
+
+    A message sent is announced with ``task_handed_over`` (``via``: who handed it on:
+    ``release``, ``sweeper``, ``worker``, ``cli``).
     """
     for _ in range(MAX_REFUSALS):
         if handed is None:
@@ -71,6 +79,11 @@ def send_handed_over(app: Any, handed: _Handed | None, lease: int) -> _Handed | 
             handed = refuse_handed_over(app, handed.lock_key, handed.task_id, str(exc), lease)
             continue
         send()
+        if signals.task_handed_over.receivers:
+            task, queue = _named(handed.message)
+            signals.task_handed_over.send(
+                app, name=task, task_id=_text(handed.task_id), via=via, queue=queue
+            )
         return handed
     if handed is not None:
         log.warning(
@@ -106,6 +119,22 @@ def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
     except Exception as exc:  # undecodable: no worker parked it
         raise signing.Refused(f"not a parked message ({type(exc).__name__}: {exc})") from None
     raise signing.Refused("not a signed parked message")
+
+
+def _named(message: bytes) -> tuple[str, str]:
+    """The task and queue a parked message (checked already) names, for counting; ""
+    for what it does not say."""
+    try:
+        if message[:1] == signing.SIGNED.encode():
+            found = json.loads(message.split(b"\n", 1)[1])
+            options = found.get("options") or {}
+            task, queue = found.get("task"), options.get("queue") or options.get("routing_key")
+        else:  # a broker envelope: its queue list, then its headers
+            head, _placeholder, text = message[1:].split(b"\n", 2)
+            task, queue = json.loads(text)["headers"].get("task"), _text(head)
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError):
+        return "", ""
+    return (task if isinstance(task, str) else "", queue if isinstance(queue, str) else "")
 
 
 def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes]:

@@ -227,7 +227,8 @@ class Parker:
         if outcome is None or outcome is True:
             return False
         lock._contended(task_id)
-        signals.task_parked.send(task, name=name, task_id=task_id, limit=limit)
+        queue = (getattr(message, "delivery_info", None) or {}).get("routing_key")
+        signals.task_parked.send(task, name=name, task_id=task_id, limit=limit, queue=queue)
         log.info(
             "redislock: %s[%s] parked behind the holder of %r (%d) before dispatch",
             task.name,

@@ -110,7 +110,7 @@ class Sweeper(threading.Thread):
             handed.lock_key,
             _text(handed.task_id),
         )
-        return deliver_handed_over(self.app, handed, lease)
+        return deliver_handed_over(self.app, handed, lease, via="sweeper")
 
 
 #: Hand-overs one pass makes per semaphore at most (the next pass goes on).

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
+from .. import signals
 from .._core import LINE_MARGIN_MS, OwnerFinished, OwnerRunning, lease_ms
 from .._errors import LockConfigurationError, LockNotOwnedError, LockQuorumError
 from .._keyspace import debounce_registry, parked_registry
@@ -253,6 +254,11 @@ class _ParkedRun(SyncSingle):
                 message = self.handed(reply)
                 if reply.pulled is not None:  # handed to the look-ahead's queued task
                     self.pulled = _text(reply.pulled)
+                if reply.pushed is not None and signals.task_handed_over.receivers:
+                    # (its task not named: counted under the releasing run's)
+                    signals.task_handed_over.send(
+                        self, name="", task_id=_text(reply.pushed), via="release", owner=owner
+                    )
             else:
                 code = self._keep(owner, hold, done_ttl, token)
         except redis.ResponseError:

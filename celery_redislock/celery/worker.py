@@ -16,13 +16,14 @@ from celery import signals as celery_signals
 from celery.worker.request import Request
 
 from .. import metrics
+from .._core import lease_ms
 from .._errors import LockConfigurationError
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
 from ..settings import check_latest
 from .base import LockedTask
 from .clients import _clients, settings_for
 from .deferral import Drainer, _drainers
-from .handover import handoff_queue
+from .handover import deliver_handed_over, handoff_queue
 from .sweeper import Sweeper, _sweepers
 from .tasklock import QuorumTaskLock, request_owner
 
@@ -78,7 +79,7 @@ class LockedRequest(Request):  # type: ignore[misc]
                 done_ttl = options.done_ttl if mode == "unstarted" else None
                 reply = lock.handoff(owner, mode, done_ttl)
                 code = reply.code
-                task.publish_handed_over(lock.handed(reply))
+                _publish_for_dead_run(task, lock.handed(reply))
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc
@@ -94,6 +95,35 @@ class LockedRequest(Request):  # type: ignore[misc]
                 "its worker process died" if mode == "all" else "it was dropped before it ran",
                 why,
             )
+
+
+def _publish_for_dead_run(task: LockedTask, handed: Any) -> None:
+    """``task.publish_handed_over``, counted as handed on by the worker (``via``)."""
+    if handed is None:
+        return
+    try:
+        lease = lease_ms(task.lock_options().ttl, "lock_ttl")
+        deliver_handed_over(task.app, handed, lease, via="worker")
+    except Exception:  # the sweeper (or its fallback copy) still runs it
+        log.exception("redislock: could not publish the task the lock was handed to")
+
+
+def _track_run(sender: Any = None, task: Any = None, **_: Any) -> None:
+    """A LockedTask run starts in this process: its lock signals count under its task
+    and queue (:func:`metrics.track_run`; a dict write, nothing sent)."""
+    if isinstance(task, LockedTask):
+        request = task.request
+        info = getattr(request, "delivery_info", None) or {}
+        metrics.track_run(request_owner(request), task.name, info.get("routing_key"))
+
+
+def _end_run(sender: Any = None, task: Any = None, **_: Any) -> None:
+    if isinstance(task, LockedTask):
+        metrics.end_run(request_owner(task.request))
+
+
+celery_signals.task_prerun.connect(_track_run, weak=False)
+celery_signals.task_postrun.connect(_end_run, weak=False)
 
 
 def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:

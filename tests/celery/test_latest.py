@@ -127,6 +127,11 @@ def test_a_call_older_than_a_run_that_started_is_superseded_even_on_a_free_key(
         later = la.rebuild.delay("c", "later", 0.0)
         wait_until(lambda: later.state == "SUCCESS", what="the later call's run")
         assert [run[0] for run in _runs(r, "c")] == ["new", "later"]
+        # A copy of a run that finished is ignored: its result stays the run's.
+        la.rebuild.apply_async(("c", "later", 0.0), task_id=later.id)
+        proc.wait_for_log(f"rebuild[{later.id}] already finished")
+        assert later.state == "SUCCESS" and later.result == "later"
+        assert [run[0] for run in _runs(r, "c")] == ["new", "later"]
         _nothing_left(r, "c")
     finally:
         proc.kill()

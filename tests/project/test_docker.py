@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shlex
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,18 @@ COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
 DOCKERIGNORE = DOCKER / "Dockerfile.dockerignore"
 
-CELERY_SERVICES = ("worker", "nightly-worker", "beat", "demo-worker", "demo")
+CELERY_SERVICES = (
+    "worker",
+    "nightly-worker",
+    "beat",
+    "demo-worker",
+    "demo",
+    "exporter",
+    "demo-exporter",
+)
+MONITORING = ROOT / "monitoring"
+PROMETHEUS_CONFIG = DOCKER / "prometheus" / "prometheus.yml"
+GRAFANA_PROVISIONING = DOCKER / "grafana" / "provisioning"
 DEMO_COMMAND = [
     "python",
     "-m",
@@ -175,6 +188,77 @@ def test_compose_demo_is_in_a_profile(compose: dict[str, Any]) -> None:
     assert demo["environment"]["DEMO_BROKER_URL"] == broker_url
 
 
+def _mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """A service's bind mounts: where in the container -> the host path (resolved)."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target, *_ = str(volume).split(":")
+        found[target] = (COMPOSE.parent / source).resolve()
+    return found
+
+
+def test_compose_exporters_serve_each_apps_series(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    apps = {}
+    for name in ("exporter", "demo-exporter"):
+        service = services[name]
+        command = service["command"]
+        assert command[:2] == ["celery", "-A"] and command[3:5] == ["redislock", "exporter"]
+        assert command[command.index("--port") + 1] == "9818"
+        assert "profiles" not in service
+        apps[command[2]] = service["environment"]
+    # The same apps, configured as their workers are.
+    assert apps["examples.payments"] == services["worker"]["environment"]
+    assert apps["celery_redislock.demo.app"] == services["demo-worker"]["environment"]
+
+
+def test_compose_prometheus_scrapes_the_exporters_with_the_alert_rules(
+    compose: dict[str, Any],
+) -> None:
+    yaml = pytest.importorskip("yaml")
+    prometheus = compose["services"]["prometheus"]
+    assert "profiles" not in prometheus
+    mounts = _mounts(prometheus)
+    assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS_CONFIG
+    assert mounts["/etc/prometheus/alerts.yaml"] == MONITORING / "prometheus" / "alerts.yaml"
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    assert config["rule_files"] == ["/etc/prometheus/alerts.yaml"]
+    targets = {
+        target
+        for job in config["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    assert targets == {"exporter:9818", "demo-exporter:9818"}
+    assert {"exporter", "demo-exporter"} <= set(prometheus["depends_on"])
+
+
+def test_compose_grafana_provisions_the_dashboard_and_prometheus(compose: dict[str, Any]) -> None:
+    yaml = pytest.importorskip("yaml")
+    grafana = compose["services"]["grafana"]
+    assert "profiles" not in grafana
+    mounts = _mounts(grafana)
+    assert mounts["/etc/grafana/provisioning"] == GRAFANA_PROVISIONING
+    dashboards = mounts["/var/lib/grafana/dashboards"]
+    assert dashboards == MONITORING / "grafana"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (dashboards / Path(home).relative_to("/var/lib/grafana/dashboards")).is_file()
+    provider = yaml.safe_load(
+        (GRAFANA_PROVISIONING / "dashboards" / "celery-redislock.yaml").read_text()
+    )
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    source = yaml.safe_load((GRAFANA_PROVISIONING / "datasources" / "prometheus.yaml").read_text())
+    (datasource,) = source["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["isDefault"] is True
+    assert datasource["url"] == "http://prometheus:9090"
+    assert "prometheus" in grafana["depends_on"]
+    # The dashboard picks its data source by a variable (no uid of one installation).
+    dashboard = json.loads((dashboards / "celery-redislock.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+
+
 @pytest.mark.skipif(
     not _docker_compose_available(),
     reason="the `docker compose` plugin is not installed: `docker compose config` not run",
@@ -216,7 +300,11 @@ def test_dockerfile_installs_the_package_and_copies_the_examples() -> None:
     for source in sources:
         assert (ROOT / source).exists(), f"COPY {source}: not in the repository root"
     runs = " ".join(args for keyword, args in instructions if keyword == "RUN")
-    assert "pip install" in runs and "[celery,hiredis]" in runs
+    assert "pip install" in runs
+    extras = re.search(r"/tmp/src\[([\w,]+)\]", runs)
+    assert extras, runs
+    # the exporter (prometheus) and top (rich) run from the same image
+    assert {"celery", "hiredis", "prometheus", "top"} <= set(extras.group(1).split(","))
     # The Dockerfile-specific ignore file must let every copied path through.
     allowed = {
         line[1:].strip().rstrip("/")
@@ -308,3 +396,54 @@ def test_compose_stack_settles_payments() -> None:
     for line in lines:
         _account, balance, _, _, expected = line.replace("b'", "").replace("'", "").split()
         assert int(balance) == int(expected), line
+
+
+@pytest.mark.skipif(
+    not _docker_compose_available(),
+    reason="the `docker compose` plugin is not installed: the monitoring smoke test needs it",
+)
+@pytest.mark.skipif(
+    not _docker_engine_reachable(),
+    reason="no Docker engine reachable (docker info failed): the monitoring smoke test needs one",
+)
+@pytest.mark.timeout(1500)
+def test_compose_dashboard_fills_while_the_payments_run() -> None:
+    """The payments run; Prometheus then has the exporter's series, and Grafana serves
+    the provisioned dashboard."""
+    project = f"redislock-test-{uuid.uuid4().hex[:8]}"
+    base = ["docker", "compose", "-f", str(COMPOSE), "-p", project]
+
+    def run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*base, *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+    def query(expr: str) -> list[Any]:
+        url = f"http://localhost:9090/api/v1/query?query={expr}"
+        found = run("exec", "-T", "prometheus", "wget", "-qO-", url, timeout=60)
+        if found.returncode != 0:
+            return []
+        return list(json.loads(found.stdout)["data"]["result"])
+
+    try:
+        services = ("redis", "worker", "exporter", "demo-exporter", "prometheus", "grafana")
+        up = run("up", "--build", "--detach", "--wait", "--wait-timeout", "300", *services,
+                 timeout=900)  # fmt: skip
+        assert up.returncode == 0, up.stderr[-3000:]
+        client = run("exec", "-T", "worker", "python", "-m", "examples.payments", timeout=400)
+        assert client.returncode == 0, client.stderr[-3000:]
+        deadline = time.monotonic() + 120
+        acquired: list[Any] = []
+        while time.monotonic() < deadline and not acquired:
+            acquired = query("celery_redislock_task_acquired_total")
+            time.sleep(2)
+        assert acquired, "Prometheus has no celery_redislock_task_acquired_total"
+        assert {r["metric"]["name"] for r in acquired} == {"examples.payments.settle"}
+        dashboard = run(
+            "exec", "-T", "grafana", "wget", "-qO-",
+            "http://localhost:3000/api/dashboards/uid/celery-redislock", timeout=60,
+        )  # fmt: skip
+        assert dashboard.returncode == 0, dashboard.stderr
+        assert json.loads(dashboard.stdout)["dashboard"]["uid"] == "celery-redislock"
+    finally:
+        run("down", "--volumes", "--remove-orphans", "--timeout", "10", timeout=120)

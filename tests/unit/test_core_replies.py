@@ -15,12 +15,15 @@ from celery_redislock._replies import (
     AcquireReply,
     Handed,
     HandoffReply,
+    LatestReply,
     MalformedReplyError,
     RateReply,
     SweepReply,
     decode_acquire,
     decode_fence,
     decode_handoff,
+    decode_latest,
+    decode_latest_due,
     decode_park,
     decode_rate,
     decode_release,
@@ -48,6 +51,23 @@ def test_park() -> None:
     assert decode_park([-1, 0]) == AcquireReply(False, finished=True)
 
 
+def test_latest() -> None:
+    # Answered before the gate, as park's: this run finished, or another delivery holds it.
+    assert decode_latest([-1, 0]) == LatestReply(AcquireReply(False, finished=True))
+    assert decode_latest([3, 40]) == LatestReply(AcquireReply(False, pttl=40, running=True))
+    taken = decode_latest([1, 9, 1, b"old"])
+    assert taken == LatestReply(AcquireReply(True, token=9, hold_count=1), evicted=b"old")
+    assert decode_latest([0, 10, None, None]) == LatestReply(AcquireReply(False, pttl=10))
+    superseded = decode_latest([4, b"newer", None, None])
+    assert superseded.superseded and superseded.superseded_by == b"newer"
+    assert decode_latest([4, None, None, None]).superseded_by is None
+    pending = decode_latest([5, 1500, None, b"older"])
+    assert pending.pending_ms == 1500 and pending.evicted == b"older"
+    assert decode_latest_due([1, b"message", b"owner"]) == (1, 0, b"message", b"owner")
+    assert decode_latest_due([0, 250]) == (0, 250, None, None)
+    assert decode_latest_due([-1]) == (-1, 0, None, None)
+
+
 def test_release_renew_fence() -> None:
     assert [decode_release(c) for c in (0, 3, -1, -2, -3, b"2")] == [0, 3, -1, -2, -3, 2]
     assert decode_renew([1, 0, -1], 3) == [1, 0, -1]
@@ -67,13 +87,14 @@ def test_handoff() -> None:
     assert decode_handoff([0, b"msg", b"id", 12]) == HandoffReply(
         0, handed=Handed(b"id", b"msg", b"12")
     )
-    assert decode_handoff([0, None, b"id"]) == HandoffReply(0)  # envelope pushed back
+    # An envelope pushed back to its queue by the script: named, nothing to send.
+    assert decode_handoff([0, None, b"id"]) == HandoffReply(0, pushed=b"id")
     assert decode_handoff([0, None, b"id", 1]) == HandoffReply(0, pulled=b"id")
     # The releasing hold had expired: the lock still went to the next task.
     assert decode_handoff([-1, b"msg", b"id", 3]) == HandoffReply(
         -1, handed=Handed(b"id", b"msg", b"3")
     )
-    assert decode_handoff([-1, None, b"id"]) == HandoffReply(-1)
+    assert decode_handoff([-1, None, b"id"]) == HandoffReply(-1, pushed=b"id")
     assert decode_handoff([-1, None, b"id", 1]) == HandoffReply(-1, pulled=b"id")
 
 
@@ -101,9 +122,18 @@ DECODERS: dict[str, Callable[[Any], object]] = {
     "handoff": decode_handoff,
     "sweep": decode_sweep,
     "rate": lambda r: decode_rate(r, 500, 10**9),
+    "latest": decode_latest,
+    "latest_due": decode_latest_due,
 }
 
 MALFORMED: list[tuple[str, object]] = [
+    ("latest", [1, 9, 1]),  # taken: the evicted id's place is missing
+    ("latest", [0, 10]),  # parked: likewise
+    ("latest", [4, 7, None, None]),  # superseded by a number, not a task id
+    ("latest", [6, 0, None, None]),
+    ("latest_due", [1, b"m"]),
+    ("latest_due", [2]),
+    ("latest_due", [0]),
     ("acquire", []),
     ("acquire", None),
     ("acquire", 1),
