@@ -135,33 +135,50 @@ class LatestReply(NamedTuple):
     pending_ms: int | None = None
     #: The task id of the older pending call this call took the place of, if any.
     evicted: bytes | None = None
+    #: Superseded calls not yet recorded as such (this one's and the evicted one's
+    #: included): (task id, the task id of the call that superseded it, or None).
+    unreported: tuple[tuple[bytes, bytes | None], ...] = ()
 
 
 def decode_latest(reply: Any, script: str = "park") -> LatestReply:
     """park.lua (sem_park.lua) with latest.lua: ``{-1, 0}`` (this run finished) and
     ``{3, ms}`` (another delivery of it holds the lock) as park's, answered before the
-    gate; park's other replies with a 4th element (the evicted task id, or nil); and
-    ``{4, task id or nil}`` superseded, ``{5, ms}`` pending until due (each with a nil 3rd
-    element and the 4th)."""
-    table = _table(reply, script, 2, 4)
+    gate; park's other replies with a 4th element (the evicted task id, or nil) and a 5th
+    (the superseded calls not yet recorded: a flat list of task id, newer task id or "");
+    and ``{4, task id or nil}`` superseded, ``{5, ms}`` pending until due (each with a nil
+    3rd element, the 4th and the 5th)."""
+    table = _table(reply, script, 2, 5)
     code = _number(table[0], script, reply, "the code")
     if len(table) == 2:  # answered before the gate: this run finished, or holds it
         if code not in (-1, 3):
             raise _malformed(script, reply, f"code {code} needs 4 elements")
         return LatestReply(decode_acquire(list(table), script))
-    _table(reply, script, 4, 4)
+    _table(reply, script, 5, 5)
     evicted = None if table[3] is None else _string(table[3], script, reply, "the evicted id")
+    listed = _table(table[4], script, 0, 64) if table[4] is not None else []
+    if len(listed) % 2:
+        raise _malformed(script, reply, "the unrecorded calls are not pairs")
+    unreported = tuple(
+        (
+            _string(listed[i], script, reply, "an unrecorded id"),
+            _string(listed[i + 1], script, reply, "its newer id") or None,
+        )
+        for i in range(0, len(listed), 2)
+    )
     if code == 4:
         by = None if table[1] is None else _string(table[1], script, reply, "the newer id")
-        return LatestReply(AcquireReply(False), True, by, evicted=evicted)
+        return LatestReply(AcquireReply(False), True, by, evicted=evicted, unreported=unreported)
     if code == 5:
         wait = _number(table[1], script, reply, "the wait")
-        return LatestReply(AcquireReply(False), pending_ms=max(wait, 0), evicted=evicted)
+        pending = max(wait, 0)
+        return LatestReply(
+            AcquireReply(False), pending_ms=pending, evicted=evicted, unreported=unreported
+        )
     if code == 1:
         park = decode_acquire(list(table[:3]), script)
     else:
         park = decode_acquire([table[0], table[1]], script)
-    return LatestReply(park, evicted=evicted)
+    return LatestReply(park, evicted=evicted, unreported=unreported)
 
 
 #: latest_due.lua's codes.

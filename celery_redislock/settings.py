@@ -246,10 +246,16 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
 }
 
 
-def check_latest(options: LockOptions, where: str) -> None:
+def check_latest(options: LockOptions, where: str, *, own: Mapping[str, Any] | None = None) -> None:
     """The last-call-wins options agree: ``lock_debounce_max`` needs ``lock_debounce`` and
     is at least it; a debounce goes with ``on_contention`` ``"requeue"`` (the default) or
-    ``"replace"`` only. ``where`` names the task or the settings in the error."""
+    ``"replace"`` only. ``where`` names the task or the settings in the error.
+
+    ``own``: a task's own options, checked at decoration, when the app's settings are not
+    known yet: what they may supply is checked at worker start (a task's bound over the
+    app's ``redislock_debounce``, say)."""
+    if own is not None and ("debounce" not in own or "debounce_max" not in own):
+        options = replace(options, debounce_max=None)  # one of the two may be the app's
     if options.debounce_max is not None and options.debounce <= 0:
         raise LockConfigurationError(
             f"{where}: lock_debounce_max ({options.debounce_max}s) needs lock_debounce (the "

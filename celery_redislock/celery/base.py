@@ -208,7 +208,7 @@ class LockedTask(LastCallWins, Contention):
                 )
             overrides["locked"] = False
         cls._lock_overrides = overrides
-        check_latest(LockOptions().merged(overrides), f"task {name!r}")
+        check_latest(LockOptions().merged(overrides), f"task {name!r}", own=overrides)
         if not isinstance(cls.lock_key_hash, bool):
             raise LockConfigurationError(
                 f"task {name!r}: lock_key_hash must be True or False, got {cls.lock_key_hash!r}"

@@ -127,13 +127,19 @@ class LastCallWins(Task):  # type: ignore[misc]
         message = signing.sign_signature(key, lock.keys.lock, owner, text)
         latest = latest_call(str(request.id), sent_us(request), options)
         reply = lock.park_latest(message, self._parking_lifetime(options), latest)
+        ended = {
+            _text(task_id): None if by is None else _text(by) for task_id, by in reply.unreported
+        }
         if reply.evicted is not None:
-            self._superseded(_text(reply.evicted), name, by=request.id)
+            ended.setdefault(_text(reply.evicted), str(request.id))
+        if reply.superseded:
+            by = None if reply.superseded_by is None else _text(reply.superseded_by)
+            ended.setdefault(str(request.id), by)
+        if ended:
+            self._record_superseded(lock, name, ended)
         if reply.park.acquired:
             return
         if reply.superseded:
-            by = None if reply.superseded_by is None else _text(reply.superseded_by)
-            self._superseded(str(request.id), name, by=by)
             raise Ignore()
         with_fallback = _park_fallback(self.app)
         fallback = self._fallback_delay(options)
@@ -161,9 +167,25 @@ class LastCallWins(Task):  # type: ignore[misc]
         )
         raise Ignore()
 
-    def _superseded(self, task_id: str, name: str, *, by: str | None) -> None:
+    def _record_superseded(
+        self, lock: TaskLock | TaskSemaphore, name: str, ended: dict[str, str | None]
+    ) -> None:
+        """Record each call of ``ended`` (task id -> the newer call's, None: a run that had
+        started) as ``SUPERSEDED`` (unless results are ignored), send
+        :data:`~celery_redislock.signals.task_superseded`, and take what was recorded out
+        of the key's ``x:`` fields (a call not recorded stays there for the next call of
+        the key to record: this worker may die, or the backend fail, before it is)."""
+        done = [task_id for task_id, by in ended.items() if self._superseded(task_id, name, by=by)]
+        if done:
+            try:
+                lock.client.hdel(lock.keys.latest, *(f"x:{task_id}" for task_id in done))
+            except Exception:  # recorded again by the key's next call: the same record
+                log.debug("redislock: could not clear superseded records", exc_info=True)
+
+    def _superseded(self, task_id: str, name: str, *, by: str | None) -> bool:
         """Record the call ``task_id`` as ``SUPERSEDED`` (unless results are ignored) and
-        send :data:`~celery_redislock.signals.task_superseded`."""
+        send :data:`~celery_redislock.signals.task_superseded`; False if the result
+        backend could not store it."""
         log.info(
             "redislock: %s[%s] superseded on %r by %s",
             self.name,
@@ -182,7 +204,9 @@ class LastCallWins(Task):  # type: ignore[misc]
                     task_id,
                     exc_info=True,
                 )
+                return False
         signals.task_superseded.send(self, name=name, task_id=task_id, superseded_by=by)
+        return True
 
 
 # ----------------------------------------------------------------------------- drainer

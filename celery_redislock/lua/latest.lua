@@ -7,6 +7,11 @@
 --                              it waits for the lock in the parked line), its message (while
 --                              it waits to be due), when a drainer last sent it (ms)
 --   s, st                      the newest call that started: its sent time and task id
+--   x:<task id>                a superseded call not yet recorded as such in the result
+--                              backend -> "<ms> <the task id of the call that superseded
+--                              it>" ("" for a run that started); the worker that records it
+--                              deletes the field, so a lost reply or a dead worker leaves it
+--                              for a later call of the key to record
 -- Calls are ordered by (sent time, task id): "newer" is sent later.
 -- latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, message, holds, evict)
 --   -> reply, evicted, first, sent
@@ -24,14 +29,24 @@
 --   ARGV, before any write), latest_gate, and for a call pending until due its key entered
 --   in the debounce registry at its due time. reply: the gate's as a parking script's
 --   reply ({code, value, nil, evicted}), or nil: go on and take (or park).
+-- latest_reply(latest, reply, task_id, evicted) -> reply's first three elements, evicted,
+--   and the superseded calls this call's worker records (a flat list id, by, id, by...):
+--   this call's own x: field and those of the calls it superseded, and any other left
+--   unrecorded for
+--   LATEST_UNRECORDED_MS (claimed for that long again); at most 32.
 -- latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
 --   taken: the newest started call is this one (if newer), and it is no longer pending;
 --   else (parked): this call is the pending one, waiting for the lock.
+local LATEST_UNRECORDED_MS = 10000
 local function latest_older(s1, t1, s2, t2)
   if s1 ~= s2 then
     return s1 < s2
   end
   return t1 < t2
+end
+-- A superseded call's record until its worker stores its state: "<ms> <newer task id>".
+local function latest_record(latest, task_id, by)
+  redis.call('hset', latest, 'x:' .. task_id, now_ms() .. ' ' .. (by or ''))
 end
 local function latest_clear(latest)
   redis.call('hdel', latest, 'p', 'pt', 'ps', 'pf', 'pd', 'pm', 'pq')
@@ -54,6 +69,7 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
     s = nil
   end
   if s and latest_older(sent, task_id, s, st) then
+    latest_record(latest, task_id, st)
     return {4, st}, false, sent, sent
   end
   local first, evicted = sent, false
@@ -65,15 +81,18 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
         redis.call('hset', latest, 's', f[3], 'st', pt)
         if latest_older(sent, task_id, ps, pt) then
           latest_clear(latest)
+          latest_record(latest, task_id, pt)
           return {4, pt}, false, sent, sent
         end
       end
       latest_clear(latest)
     elseif latest_older(sent, task_id, ps, pt) then
+      latest_record(latest, task_id, pt)
       return {4, pt}, false, sent, sent
     else
       evict(p)
       evicted = pt
+      latest_record(latest, pt, task_id)
       first = math.min(pf or ps, ps, sent)
       latest_clear(latest)
     end
@@ -98,6 +117,28 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
   end
   return nil, evicted, first, sent
 end
+local function latest_reply(latest, reply, task_id, evicted)
+  local unreported, now = {}, now_ms()
+  local fields = redis.call('hgetall', latest)  -- (a few fields: HGETALL, in every ACL given)
+  for i = 1, #fields, 2 do
+    local field, value = fields[i], fields[i + 1]
+    local id = string.sub(field, 3)
+    if string.sub(field, 1, 2) == 'x:' and #unreported < 64 then
+      local at, by = string.match(value, '^(%d+) (.*)$')
+      if id == task_id or id == evicted or by == task_id then
+        unreported[#unreported + 1] = id
+        unreported[#unreported + 1] = by or ''
+      elseif not at or now - tonumber(at) > LATEST_UNRECORDED_MS then
+        -- Left by a worker that did not store it (it died, or its reply was lost): this
+        -- call's worker does, and has it for the next LATEST_UNRECORDED_MS alone.
+        redis.call('hset', latest, field, now .. ' ' .. (by or ''))
+        unreported[#unreported + 1] = id
+        unreported[#unreported + 1] = by or ''
+      end
+    end
+  end
+  return {reply[1], reply[2], reply[3] or false, evicted, unreported}
+end
 local function latest_enter(latest, registry, owner, task_id, sent, quiet_ms, max_ms, message,
     keep_ms, holds, evict)
   sent = whole_arg(sent, 'sent time', 0, 9007199254740991)
@@ -115,7 +156,7 @@ local function latest_enter(latest, registry, owner, task_id, sent, quiet_ms, ma
       redis.call('pexpire', latest, keep_ms)
     end
   end
-  return {gate[1], gate[2], false, evicted}, evicted, first, sent
+  return latest_reply(latest, gate, task_id, evicted), evicted, first, sent
 end
 local function latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
   if taken then

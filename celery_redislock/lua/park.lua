@@ -52,7 +52,7 @@ local reply = take_or_enter(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1]
 if reply and reply[1] == 1 then
   if latest then
     latest_after(latest, ARGV[1], ARGV[6], sent, first, true, keep_for)
-    return {reply[1], reply[2], reply[3], evicted}
+    return latest_reply(latest, reply, ARGV[6], evicted)
   end
   return reply  -- taken, or handed to this task (count 0) and taken up
 end
@@ -68,6 +68,6 @@ redis.call('pexpire', KEYS[5], keep_for)
 redis.call('pexpire', KEYS[6], keep_for)
 local wait = reply and reply[2] or redis.call('pttl', KEYS[1])
 if latest then
-  return {0, wait, false, evicted}
+  return latest_reply(latest, {0, wait}, ARGV[6], evicted)
 end
 return {0, wait}

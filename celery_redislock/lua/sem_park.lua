@@ -50,7 +50,7 @@ local reply = take_permit(KEYS[1], KEYS[2], KEYS[7], KEYS[8], KEYS[9], ARGV[1], 
 if reply[1] == 1 then
   if latest then
     latest_after(latest, ARGV[1], ARGV[8], sent, first, true, keep_for)
-    return {reply[1], reply[2], reply[3], evicted}
+    return latest_reply(latest, reply, ARGV[8], evicted)
   end
   return reply  -- taken, or handed to this task (count 0) and taken up
 end
@@ -64,6 +64,6 @@ for _, key in ipairs({KEYS[4], KEYS[5], KEYS[6], KEYS[10]}) do
   redis.call('pexpire', key, keep_for)
 end
 if latest then
-  return {reply[1], reply[2], false, evicted}
+  return latest_reply(latest, reply, ARGV[8], evicted)
 end
 return reply

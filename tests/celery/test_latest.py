@@ -143,8 +143,12 @@ def test_replace_with_lock_limit_two_runs_two_and_the_newest(
     r = broker.client()
     proc = worker(broker.url, tmp_path / "w.log", concurrency=4, app=APP)
     try:
-        running = [la.rebuild_two.delay("d", f"r{i}", 1.0) for i in range(2)]
+        # One after the other: a call never runs after a newer one started (were r1 to
+        # start first, r0 would be superseded, by design, though a permit is free).
         holders = SemaphoreKeys.for_name("lw:d").line.lock
+        running = [la.rebuild_two.delay("d", "r0", 1.0)]
+        wait_until(lambda: r.scard(holders) == 1, what="one permit held")
+        running.append(la.rebuild_two.delay("d", "r1", 1.0))
         wait_until(lambda: r.scard(holders) == 2, what="two permits held")
         burst = [la.rebuild_two.delay("d", str(i), 0.0) for i in range(1, 11)]
         ids = [c.id for c in running + burst]
@@ -285,7 +289,6 @@ def test_a_debounced_call_still_runs_once_after_its_worker_is_killed(
         ({"lock_debounce": float("nan")}, "lock_debounce"),
         ({"lock_debounce": "2"}, "lock_debounce"),
         ({"lock_debounce": 1e12}, "lock_debounce"),
-        ({"lock_debounce_max": 1.0}, "lock_debounce_max .* needs lock_debounce"),
         ({"lock_debounce": 2.0, "lock_debounce_max": 1.0}, "must be >= lock_debounce"),
         ({"lock_debounce": 1.0, "on_contention": "skip"}, "lock_debounce goes with"),
         ({"on_contention": "replaced"}, "on_contention must be one of"),
@@ -303,3 +306,38 @@ def test_bad_last_call_wins_options_are_refused_at_decoration(
         def refused(x: int) -> None: ...
 
         app.finalize()
+
+
+def test_a_bound_without_a_debounce_is_refused_at_worker_start() -> None:
+    """A task's lock_debounce_max may bound the app's redislock_debounce: decoration cannot
+    tell, the worker's start does (and refuses to start)."""
+    from types import SimpleNamespace
+
+    from celery import Celery
+
+    from celery_redislock.celery.worker import _check_settings_at_worker_start
+    from celery_redislock.settings import check_latest
+
+    for debounce, refused in ((None, True), (0.5, False), (10.0, True)):
+        app = Celery(f"latest-bound-{uuid.uuid4().hex}", broker="redis://127.0.0.1:1/0")
+        app.conf.redislock_debounce = debounce
+
+        @app.task(base=LockedTask, lock_key="k:{x}", lock_debounce_max=5.0, shared=False)
+        def bounded(x: int) -> None: ...
+
+        app.finalize()
+        where = f"task {bounded.name!r}"
+        if refused:
+            with pytest.raises(LockConfigurationError, match="lock_debounce_max"):
+                check_latest(bounded.lock_options(), where)
+        else:
+            check_latest(bounded.lock_options(), where)
+    # The worker's start refuses it (before it takes a task), naming the task.
+    app = Celery(f"latest-bound-{uuid.uuid4().hex}", broker="redis://127.0.0.1:1/0")
+
+    @app.task(base=LockedTask, lock_key="k:{x}", lock_debounce_max=5.0, shared=False)
+    def unbounded(x: int) -> None: ...
+
+    app.finalize()
+    with pytest.raises(SystemExit, match=f"{unbounded.name}.*lock_debounce_max .* needs"):
+        _check_settings_at_worker_start(SimpleNamespace(app=app))

@@ -503,12 +503,6 @@ def test_a_wrong_type_or_far_future_time_under_the_prefix(
 # -- Redis faults ----------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the evicted call's id is only in the script's reply: when that reply is lost "
-    "(or the worker dies before the result backend write), nothing records the evicted "
-    "call as SUPERSEDED and its AsyncResult stays PENDING for good",
-)
 def test_a_call_evicted_by_a_park_whose_reply_is_lost_still_ends_superseded(
     broker: RedisServer, redis_server_factory: Any, tmp_path: Path
 ) -> None:
@@ -645,11 +639,6 @@ def test_any_debounce_values_are_taken_or_refused_at_decoration_naming_the_optio
     check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decoration checks a task's lock_debounce_max against LockOptions() defaults, "
-    "not the app's settings: a bound on a task of an app with redislock_debounce is refused",
-)
 def test_a_task_bound_over_the_apps_debounce_setting_is_accepted() -> None:
     from celery import Celery
 

@@ -126,6 +126,11 @@ CELERY_COMMANDS = tuple(dict.fromkeys(LIMITER_COMMANDS + CELERY_EXTRA_COMMANDS))
 #: call), already in the Celery set, do.
 OPERATOR_EXTRA_COMMANDS = ("scan", "pubsub|numsub", "zscan")
 OPERATOR_COMMANDS = CELERY_COMMANDS + OPERATOR_EXTRA_COMMANDS
+#: ``celery -A proj redislock exporter|top`` (a read-only user of their own).
+WATCHER_COMMANDS = (
+    "time", "scan", "zscan", "hgetall", "pttl", "llen", "lrange", "hmget", "smembers",
+    "lindex", "zscore",
+)  # fmt: skip
 PASSWORD = "secret"
 #: redis-py sends these on connect (CLIENT SETINFO: Redis >= 7.2; CLIENT MAINT_NOTIFICATIONS:
 #: redis-py >= 6 over RESP3) and ignores a refusal: harmless, but they show in ACL LOG.
@@ -1257,13 +1262,50 @@ def test_the_documented_acl_lines_are_the_tested_ones(
         "rate-limiter": RATE_COMMANDS,
         "celery-locks": CELERY_COMMANDS,
         "lock-operator": OPERATOR_COMMANDS,
+        "lock-watcher": WATCHER_COMMANDS,
     }
     assert set(documented) == set(tested)
     for user, rules in documented.items():
         assert sorted(r[1:] for r in rules if r.startswith("+")) == sorted(set(tested[user]))
-        channels = () if user == "rate-limiter" else ("redislock:*",)
+        channels = () if user in ("rate-limiter", "lock-watcher") else ("redislock:*",)
         assert [r for r in rules if not r.startswith("+")] == acl_rules((), channels=channels)[1:]
         set_user(admin, f"doc-{user}", rules)  # the server accepts the line as written
+
+
+def test_acl_watcher_reads_what_the_exporter_and_top_show(
+    acl_server: RedisServer, admin: redis.Redis
+) -> None:
+    """The read-only user of docs/security.md runs the exporter's collection and top's
+    survey over a lock held, a limited key's permits with a task parked, a deferred rate
+    entry and a last-call-wins key's records, with no command refused."""
+    from celery_redislock.celery.exporter import RedisLockCollector, exposition
+    from celery_redislock.celery.survey import survey
+
+    set_user(admin, "lock-watcher", acl_rules(WATCHER_COMMANDS, channels=()))
+    held = RedisLock(admin, "acl:watched", ttl=30, auto_renew=False)
+    permits = [RedisSemaphore(admin, "acl:sem", 2, ttl=30, auto_renew=False) for _ in range(2)]
+    assert held.acquire(blocking=False) and all(p.acquire(blocking=False) for p in permits)
+    sem = SemaphoreKeys.for_name("acl:sem")
+    admin.rpush(sem.line.parked, "parked-id")
+    admin.hset(sem.line.parked_messages, "parked-id", "S-not-read-as-a-task")
+    admin.zadd("redislock:parked", {sem.line.lock: 0})
+    admin.rpush(b"redislock:{acl:rate}:rate:deferred", b"an entry")
+    admin.zadd("redislock:deferred", {b"redislock:{acl:rate}:rate:deferred": 1})
+    admin.hset(b"redislock:{acl:latest}:latest", mapping={"p": "t", "pt": "t", "pd": "0"})
+    admin.acl_log_reset()
+    watcher = user_client(acl_server, "lock-watcher")
+    try:
+        found = survey(watcher, "redislock:")
+        names = {state.name for state in found.hottest()}
+        assert {"acl:watched", "acl:sem"} <= names, names
+        text = exposition(RedisLockCollector(watcher, "redislock:", interval=0))
+        assert "celery_redislock_held" in text and "celery_redislock_exporter_redis_up 1.0" in text
+        assert denials(admin, "lock-watcher") == []
+    finally:
+        watcher.close()
+        held.release()
+        for permit in permits:
+            permit.release()
 
 
 def test_acl_operator_runs_the_cli(acl_server: RedisServer, admin: redis.Redis) -> None:

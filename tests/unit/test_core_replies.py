@@ -55,13 +55,16 @@ def test_latest() -> None:
     # Answered before the gate, as park's: this run finished, or another delivery holds it.
     assert decode_latest([-1, 0]) == LatestReply(AcquireReply(False, finished=True))
     assert decode_latest([3, 40]) == LatestReply(AcquireReply(False, pttl=40, running=True))
-    taken = decode_latest([1, 9, 1, b"old"])
-    assert taken == LatestReply(AcquireReply(True, token=9, hold_count=1), evicted=b"old")
-    assert decode_latest([0, 10, None, None]) == LatestReply(AcquireReply(False, pttl=10))
-    superseded = decode_latest([4, b"newer", None, None])
+    taken = decode_latest([1, 9, 1, b"old", [b"old", b"me"]])
+    assert taken == LatestReply(
+        AcquireReply(True, token=9, hold_count=1), evicted=b"old", unreported=((b"old", b"me"),)
+    )
+    assert decode_latest([0, 10, None, None, []]) == LatestReply(AcquireReply(False, pttl=10))
+    superseded = decode_latest([4, b"newer", None, None, [b"me", b"newer"]])
     assert superseded.superseded and superseded.superseded_by == b"newer"
-    assert decode_latest([4, None, None, None]).superseded_by is None
-    pending = decode_latest([5, 1500, None, b"older"])
+    by_a_run = decode_latest([4, None, None, None, [b"me", b""]])
+    assert by_a_run.superseded_by is None and by_a_run.unreported == ((b"me", None),)
+    pending = decode_latest([5, 1500, None, b"older", []])
     assert pending.pending_ms == 1500 and pending.evicted == b"older"
     assert decode_latest_due([1, b"message", b"owner"]) == (1, 0, b"message", b"owner")
     assert decode_latest_due([0, 250]) == (0, 250, None, None)
@@ -129,8 +132,10 @@ DECODERS: dict[str, Callable[[Any], object]] = {
 MALFORMED: list[tuple[str, object]] = [
     ("latest", [1, 9, 1]),  # taken: the evicted id's place is missing
     ("latest", [0, 10]),  # parked: likewise
-    ("latest", [4, 7, None, None]),  # superseded by a number, not a task id
-    ("latest", [6, 0, None, None]),
+    ("latest", [4, 7, None, None, []]),  # superseded by a number, not a task id
+    ("latest", [6, 0, None, None, []]),
+    ("latest", [0, 10, None, None, [b"odd"]]),
+    ("latest", [0, 10, None, None]),
     ("latest_due", [1, b"m"]),
     ("latest_due", [2]),
     ("latest_due", [0]),
