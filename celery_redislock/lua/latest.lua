@@ -128,9 +128,11 @@ local function latest_reply(latest, reply, task_id, evicted)
       if id == task_id or id == evicted or by == task_id then
         unreported[#unreported + 1] = id
         unreported[#unreported + 1] = by or ''
-      elseif not at or now - tonumber(at) > LATEST_UNRECORDED_MS then
+      elseif not at or math.abs(now - tonumber(at)) > LATEST_UNRECORDED_MS then
         -- Left by a worker that did not store it (it died, or its reply was lost): this
-        -- call's worker does, and has it for the next LATEST_UNRECORDED_MS alone.
+        -- call's worker does, and has it for the next LATEST_UNRECORDED_MS alone. A time
+        -- ahead of the server's clock (stepped back since, or junk) counts as left too:
+        -- else it would be claimed for as long as the clock takes to catch up.
         redis.call('hset', latest, field, now .. ' ' .. (by or ''))
         unreported[#unreported + 1] = id
         unreported[#unreported + 1] = by or ''
