@@ -154,9 +154,10 @@ local function latest_enter(latest, registry, owner, task_id, sent, quiet_ms, ma
   end
   if gate[1] == 5 then
     redis.call('zadd', registry, redis.call('hget', latest, 'pd'), latest)
-    if redis.call('pttl', latest) < keep_ms then
-      redis.call('pexpire', latest, keep_ms)
-    end
+  end
+  -- Superseded, the call's record (x:) is kept as long as any other call's would be.
+  if redis.call('pttl', latest) < keep_ms then
+    redis.call('pexpire', latest, keep_ms)
   end
   return latest_reply(latest, gate, task_id, evicted), evicted, first, sent
 end
