@@ -45,8 +45,9 @@ import logging
 import time
 from typing import Any
 
-from celery import Task
+from celery import Task, states
 from celery import signals as celery_signals
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore
 
 from .. import signals
@@ -185,16 +186,12 @@ class LastCallWins(Task):  # type: ignore[misc]
     def _superseded(self, task_id: str, name: str, *, by: str | None) -> bool:
         """Record the call ``task_id`` as ``SUPERSEDED`` (unless results are ignored) and
         send :data:`~celery_redislock.signals.task_superseded`; False if the result
-        backend could not store it."""
-        log.info(
-            "redislock: %s[%s] superseded on %r by %s",
-            self.name,
-            task_id,
-            name,
-            f"the newer call {by}" if by else "a newer call",
-        )
+        backend could not store it. A call whose result already says how it ended is
+        neither stored nor signalled again (:meth:`_ended`): True."""
         if not self.ignore_result:
             try:
+                if self._ended(task_id):
+                    return True
                 meta = {"lock": name, "superseded_by": by}
                 self.backend.store_result(task_id, meta, SUPERSEDED)
             except Exception:  # the call still ends: its state is only a record
@@ -205,8 +202,36 @@ class LastCallWins(Task):  # type: ignore[misc]
                     exc_info=True,
                 )
                 return False
+        log.info(
+            "redislock: %s[%s] superseded on %r by %s",
+            self.name,
+            task_id,
+            name,
+            f"the newer call {by}" if by else "a newer call",
+        )
         signals.task_superseded.send(self, name=name, task_id=task_id, superseded_by=by)
         return True
+
+    def _ended(self, task_id: str) -> bool:
+        """Whether the result backend already says how ``task_id`` ended: ``SUPERSEDED``
+        (stored by the worker of a call that superseded it before: a copy of it, such as
+        its fallback copy or a redelivery, superseded again is not stored or counted
+        again), or a ready state (SUCCESS, FAILURE, REVOKED), which a superseded call never
+        has: its record was written by whoever may write the lock prefix, naming any task
+        id of the backend, and is not stored over it."""
+        if isinstance(self.backend, DisabledBackend):
+            return False
+        state = self.backend.get_state(task_id)
+        if state in states.READY_STATES:
+            log.warning(
+                "redislock: %s[%s] is recorded as superseded, but its result says it "
+                "ended (%s): its state is kept (a record not written by a worker?)",
+                self.name,
+                task_id,
+                state,
+            )
+            return True
+        return bool(state == SUPERSEDED)
 
 
 # ----------------------------------------------------------------------------- drainer
