@@ -1,0 +1,128 @@
+"""Attacks on the operator view (#21): the numbers the workers add to ``<prefix>stats``,
+the exporter and ``redislock top`` under junk written under the prefix, and the alert
+rules on counters as the exporter really serves them (a series appears at its first
+count, not at 0). Real redis-server; the exporter's collector is read in process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from celery_redislock import metrics, series
+from celery_redislock._core import LockKeys
+from celery_redislock._keyspace import parked_registry
+from celery_redislock.celery.envelope import ENVELOPE
+from celery_redislock.testing import RedisServer
+
+from .._celery import ROOT
+
+PREFIX = "redislock:"
+RULES = ROOT / "monitoring" / "prometheus" / "alerts.yaml"
+
+
+@pytest.fixture
+def r() -> Any:
+    with RedisServer() as server:
+        client = server.client()
+        client.url = server.url  # (for the CLI)
+        yield client
+
+
+def _scrape(client: Any, **kwargs: Any) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """One reading of the exporter's collector, parsed (histograms by their samples)."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    from celery_redislock.celery.exporter import RedisLockCollector, exposition
+
+    text = exposition(RedisLockCollector(client, PREFIX, interval=0, **kwargs))
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return found
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.monitoring_app", "redislock", *args],
+        cwd=ROOT,
+        env={**os.environ, "REDISLOCK_TEST_URL": url, "COLUMNS": "160"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _envelope(headers: dict[str, Any]) -> bytes:
+    return (ENVELOPE + "\n{}\n" + json.dumps({"headers": headers})).encode()
+
+
+def _park(client: Any, name: str, message: bytes, task_id: bytes = b"id-1") -> None:
+    line = LockKeys.for_name(name)
+    client.rpush(line.parked, task_id)
+    client.hset(line.parked_messages, task_id, message)
+    client.zadd(parked_registry(PREFIX), {line.lock: 0})
+
+
+# ------------------------------------------------------------------ the workers' counts
+
+
+def test_a_sum_of_seconds_that_adds_up_to_a_whole_number_is_still_added(r: Any) -> None:
+    """A wait of 0.0 (a lock taken at once) after a fractional one: the sum's field
+    already holds a fraction, and HINCRBY would be refused for it."""
+    metrics.STATS.drain()
+    labels = {"name": "t", "queue_name": "q", "kind": "lock"}
+    waited = [0.25, 0.0, 2.0, 0.5]  # flushed one at a time: 0.0 and 2.0 are whole
+    for seconds in waited:
+        metrics._observe("task_wait_seconds", seconds, **labels)
+        metrics.STATS.observe_wait(seconds)
+        metrics.flush_to_redis(r, PREFIX, force=True)  # raised ResponseError before
+    totals = metrics.numbers(r.hgetall(PREFIX + "stats"))
+    assert totals[series.field("celery_redislock_task_wait_seconds_sum", labels)] == 2.75
+    assert totals["wait_sum"] == 2.75
+    rows = series.worker_samples(totals)["celery_redislock_task_wait_seconds"]
+    ((_, (buckets, total)),) = rows
+    assert buckets[-1] == ("+Inf", 4.0) and total == 2.75
+
+
+def test_histogram_buckets_are_cumulative_and_the_count_is_the_inf_bucket(r: Any) -> None:
+    metrics.STATS.drain()
+    labels = {"name": "t", "queue_name": "q", "kind": "limit"}
+    for seconds in (0.001, 0.3, 0.3, 7.0, 99999.0):
+        metrics._observe("task_hold_seconds", seconds, **labels)
+    metrics.flush_to_redis(r, PREFIX, force=True)
+    scraped = _scrape(r)
+    buckets = [
+        (float(found["le"]), value)
+        for found, value in scraped["celery_redislock_task_hold_seconds_bucket"]
+    ]
+    assert buckets == sorted(buckets)  # by bound, and the counts never go down
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)
+    assert dict(buckets)[0.01] == 1 and dict(buckets)[0.5] == 3 and dict(buckets)[10.0] == 4
+    assert buckets[-1] == (float("inf"), 5)
+    assert scraped["celery_redislock_task_hold_seconds_count"][0][1] == 5
+    assert len(buckets) == len(series.HOLD_BUCKETS) + 1
+
+
+def test_a_stats_hash_deleted_and_counted_again_only_restarts_the_counters(r: Any) -> None:
+    """Deleting <prefix>stats is a counter reset Prometheus' rate() handles (it restarts
+    from 0); two exporters read the same totals (one hash), never different ones."""
+    field = series.field(
+        "celery_redislock_task_acquired_total", {"name": "t", "queue_name": "q", "kind": "lock"}
+    )
+    r.hset(PREFIX + "stats", field, 7)
+    first, second = _scrape(r), _scrape(r)
+    assert first["celery_redislock_task_acquired_total"] == [
+        ({"name": "t", "queue_name": "q", "kind": "lock"}, 7.0)
+    ]
+    assert (
+        first["celery_redislock_task_acquired_total"]
+        == second["celery_redislock_task_acquired_total"]
+    )
+    r.delete(PREFIX + "stats")
+    r.hincrby(PREFIX + "stats", field, 1)
+    assert _scrape(r)["celery_redislock_task_acquired_total"][0][1] == 1.0
