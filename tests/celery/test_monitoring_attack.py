@@ -126,3 +126,42 @@ def test_a_stats_hash_deleted_and_counted_again_only_restarts_the_counters(r: An
     r.delete(PREFIX + "stats")
     r.hincrby(PREFIX + "stats", field, 1)
     assert _scrape(r)["celery_redislock_task_acquired_total"][0][1] == 1.0
+
+
+# ------------------------------------------------------------------ seeded zeros
+
+
+def test_trouble_counters_are_served_at_0_before_their_first_count(r: Any) -> None:
+    """increase() does not count a series' first sample: a counter that appears at 1
+    (the exporter serves only what the hash has) never fires an alert '> 0'. The
+    exporter serves 0 for the trouble counters of every task it has seen."""
+    task = {"name": "t", "queue_name": "q"}
+    r.hset(
+        PREFIX + "stats",
+        mapping={
+            series.field("celery_redislock_task_acquired_total", {**task, "kind": "lock"}): 3,
+            series.field("celery_redislock_task_acquired_total", {**task, "kind": "rate"}): 3,
+            series.field("celery_redislock_task_parked_total", {**task, "kind": "lock"}): 1,
+        },
+    )
+    scraped = _scrape(r)
+    assert scraped["celery_redislock_parked_rejected_total"] == [({}, 0.0)]
+    lost = scraped["celery_redislock_task_lease_lost_total"]
+    reasons = {found["reason"] for found, value in lost if value == 0 and found["kind"] == "lock"}
+    assert reasons == {*series.REASONS, "other"}
+    assert {found["kind"] for found, _ in lost} == {"lock"}  # no rate: a rate holds no lease
+    for name in ("renewal_failures", "release_failed"):
+        rows = scraped[f"celery_redislock_task_{name}_total"]
+        assert rows == [({**task, "kind": "lock"}, 0.0)]
+    sweeper = [
+        (found, v)
+        for found, v in scraped["celery_redislock_task_handed_over_total"]
+        if found["via"] == "sweeper"
+    ]
+    assert sweeper == [({**task, "via": "sweeper"}, 0.0)]
+    # A real count is served as it is, never as a seeded 0.
+    r.hset(PREFIX + "stats", series.field(
+        "celery_redislock_task_lease_lost_total", {**task, "kind": "lock", "reason": "stolen"}
+    ), 2)  # fmt: skip
+    lost = _scrape(r)["celery_redislock_task_lease_lost_total"]
+    assert [v for found, v in lost if found["reason"] == "stolen"] == [2.0]
