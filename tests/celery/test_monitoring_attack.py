@@ -15,8 +15,10 @@ import pytest
 
 from celery_redislock import metrics, series
 from celery_redislock._core import LockKeys
-from celery_redislock._keyspace import parked_registry
+from celery_redislock._keyspace import RateKeys, parked_registry
+from celery_redislock.celery.contention import FIRST_TRY_HEADER
 from celery_redislock.celery.envelope import ENVELOPE
+from celery_redislock.celery.survey import survey
 from celery_redislock.testing import RedisServer
 
 from .._celery import ROOT
@@ -165,3 +167,102 @@ def test_trouble_counters_are_served_at_0_before_their_first_count(r: Any) -> No
     ), 2)  # fmt: skip
     lost = _scrape(r)["celery_redislock_task_lease_lost_total"]
     assert [v for found, v in lost if found["reason"] == "stolen"] == [2.0]
+
+
+# ------------------------------------------------------------------ junk under the prefix
+
+
+def _junk(client: Any) -> None:
+    """What the package never writes, where the survey reads: a hold count of 5000
+    digits (int() refuses it), first-try and deferral times too large for a float, a
+    stats hash with fields that are not numbers, and keys of the wrong type."""
+    client.hset(LockKeys.for_name("junk-digits").lock, "owner", "9" * 5000)
+    _park(client, "junk-first-try", _envelope({"task": "t.a", FIRST_TRY_HEADER: 10**400}))
+    rate = RateKeys.for_name("junk-rate", PREFIX)
+    client.rpush(rate.deferred, b"x\n" + json.dumps({"deferred_at": 10**400}).encode())
+    client.hset(PREFIX + "stats", mapping={"acquired": "many", b"\xff\xfe": 1, "x{": "nan"})
+    client.set(LockKeys.for_name("junk-string").parked, "not a list")
+    client.set(parked_registry(PREFIX) + ":x", "x")
+
+
+def _good(client: Any) -> None:
+    client.hset(LockKeys.for_name("good").lock, "run-1", 1)
+    client.pexpire(LockKeys.for_name("good").lock, 60_000)
+    client.hset(
+        PREFIX + "stats",
+        series.field(
+            "celery_redislock_task_acquired_total", {"name": "t", "queue_name": "q", "kind": "lock"}
+        ),
+        5,
+    )
+
+
+def test_junk_under_the_prefix_leaves_out_its_key_never_the_survey(r: Any) -> None:
+    _junk(r)
+    _good(r)
+    state = survey(r, PREFIX)  # raised ValueError / OverflowError before
+    names = {key.name for key in state.keys}
+    assert "good" in names and "junk-digits" not in names
+    first_try = [k for k in state.keys if "junk-first-try" in k.name]
+    assert [(k.parked, k.parked_by_task, k.oldest_wait) for k in first_try] == [
+        (1, {"t.a": 1}, None)
+    ]
+    scraped = _scrape(r)
+    assert scraped["celery_redislock_exporter_redis_up"] == [({}, 1.0)]
+    assert scraped["celery_redislock_held"] == [({"kind": "lock"}, 1.0), ({"kind": "limit"}, 0.0)]
+    assert ({"name": "t", "queue_name": "q", "kind": "lock"}, 5.0) in scraped[
+        "celery_redislock_task_acquired_total"
+    ]
+
+
+def test_the_counters_are_served_when_the_survey_fails(
+    r: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A survey that fails for anything but Redis (a bug, junk it did not expect) costs
+    the gauges of that scrape, not the counters: series that vanish break rate()."""
+    from celery_redislock.celery import exporter
+
+    def broken(*_: Any) -> Any:
+        raise ValueError("junk")
+
+    _good(r)
+    monkeypatch.setattr(exporter, "survey", broken)
+    scraped = _scrape(r)
+    assert scraped["celery_redislock_task_acquired_total"][0][1] == 5.0
+    assert scraped["celery_redislock_exporter_redis_up"] == [({}, 1.0)]
+    assert "celery_redislock_held" not in scraped
+
+
+def test_a_redis_that_is_down_is_said_by_redis_up_and_top_says_it_plainly() -> None:
+    with RedisServer() as server:
+        client, url = server.client(), server.url
+    scraped = _scrape(client)  # (the server is gone)
+    assert scraped["celery_redislock_exporter_redis_up"] == [({}, 0.0)]
+    assert not any(name.endswith("_total") for name in scraped)
+    for args in (("top", "--json"), ("top", "--once"), ("exporter", "--once")):
+        done = _cli(url, *args)
+        if args[0] == "exporter":
+            assert done.returncode == 0, done.stderr
+            assert "celery_redislock_exporter_redis_up 0.0" in done.stdout
+        else:
+            assert done.returncode == 1 and "unreachable" in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr
+
+
+def test_top_on_an_empty_redis_and_on_junk(r: Any) -> None:
+    empty = _cli(r.url, "top", "--json")
+    assert empty.returncode == 0, empty.stderr
+    assert (
+        json.loads(empty.stdout)["keys"] == [] and json.loads(empty.stdout)["totals"]["keys"] == 0
+    )
+    assert _cli(r.url, "top", "--once").returncode == 0
+    _junk(r)
+    _good(r)
+    _park(r, "good", _envelope({"task": "t.\x1b[2Jcleared"}))
+    found = _cli(r.url, "top", "--json")
+    assert found.returncode == 0, found.stderr
+    keys = {key["name"]: key for key in json.loads(found.stdout)["keys"]}
+    assert keys["good"]["holders"] == 1 and keys["good"]["parked"] == 1
+    frame = _cli(r.url, "top", "--once")
+    assert frame.returncode == 0, frame.stderr
+    assert "good" in frame.stdout and "\x1b[2J" not in frame.stdout
