@@ -94,7 +94,7 @@ class LockStats:
             bucket, total = task_field("limit_" + bucket, task), task_field("limit_wait_sum", task)
         with self._mutex:
             self._counts[bucket] = self._counts.get(bucket, 0) + 1
-            self._counts[total] = self._counts.get(total, 0) + seconds
+            self._counts[total] = self._counts.get(total, 0.0) + float(seconds)
 
     def hold(self, task: str, step: int, then: Callable[[int], Any] | None = None) -> None:
         """A run of ``task`` took (``step`` 1) or ended its hold of (-1) a permit; ``then``
@@ -197,7 +197,7 @@ def _observe(short: str, seconds: float, **labels: str) -> None:
     found = series.series(short)
     bound = series.bucket_bound(found.buckets, seconds)
     STATS.add(_field(found.name + "_bucket", (*labels.items(), ("le", bound))))
-    STATS.add(_field(found.name + "_sum", tuple(labels.items())), seconds)
+    STATS.add(_field(found.name + "_sum", tuple(labels.items())), float(seconds))
 
 
 def _task_of(sender: Any, task_id: Any) -> tuple[str, str]:
@@ -371,7 +371,7 @@ def _on_undeferred(sender: Any = None, name: str = "", delay: float = 0.0, **_: 
     index = bisect.bisect_left(DEFERRAL_BUCKETS, delay)
     bound = DEFERRAL_BUCKETS[index] if index < len(DEFERRAL_BUCKETS) else "inf"
     STATS.add(f"deferral_le_{bound}:{name}")
-    STATS.add(f"deferral_sum:{name}", delay)
+    STATS.add(f"deferral_sum:{name}", float(delay))
 
 
 #: Upper bounds (seconds) of the deferral-delay histogram buckets; the last is +inf.
@@ -443,7 +443,10 @@ def flush_to_redis(client: Any, prefix: str, *, every: float = 1.0, force: bool 
         return
     pipe = client.pipeline(transaction=False)
     for field, amount in counts.items():
-        if isinstance(amount, float) and not amount.is_integer():
+        # A sum of seconds is a float, even when it adds up to a whole number (0.0: runs
+        # that took their lock at once): HINCRBY would be refused on a field that already
+        # holds a fraction ("hash value is not an integer"), HINCRBYFLOAT never is.
+        if isinstance(amount, float):
             pipe.hincrbyfloat(stats_key(prefix), field, amount)
         else:
             pipe.hincrby(stats_key(prefix), field, int(amount))

@@ -359,7 +359,8 @@ _BOUNDS = {
 def worker_samples(totals: Mapping[str, float]) -> dict[str, list[tuple[dict[str, str], Any]]]:
     """The workers' series from the stats totals (:func:`celery_redislock.metrics.numbers`):
     per series name, (labels, value) for a counter, (labels, ([(le, cumulative count)],
-    sum)) for a histogram. Negative counts (junk) are read as 0."""
+    sum)) for a histogram. Negative counts (junk) are read as 0. The trouble counters
+    the alert rules watch are served at 0 before their first count (:func:`_seed_zeros`)."""
     Key = tuple[tuple[str, str], ...]
     counters: dict[str, dict[Key, float]] = {}
     buckets: dict[str, dict[Key, dict[str, float]]] = {}
@@ -381,6 +382,7 @@ def worker_samples(totals: Mapping[str, float]) -> dict[str, list[tuple[dict[str
         else:
             key = tuple(sorted(labels.items()))
             counters.setdefault(found.name, {})[key] = value
+    _seed_zeros(counters)
     samples: dict[str, list[tuple[dict[str, str], Any]]] = {}
     for name, rows in counters.items():
         samples[name] = [(dict(key), value) for key, value in sorted(rows.items())]
@@ -395,3 +397,34 @@ def worker_samples(totals: Mapping[str, float]) -> dict[str, list[tuple[dict[str
             out.append((dict(key), (cumulative, sums.get(name, {}).get(key, 0.0))))
         samples[name] = out
     return samples
+
+
+#: The reasons a lease lost is counted under (LockLostError.reason, or "other").
+LOST_REASONS = (*REASONS, "other")
+
+
+def _seed_zeros(counters: dict[str, dict[Any, float]]) -> None:
+    """Add a 0 for the trouble counters of every task the totals show, where they have no
+    count yet. A counter is written to ``<prefix>stats`` at its first count, so its series
+    would appear at 1, and Prometheus' ``increase()`` does not count a series' first
+    sample: the first lease lost of a task (or the first refused parked message, the
+    first sweeper hand-over) would never fire its alert ``> 0``. From the runs a task
+    took its lock or permit (``task_acquired_total``): its leases lost (every reason),
+    renewal failures and failed releases; from its parked runs: the sweeper's hand-overs.
+    (Bounded: a few series per task name, queue and kind, as the totals already have.)"""
+
+    def zero(short: str, key: tuple[tuple[str, str], ...]) -> None:
+        counters.setdefault(NAMESPACE + short, {}).setdefault(key, 0.0)
+
+    zero("parked_rejected_total", ())
+    for key in counters.get(NAMESPACE + "task_acquired_total", {}):
+        labels = dict(key)
+        if labels.get("kind") not in ("lock", "limit"):
+            continue  # (a rate holds nothing: no lease to lose)
+        for short in ("task_renewal_failures_total", "task_release_failed_total"):
+            zero(short, key)
+        for reason in LOST_REASONS:
+            zero("task_lease_lost_total", tuple(sorted({**labels, "reason": reason}.items())))
+    for key in counters.get(NAMESPACE + "task_parked_total", {}):
+        labels = {k: v for k, v in key if k != "kind"}
+        zero("task_handed_over_total", tuple(sorted({**labels, "via": "sweeper"}.items())))

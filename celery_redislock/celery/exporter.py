@@ -18,15 +18,20 @@ this reads; no gauge of what is held now is read there.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from .. import metrics, series
 from .._keyspace import stats_key
 from .inspection import read
 from .survey import Survey, survey
+
+log = logging.getLogger(__name__)
 
 #: The port ``redislock exporter`` listens on unless told (celery-exporter's is 9808).
 DEFAULT_PORT = 9818
@@ -84,14 +89,22 @@ class RedisLockCollector:
                 series.GAUGE: core.GaugeMetricFamily,
             }[found.type]
             families[found.name] = make(found.family, found.help, labels=found.labels)
+        up = families[series.series("exporter_redis_up").name]
         try:
             (fields,) = read(self.client, ("hgetall", stats_key(self.prefix)))
             totals = metrics.numbers(fields if isinstance(fields, dict) else {})
-            state = survey(self.client, self.prefix) if self.gauges else None
         except Exception:  # (a Redis that cannot be read: said by exporter_redis_up)
-            families[series.series("exporter_redis_up").name].add_metric([], 0.0)
+            up.add_metric([], 0.0)
             return list(families.values())
-        families[series.series("exporter_redis_up").name].add_metric([], 1.0)
+        state: Survey | None = None
+        try:  # (the counters are served whatever the survey meets)
+            state = survey(self.client, self.prefix) if self.gauges else None
+            up.add_metric([], 1.0)
+        except RedisError:
+            up.add_metric([], 0.0)
+        except Exception:
+            log.exception("redislock exporter: could not read what is held now")
+            up.add_metric([], 1.0)
         for name, rows in series.worker_samples(totals).items():
             found, family = series.BY_NAME[name], families[name]
             for labels, value in rows:

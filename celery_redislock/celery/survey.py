@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from .._core import LockKeys
 from .._keyspace import RateKeys, SemaphoreKeys, lock_key_pattern, parked_registry, parked_under
@@ -34,6 +36,21 @@ from .inspection import (
     read,
     text,
 )
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _each_key(name: Any) -> Any:
+    """Read one key: what is there that the package never writes (a hold count of
+    thousands of digits, a time too large for a float...) leaves that key out, never the
+    survey; a Redis error still ends it."""
+    try:
+        yield
+    except RedisError:
+        raise
+    except Exception:
+        log.debug("redislock: left out %r: not as the package writes it", name, exc_info=True)
 
 
 @dataclass
@@ -112,7 +129,19 @@ def _first_try(message: bytes) -> float | None:
         value = headers.get(FIRST_TRY_HEADER)
     except (ValueError, IndexError, KeyError, TypeError, AttributeError):
         return None
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    return _time(value)
+
+
+def _time(value: Any) -> float | None:
+    """A wall-clock time as the package writes one (a finite number > 0), else None (an
+    integer too large for a float, as JSON may carry, included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
 def _deferred_at(entry: Any) -> float | None:
@@ -121,7 +150,7 @@ def _deferred_at(entry: Any) -> float | None:
         value = json.loads(entry.split(b"\n", 1)[1]).get("deferred_at")
     except (ValueError, IndexError, TypeError, AttributeError):
         return None
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    return _time(value)
 
 
 def survey(client: Any, prefix: str) -> Survey:
@@ -140,60 +169,80 @@ def survey(client: Any, prefix: str) -> Survey:
             if isinstance(member, bytes) and isinstance(parked_under(member, prefix), LockKeys):
                 locks.add(member)
     for key in sorted(locks):
-        row = describe_lock(client, prefix, key)
-        line = LockKeys.for_lock(key)
-        parked, by_task, oldest = _parked_line(client, line, now)
-        if row is None and not parked:
-            continue
-        if row is None:
-            row = {"name": text(key), "owners": {}, "ttl": None, "token": None}
-        state = KeyState(
-            name=row["name"],
-            kind="lock",
-            holders=len(row["owners"]),
-            limit=1,
-            owners=sorted(row["owners"]),
-            parked=parked,
-            parked_by_task=by_task,
-            ttl=row["ttl"],
-            token=row["token"] or None,
-            oldest_wait=oldest,
-        )
-        if state.holders or state.parked:
-            keys[(state.name, "lock")] = state
+        with _each_key(key):
+            state = _lock_state(client, prefix, key, now)
+            if state is not None:
+                keys[(state.name, "lock")] = state
     for name in limited_names(client, prefix, b"*"):
-        found = describe_limited(client, prefix, name)
-        if found is None:
-            continue
-        line = SemaphoreKeys.for_name(name, prefix).line
-        parked, by_task, oldest = _parked_line(client, line, now)
-        state = KeyState(
-            name=found["name"],
-            kind="limit",
-            holders=found["holders"],
-            limit=found["limit"],
-            owners=sorted(found["owners"]),
-            parked=parked,
-            parked_by_task=by_task,
-            waiting=found["waiting"],
-            ttl=found["ttl"],
-            token=found["token"],
-            oldest_wait=oldest,
-        )
-        if state.holders or state.parked or state.waiting:
-            keys[(state.name, "limit")] = state
+        with _each_key(name):
+            state = _limited_state(client, prefix, name, now)
+            if state is not None:
+                keys[(state.name, "limit")] = state
     for name in rated_names(client, prefix, b"*"):
-        found = describe_rated(client, prefix, name)
-        if found is None or not found["deferred"]:
-            continue
-        (head,) = read(client, ("lindex", RateKeys.for_name(name, prefix).deferred, 0))
-        deferred_at = _deferred_at(head) if isinstance(head, bytes) else None
-        keys[(found["name"], "rate")] = KeyState(
-            name=found["name"],
-            kind="rate",
-            deferred=found["deferred"],
-            deferred_task=found["head_task_name"],
-            head_due=found["head_due"],
-            oldest_wait=None if deferred_at is None else max(0.0, now - deferred_at),
-        )
+        with _each_key(name):
+            state = _rated_state(client, prefix, name, now)
+            if state is not None:
+                keys[(state.name, "rate")] = state
     return Survey(now=now, keys=list(keys.values()))
+
+
+def _lock_state(client: Any, prefix: str, key: bytes, now: float) -> KeyState | None:
+    row = describe_lock(client, prefix, key)
+    parked, by_task, oldest = 0, dict[str, int](), None
+    if row is None or row["parked"]:  # (held with nothing parked: no more to read)
+        parked, by_task, oldest = _parked_line(client, LockKeys.for_lock(key), now)
+    if row is None and not parked:
+        return None
+    if row is None:
+        row = {"name": text(key), "owners": {}, "ttl": None, "token": None}
+    state = KeyState(
+        name=row["name"],
+        kind="lock",
+        holders=len(row["owners"]),
+        limit=1,
+        owners=sorted(row["owners"]),
+        parked=parked,
+        parked_by_task=by_task,
+        ttl=row["ttl"],
+        token=row["token"] or None,
+        oldest_wait=oldest,
+    )
+    return state if state.holders or state.parked else None
+
+
+def _limited_state(client: Any, prefix: str, name: bytes, now: float) -> KeyState | None:
+    found = describe_limited(client, prefix, name)
+    if found is None:
+        return None
+    line = SemaphoreKeys.for_name(name, prefix).line
+    parked, by_task, oldest = _parked_line(client, line, now)
+    state = KeyState(
+        name=found["name"],
+        kind="limit",
+        holders=found["holders"],
+        limit=found["limit"],
+        owners=sorted(found["owners"]),
+        parked=parked,
+        parked_by_task=by_task,
+        waiting=found["waiting"],
+        ttl=found["ttl"],
+        token=found["token"],
+        oldest_wait=oldest,
+    )
+    return state if state.holders or state.parked or state.waiting else None
+
+
+def _rated_state(client: Any, prefix: str, name: bytes, now: float) -> KeyState | None:
+    found = describe_rated(client, prefix, name)
+    if found is None or not found["deferred"]:
+        return None
+    (head,) = read(client, ("lindex", RateKeys.for_name(name, prefix).deferred, 0))
+    deferred_at = _deferred_at(head) if isinstance(head, bytes) else None
+    return KeyState(
+        name=found["name"],
+        kind="rate",
+        deferred=found["deferred"],
+        deferred_task=found["head_task_name"],
+        head_due=found["head_due"],
+        oldest_wait=None if deferred_at is None else max(0.0, now - deferred_at),
+    )

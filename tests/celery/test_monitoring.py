@@ -209,7 +209,14 @@ class Run:
     results: dict[str, Any] = field(default_factory=dict)
 
     def produced(self) -> set[str]:
-        return {name for scrape in (self.live, self.after) for name, rows in scrape.items() if rows}
+        """The series the run served; a counter only with a count (the exporter serves
+        the trouble counters at 0 before their first count: that is not producing them)."""
+        return {
+            name
+            for scrape in (self.live, self.after)
+            for name, rows in scrape.items()
+            if rows and (series.BY_NAME[name].type != series.COUNTER or any(v > 0 for _, v in rows))
+        }
 
     def value(self, scrape: str, series_name: str, **labels: str) -> float:
         rows = getattr(self, scrape).get(series_name, [])
