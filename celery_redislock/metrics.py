@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
 import math
 import os
 import threading
@@ -35,6 +36,8 @@ from typing import Any
 
 from . import series, signals
 from ._keyspace import HANDOFF_QUEUE_SUFFIX, stats_key
+
+log = logging.getLogger(__name__)
 
 #: Upper bounds (seconds) of the wait-time histogram buckets; the last bucket is +inf.
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -126,6 +129,10 @@ class LockStats:
 
     def due(self, every: float) -> bool:
         return time.monotonic() - self._last_flush >= every
+
+    def pending(self) -> bool:
+        """Whether any count waits to be flushed."""
+        return bool(self._counts)
 
     def _forked(self) -> None:
         """In a forked child: the parent's counts are the parent's to flush (a pool
@@ -435,7 +442,12 @@ def enable() -> None:
 
 
 def flush_to_redis(client: Any, prefix: str, *, every: float = 1.0, force: bool = False) -> None:
-    """Add the counts gathered since the last flush to ``<prefix>stats`` (one round trip)."""
+    """Add the counts gathered since the last flush to ``<prefix>stats`` (one round trip).
+
+    Not due yet (``every``): the counts wait, and this process's flusher thread (started
+    here) adds them within ``every`` seconds, so the counts of a process that goes idle
+    (its last run's, a lease lost) still reach Redis."""
+    _keep_flushing(client, prefix, every)
     if not (force or STATS.due(every)):
         return
     counts = STATS.drain()
@@ -451,6 +463,49 @@ def flush_to_redis(client: Any, prefix: str, *, every: float = 1.0, force: bool 
         else:
             pipe.hincrby(stats_key(prefix), field, int(amount))
     pipe.execute()
+
+
+#: Where this process's flusher thread adds counts left waiting: (client, prefix, every).
+_flush_target: tuple[Any, str, float] | None = None
+_flusher: threading.Thread | None = None
+_flusher_mutex = threading.Lock()
+
+
+def _keep_flushing(client: Any, prefix: str, every: float) -> None:
+    global _flush_target, _flusher
+    _flush_target = (client, prefix, every)
+    if _flusher is not None:
+        return
+    with _flusher_mutex:
+        if _flusher is None:
+            _flusher = threading.Thread(target=_flush_loop, name="redislock-stats", daemon=True)
+            _flusher.start()
+
+
+def _flush_loop() -> None:
+    """Every ``every`` seconds, add the counts left waiting (none: no round trip)."""
+    while True:
+        target = _flush_target
+        time.sleep(target[2] if target else 1.0)
+        target = _flush_target
+        if target is None or not STATS.pending():
+            continue
+        client, prefix, every = target
+        if not STATS.due(every):
+            continue
+        try:
+            flush_to_redis(client, prefix, force=True)
+        except Exception:  # stats are best effort; tried again at the next tick
+            log.debug("redislock: could not flush stats", exc_info=True)
+
+
+def _forget_flusher() -> None:
+    """In a forked child: the parent's thread did not come along."""
+    global _flusher, _flush_target, _flusher_mutex
+    _flusher, _flush_target, _flusher_mutex = None, None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_flusher)
 
 
 def percentile(buckets: Mapping[str, float], fraction: float) -> float | None:

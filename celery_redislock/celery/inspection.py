@@ -88,7 +88,9 @@ def describe_lock(client: Any, prefix: str, key: bytes) -> dict[str, Any] | None
         return None
     reserved = (FENCE_FIELD.encode(), GRANT_FIELD.encode(), CHAIN_FIELD.encode())
     # Hold counts only: reserved fields, and any a later version may add, are skipped.
-    owners = {text(k): int(v) for k, v in fields.items() if k not in reserved and v.isdigit()}
+    owners = {
+        text(k): n for k, v in fields.items() if k not in reserved and (n := whole(v)) is not None
+    }
     return {
         "kind": "lock",
         "name": text(name),

@@ -21,7 +21,7 @@ from .._errors import LockConfigurationError
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
 from ..settings import check_latest
 from .base import LockedTask
-from .clients import _clients, settings_for
+from .clients import _clients, client_for, settings_for
 from .deferral import Drainer, _drainers
 from .handover import deliver_handed_over, handoff_queue
 from .sweeper import Sweeper, _sweepers
@@ -253,6 +253,19 @@ def _flush_stats_at_exit(**_: Any) -> None:
                 log.debug("redislock: could not flush stats at exit", exc_info=True)
 
 
+def _flush_stats_after_a_run(sender: Any = None, **_: Any) -> None:
+    """After any run of a LockedTask (ignored ones too: a duplicate, a superseded call), its
+    counts go to ``<prefix>stats`` when due, else within a second (metrics' flusher)."""
+    if not isinstance(sender, LockedTask):
+        return
+    try:
+        prefix = sender.lock_options().prefix
+        metrics.flush_to_redis(client_for(sender.app), prefix)
+    except Exception:  # stats are best effort
+        log.debug("redislock: could not flush stats", exc_info=True)
+
+
+celery_signals.task_postrun.connect(_flush_stats_after_a_run, weak=False)
 celery_signals.worker_process_shutdown.connect(_flush_stats_at_exit, weak=False)
 celery_signals.worker_shutdown.connect(_flush_stats_at_exit, weak=False)
 celery_signals.celeryd_after_setup.connect(_consume_handoff_queues, weak=False)

@@ -45,8 +45,13 @@ local function latest_older(s1, t1, s2, t2)
   return t1 < t2
 end
 -- A superseded call's record until its worker stores its state: "<ms> <newer task id>".
+-- At most LATEST_MAX_FIELDS fields: past that (a result backend down for long, or junk
+-- written under the prefix), a superseded call is stored by its worker's reply alone.
+local LATEST_MAX_FIELDS = 256
 local function latest_record(latest, task_id, by)
-  redis.call('hset', latest, 'x:' .. task_id, now_ms() .. ' ' .. (by or ''))
+  if redis.call('hlen', latest) < LATEST_MAX_FIELDS then
+    redis.call('hset', latest, 'x:' .. task_id, now_ms() .. ' ' .. (by or ''))
+  end
 end
 local function latest_clear(latest)
   redis.call('hdel', latest, 'p', 'pt', 'ps', 'pf', 'pd', 'pm', 'pq')
