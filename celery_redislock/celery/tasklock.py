@@ -30,6 +30,7 @@ from .._replies import (
     decode_park,
     decode_release,
 )
+from .._scripts import run
 from ..lock import RedisLock, SyncSingle
 from ..redlock import RedLock
 from ..semaphore import RedisSemaphore
@@ -206,7 +207,7 @@ class _ParkedRun(SyncSingle):
         ``celery redislock release --owner``; "unstarted": a hand-over to it it never
         took up), without look-ahead."""
         keys, args = self.handoff_args(owner, mode, done_ttl)
-        return decode_handoff(self._scripts.handoff(keys=keys, args=args))
+        return decode_handoff(run(self.client, self._scripts.handoff, keys, args))
 
     def finish(
         self,
@@ -249,7 +250,9 @@ class _ParkedRun(SyncSingle):
                     except Exception:  # only a shortcut: the task comes in its turn anyway
                         log.debug("redislock: look-ahead failed for %r", self.name, exc_info=True)
                 handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull, token)
-                reply = decode_handoff(self._scripts.handoff(keys=handoff_keys, args=handoff_args))
+                reply = decode_handoff(
+                    run(self.client, self._scripts.handoff, handoff_keys, handoff_args)
+                )
                 code = reply.code
                 message = self.handed(reply)
                 if reply.pulled is not None:  # handed to the look-ahead's queued task
@@ -319,7 +322,7 @@ class TaskLock(_ParkedRun, RedisLock):
         if latest is not None:
             keys += [self.keys.latest, debounce_registry(self.prefix)]
             args += ["", *latest.args()]
-        return self._scripts.park(keys=keys, args=args)
+        return run(self.client, self._scripts.park, keys, args)
 
     def handoff_args(
         self,
@@ -360,7 +363,7 @@ class TaskLock(_ParkedRun, RedisLock):
             args[3] = lease_ms(done_ttl, "lock_done_ttl")
         if token is not None:
             args.append(token)
-        return decode_release(self._scripts.release(keys=keys, args=args))
+        return decode_release(run(self.client, self._scripts.release, keys, args))
 
 
 class TaskSemaphore(_ParkedRun, RedisSemaphore):
@@ -401,7 +404,7 @@ class TaskSemaphore(_ParkedRun, RedisSemaphore):
         if latest is not None:
             keys += [self.keys.latest, debounce_registry(self.prefix)]
             args += latest.args()
-        return self._scripts.park(keys=keys, args=args)
+        return run(self.client, self._scripts.park, keys, args)
 
     def handoff_args(
         self,
@@ -422,7 +425,7 @@ class TaskSemaphore(_ParkedRun, RedisSemaphore):
         """Keep the permit ``hold`` seconds more, unrenewed (sem_handoff.lua "hold")."""
         hold_ms = lease_ms(hold, "lock_hold")
         keys, args = self.handoff_args(owner, "hold", done_ttl, None, token, hold_ms)
-        return decode_handoff(self._scripts.handoff(keys=keys, args=args)).code
+        return decode_handoff(run(self.client, self._scripts.handoff, keys, args)).code
 
 
 class QuorumTaskLock(RedLock):
