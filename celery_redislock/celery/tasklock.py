@@ -100,7 +100,22 @@ class _ParkedRun(SyncSingle):
     #: The queue lists a hand-over may push a parked envelope to itself, and the task names
     #: it may be for, one a line (the hand-over scripts' ``lists``, ``tasks``): ``task_lock``
     #: sets the app's. Other envelopes come back to the worker, which checks them first.
-    push_to: tuple[str, str] = ("", "")
+    _push_to: tuple[str, str] = ("", "")
+    #: The app whose push targets those are (``task_lock`` sets it): read at the first
+    #: hand-over script call, not when the lock is made (a delivery check needs none).
+    _push_app: Any = None
+
+    @property
+    def push_to(self) -> tuple[str, str]:
+        if self._push_app is not None:
+            self._push_to = push_targets(self._push_app)
+            self._push_app = None
+        return self._push_to
+
+    @push_to.setter
+    def push_to(self, value: tuple[str, str]) -> None:
+        self._push_to = value
+        self._push_app = None
 
     if TYPE_CHECKING:
 
@@ -556,7 +571,7 @@ def task_lock(
                 f"a quorum semaphore, which is not built yet): use one Redis for limited tasks"
             )
         permit = TaskSemaphore(client_for(app), name, task_id=task_id, options=options, limit=limit)
-        permit.push_to = push_targets(app)
+        permit._push_app = app
         return permit
     if settings.urls:
         return QuorumTaskLock(
@@ -567,5 +582,5 @@ def task_lock(
             node_timeout=settings.node_timeout,
         )
     lock = TaskLock(client_for(app), name, task_id=task_id, options=options)
-    lock.push_to = push_targets(app)
+    lock._push_app = app
     return lock
