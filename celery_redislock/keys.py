@@ -319,6 +319,7 @@ class KeyTemplate:
         "_hash_prefix",
         "_max_positional",
         "_parts",
+        "_plain",
         "_render",
         "_signature",
         "_varkw",
@@ -351,6 +352,9 @@ class KeyTemplate:
         self._defaults: dict[str, Any] = {}
         self._varkw: str | None = None
         self._signature: inspect.Signature | None = None
+        #: (parameter names, the names without a default) when every parameter is a plain
+        #: positional-or-keyword one: calls are then bound without inspect (same result).
+        self._plain: tuple[tuple[str, ...], frozenset[str], frozenset[str]] | None = None
         self._func_shown = ""
         self._max_positional = ""
         self._hash_prefix = owner_name + ":"
@@ -467,6 +471,10 @@ class KeyTemplate:
                 defaults[p.name] = p.default
         self._defaults = defaults
         self._signature = signature
+        if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params):
+            names = tuple(p.name for p in params)
+            required = frozenset(p.name for p in params if p.default is p.empty)
+            self._plain = (names, frozenset(names), required)
         self._parts = tuple(parts)
         self.fields = tuple(fields)
         self._func_shown = f"{func_name}{signature}"
@@ -526,8 +534,10 @@ class KeyTemplate:
 
     def _render_template(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         assert self._signature is not None
+        arguments = self._bind_plain(args, kwargs)
         try:
-            arguments = self._signature.bind(*args, **kwargs).arguments
+            if arguments is None:
+                arguments = self._signature.bind(*args, **kwargs).arguments
         except TypeError as exc:
             raise self._error(
                 f"the call does not match {self._func_shown}: {exc} (got {len(args)} "
@@ -540,6 +550,25 @@ class KeyTemplate:
             else:
                 pieces.append(self._render_field(part, arguments))
         return "".join(pieces)
+
+    def _bind_plain(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``Signature.bind(...).arguments`` for a signature of plain parameters, without
+        inspect; None when the signature is not one or the call does not fit it (then
+        ``bind`` binds it, or raises its error)."""
+        plain = self._plain
+        if plain is None:
+            return None
+        names, known, required = plain
+        if len(args) > len(names):
+            return None
+        arguments = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name in arguments or name not in known:
+                return None
+            arguments[name] = value
+        if len(arguments) < len(names) and not required <= arguments.keys():
+            return None
+        return arguments
 
     def _render_field(self, field: _Field, arguments: Mapping[str, Any]) -> str:
         root = field.root

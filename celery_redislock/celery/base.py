@@ -184,6 +184,8 @@ class LockedTask(LastCallWins, Contention):
     _lock_template: ClassVar[KeyTemplate]
     _rate_template: ClassVar[KeyTemplate]
     _lock_overrides: ClassVar[dict[str, Any]] = {}
+    #: lock_options()'s last result: (the app's defaults, the overrides, merged).
+    _merged_options: tuple[LockOptions, dict[str, Any], LockOptions] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Validate the lock options when the task is decorated, naming task and option."""
@@ -250,7 +252,17 @@ class LockedTask(LastCallWins, Contention):
         return getattr(self.request, "redislock", None)
 
     def lock_options(self) -> LockOptions:
-        return settings_for(self.app).defaults.merged(self._lock_overrides)
+        """The app's defaults merged with this task's options: merged once per settings
+        object and overrides (both read again on every call, so a new app settings object
+        or a replaced ``_lock_overrides`` is seen at once; LockOptions is frozen)."""
+        defaults = settings_for(self.app).defaults
+        overrides = self._lock_overrides
+        cached = self._merged_options
+        if cached is not None and cached[0] is defaults and cached[1] is overrides:
+            return cached[2]
+        options = defaults.merged(overrides)
+        self._merged_options = (defaults, overrides, options)
+        return options
 
     def lock_name(self, args: Any, kwargs: Any) -> str:
         """The lock name this call would take (the rendered ``lock_key``)."""

@@ -43,7 +43,7 @@ from .contention import FIRST_TRY_HEADER, REQUEUE_HEADER, _park_fallback, first_
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
-from .tasklock import PARKABLE, TaskSemaphore, request_owner
+from .tasklock import PARKABLE, TaskLock, TaskSemaphore, request_owner
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,9 @@ class Parker:
         #: would otherwise take this worker's only one in turn.
         self.lookahead = slots is None or slots >= 2
         self.queues: dict[tuple[str, str], list[str]] = {}
+        #: Lock keys this check last found held (at most HELD_KEYS, oldest dropped): their
+        #: next message goes straight to the park script, without the EXISTS probe first.
+        self.held: dict[bytes, None] = {}
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -209,6 +212,16 @@ class Parker:
         lock = task.run_lock(args, kwargs, request_owner(headers), options)
         if not isinstance(lock, PARKABLE):
             return False
+        if isinstance(lock, TaskLock) and lock.keys.lock not in self.held:
+            # park.lua "behind" answers "free" when the lock's hash does not exist: asked
+            # first with EXISTS, a free key's message is delivered without its envelope
+            # being built and signed (the pool process's acquire decides, as after the
+            # script's answer). A key found held is remembered: its next message skips this.
+            if not lock.client.exists(lock.keys.lock):
+                return False
+            self.held[lock.keys.lock] = None
+            if len(self.held) > HELD_KEYS:
+                del self.held[next(iter(self.held))]
         name = lock.name
         # Copies of the two parts changed (the header here, the delivery tag when parked).
         envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
@@ -225,6 +238,7 @@ class Parker:
         except OwnerFinished:
             return False  # the pool process logs the duplicate and ignores it
         if outcome is None or outcome is True:
+            self.held.pop(lock.keys.lock, None)  # free (or this task's): probed again next
             return False
         lock._contended(task_id)
         queue = (getattr(message, "delivery_info", None) or {}).get("routing_key")
@@ -287,6 +301,9 @@ class Parker:
             )
         return found
 
+
+#: How many lock keys found held a Parker remembers (:attr:`Parker.held`).
+HELD_KEYS = 1024
 
 _same: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 #: Per app: queue lists the locks' Redis user may write (True) or not (False).

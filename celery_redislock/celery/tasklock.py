@@ -30,6 +30,7 @@ from .._replies import (
     decode_park,
     decode_release,
 )
+from .._scripts import run
 from ..lock import RedisLock, SyncSingle
 from ..redlock import RedLock
 from ..semaphore import RedisSemaphore
@@ -99,7 +100,22 @@ class _ParkedRun(SyncSingle):
     #: The queue lists a hand-over may push a parked envelope to itself, and the task names
     #: it may be for, one a line (the hand-over scripts' ``lists``, ``tasks``): ``task_lock``
     #: sets the app's. Other envelopes come back to the worker, which checks them first.
-    push_to: tuple[str, str] = ("", "")
+    _push_to: tuple[str, str] = ("", "")
+    #: The app whose push targets those are (``task_lock`` sets it): read at the first
+    #: hand-over script call, not when the lock is made (a delivery check needs none).
+    _push_app: Any = None
+
+    @property
+    def push_to(self) -> tuple[str, str]:
+        if self._push_app is not None:
+            self._push_to = push_targets(self._push_app)
+            self._push_app = None
+        return self._push_to
+
+    @push_to.setter
+    def push_to(self, value: tuple[str, str]) -> None:
+        self._push_to = value
+        self._push_app = None
 
     if TYPE_CHECKING:
 
@@ -206,7 +222,7 @@ class _ParkedRun(SyncSingle):
         ``celery redislock release --owner``; "unstarted": a hand-over to it it never
         took up), without look-ahead."""
         keys, args = self.handoff_args(owner, mode, done_ttl)
-        return decode_handoff(self._scripts.handoff(keys=keys, args=args))
+        return decode_handoff(run(self.client, self._scripts.handoff, keys, args))
 
     def finish(
         self,
@@ -249,7 +265,9 @@ class _ParkedRun(SyncSingle):
                     except Exception:  # only a shortcut: the task comes in its turn anyway
                         log.debug("redislock: look-ahead failed for %r", self.name, exc_info=True)
                 handoff_keys, handoff_args = self.handoff_args(owner, "one", done_ttl, pull, token)
-                reply = decode_handoff(self._scripts.handoff(keys=handoff_keys, args=handoff_args))
+                reply = decode_handoff(
+                    run(self.client, self._scripts.handoff, handoff_keys, handoff_args)
+                )
                 code = reply.code
                 message = self.handed(reply)
                 if reply.pulled is not None:  # handed to the look-ahead's queued task
@@ -319,7 +337,7 @@ class TaskLock(_ParkedRun, RedisLock):
         if latest is not None:
             keys += [self.keys.latest, debounce_registry(self.prefix)]
             args += ["", *latest.args()]
-        return self._scripts.park(keys=keys, args=args)
+        return run(self.client, self._scripts.park, keys, args)
 
     def handoff_args(
         self,
@@ -360,7 +378,7 @@ class TaskLock(_ParkedRun, RedisLock):
             args[3] = lease_ms(done_ttl, "lock_done_ttl")
         if token is not None:
             args.append(token)
-        return decode_release(self._scripts.release(keys=keys, args=args))
+        return decode_release(run(self.client, self._scripts.release, keys, args))
 
 
 class TaskSemaphore(_ParkedRun, RedisSemaphore):
@@ -401,7 +419,7 @@ class TaskSemaphore(_ParkedRun, RedisSemaphore):
         if latest is not None:
             keys += [self.keys.latest, debounce_registry(self.prefix)]
             args += latest.args()
-        return self._scripts.park(keys=keys, args=args)
+        return run(self.client, self._scripts.park, keys, args)
 
     def handoff_args(
         self,
@@ -422,7 +440,7 @@ class TaskSemaphore(_ParkedRun, RedisSemaphore):
         """Keep the permit ``hold`` seconds more, unrenewed (sem_handoff.lua "hold")."""
         hold_ms = lease_ms(hold, "lock_hold")
         keys, args = self.handoff_args(owner, "hold", done_ttl, None, token, hold_ms)
-        return decode_handoff(self._scripts.handoff(keys=keys, args=args)).code
+        return decode_handoff(run(self.client, self._scripts.handoff, keys, args)).code
 
 
 class QuorumTaskLock(RedLock):
@@ -553,7 +571,7 @@ def task_lock(
                 f"a quorum semaphore, which is not built yet): use one Redis for limited tasks"
             )
         permit = TaskSemaphore(client_for(app), name, task_id=task_id, options=options, limit=limit)
-        permit.push_to = push_targets(app)
+        permit._push_app = app
         return permit
     if settings.urls:
         return QuorumTaskLock(
@@ -564,5 +582,5 @@ def task_lock(
             node_timeout=settings.node_timeout,
         )
     lock = TaskLock(client_for(app), name, task_id=task_id, options=options)
-    lock.push_to = push_targets(app)
+    lock._push_app = app
     return lock

@@ -260,6 +260,39 @@ def test_callable_exception_is_chained() -> None:
     assert isinstance(error.__cause__, KeyError)
 
 
+def plain(a: Any, b: Any = 2, c: Any = 3) -> None:
+    pass
+
+
+def test_plain_signature_binds_as_inspect_does() -> None:
+    """A function of plain parameters is bound without inspect: every call form (good
+    and bad) renders what inspect's binding renders, or fails with its error."""
+    import inspect
+    import itertools
+
+    t = KeyTemplate("{a}/{b}/{c}", plain, owner_name=OWNER, option=OPTION)
+    assert t._plain is not None  # the fast path is the one under test
+    signature = inspect.signature(plain)
+    names = ("a", "b", "c", "zz")
+    forms = 0
+    for count in range(5):
+        args = tuple(range(10, 10 + count))
+        for used in itertools.chain.from_iterable(
+            itertools.combinations(names, n) for n in range(len(names) + 1)
+        ):
+            kwargs = {name: f"k{name}" for name in used}
+            forms += 1
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                assert str(exc) in str(key_error(t, args, kwargs))
+                continue
+            bound.apply_defaults()
+            want = "/".join(str(bound.arguments[n]) for n in ("a", "b", "c"))
+            assert t.render(args, kwargs) == want
+    assert forms == 5 * 16
+
+
 # --------------------------------------------------------------------- render errors
 
 
