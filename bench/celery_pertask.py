@@ -58,13 +58,19 @@ def log(msg: str) -> None:
 class Worker:
     """``celery worker`` on one queue; its own session, killed by pgid."""
 
-    def __init__(self, variant: str, env: dict[str, str], args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        variant: str,
+        env: dict[str, str],
+        args: argparse.Namespace,
+        app: str = "bench._pertask_app",
+    ) -> None:
         self.variant = variant
         self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
             prefix=f"pertask-{variant}-", suffix=".log", delete=False
         )
         command = [
-            sys.executable, "-m", "celery", "-A", "bench._pertask_app", "worker",
+            sys.executable, "-m", "celery", "-A", app, "worker",
             "-P", "prefork", "-c", str(args.concurrency),
             "-Q", env["PERTASK_QUEUE"], "-n", f"pertask-{variant}-{secrets.token_hex(3)}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat",

@@ -139,3 +139,13 @@ def test_the_per_task_cost_benchmark_runs_every_locked_task_once() -> None:
     )  # fmt: skip
     assert _row(out, "tasks run (of published)") == ["40/40"]
     assert float(_row(out, "Redis commands per task")[0]) > 0
+
+
+def test_the_last_call_wins_benchmark_runs_the_calls_each_policy_says() -> None:
+    out = _run(
+        "bench.latest", "--bursts", "1", "--calls", "4", "--work", "0.3", timeout=120
+    )  # fmt: skip
+    # (bench.latest exits non-zero if a burst ran other calls than its policy says)
+    assert _row(out, "requeue")[:2] == ["5", "0"]  # every call runs
+    assert _row(out, "replace")[:3] == ["2", "3", "1/1"]
+    assert _row(out, "debounce")[:3] == ["1", "4", "1/1"]
