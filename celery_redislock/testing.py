@@ -12,6 +12,7 @@ touches a server it did not start.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +33,14 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _bulk_size(reply: bytes) -> int:
+    """The whole length of the RESP bulk string ``reply`` begins (header, body, CRLF)."""
+    header, _, _ = reply.partition(b"\r\n")
+    if not header.startswith(b"$"):
+        return len(reply)  # an error or another type: nothing more to wait for
+    return len(header) + 2 + int(header[1:]) + 2
 
 
 def redis_server_binary() -> str:
@@ -117,11 +126,26 @@ class RedisServer:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
                     if sock.recv(64).startswith(b"+PONG"):
-                        return True
+                        return self._answered_by_own_process(sock)
             except OSError:
                 pass
             time.sleep(0.02)
         return False
+
+    def _answered_by_own_process(self, sock: socket.socket) -> bool:
+        """Whether the server on our port is our process, not another one that took the
+        free port between :func:`free_port` and our bind (tests run side by side)."""
+        assert self.process is not None
+        sock.settimeout(2.0)
+        sock.sendall(b"INFO server\r\n")
+        reply = b""
+        while b"\r\n" not in reply or len(reply) < _bulk_size(reply):
+            chunk = sock.recv(65536)
+            if not chunk:
+                return False
+            reply += chunk
+        found = re.search(rb"\nprocess_id:(\d+)\r", reply)
+        return found is not None and int(found.group(1)) == self.process.pid
 
     def signal(self, signum: int) -> None:
         assert self.process is not None

@@ -312,9 +312,17 @@ def test_sentinel_master_for_acquire_wait_release_and_failover() -> None:
                 what="the failover",
             )
             # Until the sentinel demotes the old master, clients still connected to it
-            # can write there (a split-brain window Sentinel has by design); wait for it.
+            # can write there (a split-brain window Sentinel has by design). The sentinel
+            # demotes it only some 10 s later (its INFO period, not configurable): the
+            # test sends now what the sentinel sends then, in one transaction (REPLICAOF,
+            # then CLIENT KILL of the normal and pub/sub clients), and waits for it.
             old = master.client()
             try:
+                demote = old.pipeline(transaction=True)
+                demote.execute_command("REPLICAOF", "127.0.0.1", replica.port)
+                demote.execute_command("CLIENT", "KILL", "TYPE", "normal")
+                demote.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+                demote.execute()
                 wait_until(
                     lambda: old.info("replication").get("role") == "slave",
                     timeout=20,

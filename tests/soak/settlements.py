@@ -26,7 +26,10 @@ Oracles, from the ledger in a separate, never-faulted redis-server:
 A worker whose main process exits (kombu can fail to reconnect after the restart) is
 restarted, as a supervisor would, after its orphaned pool processes are SIGKILLed; that
 is reported as a note, and a stall (no settlement applied for the visibility timeout +
-ttl + 60 s) or the ``--minutes`` bound ends the part with a violation.
+ttl + 60 s) or the ``--minutes`` bound ends the part with a violation. A stall whose
+unapplied task ids no worker ever received, with nothing left queued, unacknowledged,
+parked or locked, is put down to the broker transport (see ``_never_received``) as soon
+as the visibility timeout + ttl + 5 s have passed without progress.
 """
 
 from __future__ import annotations
@@ -276,7 +279,11 @@ def run_settlements(p: SettleParams, log_dir: Path, say: Callable[[str], None]) 
         next_kill = time.monotonic() + rng.uniform(*p.kill_gap)
         next_report = time.monotonic() + 10
         stall = p.visibility_timeout + p.ttl + 60  # no task applied for this long: stuck
-        progress_at, last_applied = time.monotonic(), -1
+        # Past any redelivery the broker still owes (the visibility timeout) and any lease:
+        # from then on, a stall that _never_received explains is put down to the transport
+        # at once (looked at once a second), not after the whole stall bound.
+        owed = p.visibility_timeout + p.ttl + 5
+        progress_at, last_applied, looked_at = time.monotonic(), -1, 0.0
         while True:
             now = time.monotonic()
             applied = int(ledger.hlen(soak_app.APPLIED))
@@ -287,13 +294,15 @@ def run_settlements(p: SettleParams, log_dir: Path, say: Callable[[str], None]) 
                 break
             if applied != last_applied:
                 progress_at, last_applied = now, applied
-            elif now - progress_at > stall:
+            elif now - progress_at > owed and (now - looked_at >= 1.0 or now - progress_at > stall):
+                looked_at = now
                 never = _never_received(workers, ledger, soak_app, sent, broker, restarts)
                 if never:
                     # Lost by the broker transport, not by the lock: see _never_received.
                     transport_lost.extend(never)
                     complete = True
                     break
+            if now - progress_at > stall:
                 result.violations.append(
                     f"stalled: no settlement applied for {stall:.0f}s, at {applied}/"
                     f"{p.settlements}; state: {_state_text(broker)}"
