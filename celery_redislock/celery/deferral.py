@@ -199,7 +199,16 @@ class Drainer(threading.Thread):
     in one atomic script, and only the drainer whose script moved the head sends it.
     """
 
-    def __init__(self, app: Any, prefixes: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        prefixes: list[str] | None = None,
+        debounce_prefixes: list[str] | None = None,
+    ) -> None:
+        """``prefixes``: where deferred runs are drained (default: the prefixes of the
+        app's rate-limited tasks); ``debounce_prefixes``: where due debounced calls are
+        sent (default: the app's debounced tasks' prefixes, or none when ``prefixes`` is
+        given: a drainer told where to drain does only that)."""
         super().__init__(name="redislock-drainer", daemon=True)
         from .base import LockedTask  # (base imports this module)
 
@@ -215,7 +224,12 @@ class Drainer(threading.Thread):
             }
         )
         #: The prefixes of debounced tasks, whose pending calls it sends when due.
-        self.debounce_prefixes, self.debounce_look = latest_prefixes(app)
+        found, self.debounce_look = latest_prefixes(app)
+        if debounce_prefixes is not None:
+            found = debounce_prefixes
+        elif prefixes is not None:
+            found = []
+        self.debounce_prefixes = found
 
     def run(self) -> None:
         while not self.stopping.is_set():
