@@ -137,6 +137,11 @@ class RedisLockCollector:
                 if key.head_due is not None and key.head_due < 0:
                     overdue = max(overdue, -key.head_due)
                 continue
+            if key.deferred:  # a debounced call waiting for its quiet period to end
+                task = key.deferred_task or "?"
+                deferred[task] = deferred.get(task, 0) + key.deferred
+                if key.head_due is not None and key.head_due < 0:
+                    overdue = max(overdue, -key.head_due)
             held[key.kind] += key.holders
             for owner in key.owners:
                 holding = (key.kind, key.name, owner)

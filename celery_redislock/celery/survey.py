@@ -22,7 +22,17 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from .._core import LockKeys
-from .._keyspace import RateKeys, SemaphoreKeys, lock_key_pattern, parked_registry, parked_under
+from .._keyspace import (
+    RateKeys,
+    SemaphoreKeys,
+    debounce_registry,
+    latest_run_key,
+    lock_key_pattern,
+    name_from_lock_key,
+    parked_registry,
+    parked_under,
+    semaphore_name,
+)
 from .contention import FIRST_TRY_HEADER
 from .envelope import ENVELOPE
 from .inspection import (
@@ -35,6 +45,7 @@ from .inspection import (
     rated_names,
     read,
     text,
+    whole,
 )
 
 log = logging.getLogger(__name__)
@@ -183,7 +194,42 @@ def survey(client: Any, prefix: str) -> Survey:
             state = _rated_state(client, prefix, name, now)
             if state is not None:
                 keys[(state.name, "rate")] = state
+    with contextlib.suppress(ResponseError):  # (not a sorted set: no registry to read)
+        for member, _ in client.zscan_iter(debounce_registry(prefix)):
+            with _each_key(member):
+                _debounced(client, prefix, member, now, keys)
     return Survey(now=now, keys=list(keys.values()))
+
+
+def _debounced(
+    client: Any, prefix: str, member: Any, now: float, keys: dict[tuple[str, str], KeyState]
+) -> None:
+    """A debounced call waiting for its quiet period to end (``lock_debounce``): counted as
+    deferred on its lock or limited key, due when its quiet period ends."""
+    run_key = latest_run_key(member) if isinstance(member, bytes) else None
+    under = parked_under(run_key, prefix) if run_key is not None else None
+    if run_key is None or under is None:
+        return
+    ((due, message),) = read(client, ("hmget", member, "pd", "pm"))
+    due_ms = whole(due)
+    if not due_ms:
+        return  # (no call waits for its quiet period: it waits for the lock, parked)
+    kind = "limit" if isinstance(under, SemaphoreKeys) else "lock"
+    found = (
+        semaphore_name(run_key, prefix) if kind == "limit" else name_from_lock_key(run_key, prefix)
+    )
+    if found is None:
+        return
+    name = text(found)
+    state = keys.get((name, kind))
+    if state is None:
+        state = keys[(name, kind)] = KeyState(
+            name=name, kind=kind, limit=1 if kind == "lock" else None
+        )
+    state.deferred += 1
+    state.deferred_task = parked_task_name(message) if isinstance(message, bytes) else "?"
+    wait = due_ms / 1000 - now
+    state.head_due = wait if state.head_due is None else min(state.head_due, wait)
 
 
 def _lock_state(client: Any, prefix: str, key: bytes, now: float) -> KeyState | None:

@@ -302,3 +302,26 @@ def test_ls_and_show_read_a_hold_count_of_thousands_of_digits(broker: Any) -> No
             assert "Traceback" not in found.output
     finally:
         r.delete(b"redislock:{junk:digits}")
+
+
+def test_a_debounced_call_waiting_for_quiet_shows_as_deferred_on_its_key(r: Any) -> None:
+    """A last-call-wins key whose pending call waits for its quiet period (lock_debounce):
+    top and the exporter count it as deferred on the key, due when the quiet period ends;
+    one waiting for the lock (pd 0) is parked, not deferred; junk in the registry is
+    left out."""
+    from celery_redislock._keyspace import debounce_registry
+
+    latest = LockKeys.for_name("mon-debounced:k").latest
+    waiting = LockKeys.for_name("mon-debounced:parked").latest
+    seconds, _ = r.time()
+    message = "S" + "0" * 64 + "\n" + json.dumps({"task": "tests.debounced", "args": []})
+    r.hset(latest, mapping={"p": "c1", "pt": "c1", "pd": (seconds + 5) * 1000, "pm": message})
+    r.hset(waiting, mapping={"p": "c2", "pt": "c2", "pd": "0"})
+    r.zadd(debounce_registry(PREFIX), {latest: 1, waiting: 1, b"junk": 1})
+    found = {state.name: state for state in survey(r, PREFIX).keys}
+    assert set(found) == {"mon-debounced:k"}, found
+    state = found["mon-debounced:k"]
+    assert (state.kind, state.deferred, state.deferred_task) == ("lock", 1, "tests.debounced")
+    assert state.head_due is not None and 3 < state.head_due <= 5
+    scraped = _scrape(r)
+    assert ({"name": "tests.debounced"}, 1.0) in scraped["celery_redislock_deferred"]
