@@ -194,10 +194,14 @@ def survey(client: Any, prefix: str) -> Survey:
             state = _rated_state(client, prefix, name, now)
             if state is not None:
                 keys[(state.name, "rate")] = state
+    # A set: ZSCAN may return a member more than once (a rehash during the scan), and a
+    # member counted twice would count its call as two deferred ones.
+    debounced: set[Any] = set()
     with contextlib.suppress(ResponseError):  # (not a sorted set: no registry to read)
-        for member, _ in client.zscan_iter(debounce_registry(prefix)):
-            with _each_key(member):
-                _debounced(client, prefix, member, now, keys)
+        debounced.update(member for member, _ in client.zscan_iter(debounce_registry(prefix)))
+    for member in sorted(debounced, key=repr):
+        with _each_key(member):
+            _debounced(client, prefix, member, now, keys)
     return Survey(now=now, keys=list(keys.values()))
 
 
