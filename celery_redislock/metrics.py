@@ -471,8 +471,23 @@ _flusher: threading.Thread | None = None
 _flusher_mutex = threading.Lock()
 
 
+#: Whether :func:`flush_to_redis` starts this process's flusher: worker processes only
+#: (``celery_redislock.celery.worker`` turns it on at ``worker_init`` and
+#: ``worker_process_init``); elsewhere counts wait for the next flush, as before.
+_flushing = False
+
+
+def keep_flushing(on: bool = True) -> None:
+    """Let :func:`flush_to_redis` start (``on``) or keep running this process's flusher
+    thread, which adds waiting counts to ``<prefix>stats`` within a second (off: it idles)."""
+    global _flushing
+    _flushing = on
+
+
 def _keep_flushing(client: Any, prefix: str, every: float) -> None:
     global _flush_target, _flusher
+    if not _flushing:
+        return
     _flush_target = (client, prefix, every)
     if _flusher is not None:
         return
@@ -488,7 +503,7 @@ def _flush_loop() -> None:
         target = _flush_target
         time.sleep(target[2] if target else 1.0)
         target = _flush_target
-        if target is None or not STATS.pending():
+        if not _flushing or target is None or not STATS.pending():
             continue
         client, prefix, every = target
         if not STATS.due(every):

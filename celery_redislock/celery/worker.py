@@ -265,7 +265,15 @@ def _flush_stats_after_a_run(sender: Any = None, **_: Any) -> None:
         log.debug("redislock: could not flush stats", exc_info=True)
 
 
+def _keep_flushing(**_: Any) -> None:
+    """Worker processes (the main one, and each pool process after its fork) add waiting
+    counts to ``<prefix>stats`` within a second, though they go idle."""
+    metrics.keep_flushing()
+
+
 celery_signals.task_postrun.connect(_flush_stats_after_a_run, weak=False)
+celery_signals.worker_init.connect(_keep_flushing, weak=False)
+celery_signals.worker_process_init.connect(_keep_flushing, weak=False)
 celery_signals.worker_process_shutdown.connect(_flush_stats_at_exit, weak=False)
 celery_signals.worker_shutdown.connect(_flush_stats_at_exit, weak=False)
 celery_signals.celeryd_after_setup.connect(_consume_handoff_queues, weak=False)

@@ -102,6 +102,7 @@ SCRIPT = textwrap.dedent(
     from celery_redislock import metrics
 
     client = redis.Redis.from_url(sys.argv[1])
+    metrics.keep_flushing()  # (as a worker process does)
     metrics.STATS.add("parent_count", 1)
     metrics.flush_to_redis(client, "redislock:", force=True)  # starts the flusher
     assert metrics._flusher is not None and metrics._flusher.is_alive()

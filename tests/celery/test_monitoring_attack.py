@@ -271,6 +271,7 @@ def test_top_on_an_empty_redis_and_on_junk(r: Any) -> None:
 def test_the_last_counts_of_a_process_reach_redis_while_it_is_idle(r: Any) -> None:
     import time
 
+    metrics.keep_flushing()  # (as a worker process does at its start)
     metrics.STATS.drain()
     metrics.flush_to_redis(r, PREFIX, force=True)  # a run ended: flushed
     metrics._count("task_lease_lost_total", name="t", queue_name="q", kind="lock", reason="expired")
@@ -281,6 +282,7 @@ def test_the_last_counts_of_a_process_reach_redis_while_it_is_idle(r: Any) -> No
     try:
         assert r.exists(PREFIX + "stats"), "the lease lost is still only in the process"
     finally:
+        metrics.keep_flushing(False)  # (this test process's other tests count on their own)
         metrics.STATS.drain()
 
 
