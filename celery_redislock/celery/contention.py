@@ -218,21 +218,16 @@ class Contention(Task):  # type: ignore[misc]
         request, options, name = call.request, call.options, call.name
         signature, count = self._next_delivery(call, duplicate=False)
         try:
-            message = _dumps(dict(signature))
+            message = self._signed(lock, call, signature)
         except TypeError:
             return False
-        key = settings_for(self.app).signing_key
-        message = signing.sign_signature(key, lock.keys.lock, lock.owner or request.id, message)
-        fallback = self._fallback_delay(options)
         try:
             outcome = lock.park(message, keep_for=self._parking_lifetime(options))
         except OwnerFinished:
             raise Ignore() from None
         if outcome is True:
             return True
-        with_fallback = _park_fallback(self.app)
-        if with_fallback:
-            self._publish(signature, countdown=fallback)
+        fallback = self._fallback_copy(call, signature, self._fallback_delay(options))
         signals.task_parked.send(self, name=name, task_id=request.id, limit=call.limit)
         log.info(
             "redislock: %s[%s] parked behind the holder of %r (%d)%s",
@@ -240,9 +235,24 @@ class Contention(Task):  # type: ignore[misc]
             request.id,
             name,
             count,
-            f"; fallback copy in {fallback:.1f}s" if with_fallback else "",
+            "" if fallback is None else f"; fallback copy in {fallback:.1f}s",
         )
         raise Ignore()
+
+    def _signed(self, lock: TaskLock | TaskSemaphore, call: _Call, signature: Any) -> str:
+        """``signature`` as the message a parking keeps in Redis: JSON, signed for the
+        lock and the run (raises TypeError for arguments that are not JSON-serialisable)."""
+        key = settings_for(self.app).signing_key
+        owner = lock.owner or call.request.id
+        return signing.sign_signature(key, lock.keys.lock, owner, _dumps(dict(signature)))
+
+    def _fallback_copy(self, call: _Call, signature: Any, countdown: float) -> float | None:
+        """Publish the fallback copy of a run kept in the lock Redis (parked, or pending),
+        where its broker is not that Redis (``_park_fallback``): its countdown, or None."""
+        if not _park_fallback(self.app):
+            return None
+        self._publish(signature, countdown=countdown)
+        return countdown
 
     def _fallback_delay(self, options: LockOptions) -> float:
         return min(max(options.ttl, options.requeue_backoff[1]), _visibility_timeout(self.app) / 4)

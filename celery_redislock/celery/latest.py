@@ -57,9 +57,8 @@ from .._keyspace import debounce_registry, latest_run_key, parked_under
 from .._replies import DUE_SEND, decode_latest_due
 from .._scripts import scripts_for
 from . import signing
-from .clients import settings_for
-from .contention import _Call, _park_fallback
-from .envelope import _dumps, _Handed, _text
+from .contention import _Call
+from .envelope import _Handed, _text
 from .handover import _checked, _report_refused
 from .tasklock import LatestCall, TaskLock, TaskSemaphore
 
@@ -116,16 +115,13 @@ class LastCallWins(Task):  # type: ignore[misc]
         request, options, name = call.request, call.options, call.name
         signature = self._sent_again(call, dict(request.headers or {}))
         try:
-            text = _dumps(dict(signature))
+            message = self._signed(lock, call, signature)
         except TypeError as exc:
             raise LockConfigurationError(
                 f"task {self.name}[{request.id}]: on_contention='replace' and lock_debounce "
                 f"keep the pending call's message in Redis as JSON, and these arguments are "
                 f"not JSON-serialisable ({exc})"
             ) from None
-        key = settings_for(self.app).signing_key
-        owner = lock.owner or request.id
-        message = signing.sign_signature(key, lock.keys.lock, owner, text)
         latest = latest_call(str(request.id), sent_us(request), options)
         reply = lock.park_latest(message, self._parking_lifetime(options), latest)
         ended = {
@@ -142,13 +138,11 @@ class LastCallWins(Task):  # type: ignore[misc]
             return
         if reply.superseded:
             raise Ignore()
-        with_fallback = _park_fallback(self.app)
         fallback = self._fallback_delay(options)
         if reply.pending_ms is not None:
             due = reply.pending_ms / 1000
             signals.task_debounced.send(self, name=name, task_id=request.id, due=due)
-            if with_fallback:
-                self._publish(signature, countdown=due + fallback)
+            self._fallback_copy(call, signature, due + fallback)
             log.info(
                 "redislock: %s[%s] is the pending call of %r, due in %.3fs",
                 self.name,
@@ -157,8 +151,7 @@ class LastCallWins(Task):  # type: ignore[misc]
                 due,
             )
             raise Ignore()
-        if with_fallback:
-            self._publish(signature, countdown=fallback)
+        self._fallback_copy(call, signature, fallback)
         signals.task_parked.send(self, name=name, task_id=request.id, limit=call.limit)
         log.info(
             "redislock: %s[%s] is the pending call of %r, behind its run",
