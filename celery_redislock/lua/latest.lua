@@ -7,6 +7,8 @@
 --                              it waits for the lock in the parked line), its message (while
 --                              it waits to be due), when a drainer last sent it (ms)
 --   s, st                      the newest call that started: its sent time and task id
+--                              (a stored sent time a day or more ahead of the server's
+--                              clock is junk: read as missing)
 --   x:<task id>                a superseded call not yet recorded as such in the result
 --                              backend -> "<ms> <the task id of the call that superseded
 --                              it>" ("" for a run that started); the worker that records it
@@ -38,6 +40,16 @@
 --   taken: the newest started call is this one (if newer), and it is no longer pending;
 --   else (parked): this call is the pending one, waiting for the lock.
 local LATEST_UNRECORDED_MS = 10000
+-- A stored sent time more than this ahead of the server's clock (µs) is junk: each worker
+-- caps a call's sent time at its own clock, so only clocks' offsets put one ahead.
+local LATEST_AHEAD_US = 86400000000
+local function latest_time(value, latest_us)
+  local t = tonumber(value)
+  if t and t <= latest_us then
+    return t
+  end
+  return nil
+end
 local function latest_older(s1, t1, s2, t2)
   if s1 ~= s2 then
     return s1 < s2
@@ -68,8 +80,9 @@ local function latest_gate(latest, owner, task_id, sent, quiet_ms, max_ms, messa
     return nil, false, sent, sent
   end
   local f = redis.call('hmget', latest, 'p', 'pt', 'ps', 'pf', 's', 'st')
-  local p, pt, ps, pf = f[1], f[2], tonumber(f[3]), tonumber(f[4])
-  local s, st = tonumber(f[5]), f[6]
+  local ahead = now_ms() * 1000 + LATEST_AHEAD_US
+  local p, pt, ps, pf = f[1], f[2], latest_time(f[3], ahead), latest_time(f[4], ahead)
+  local s, st = latest_time(f[5], ahead), f[6]
   if s and not st then
     s = nil
   end
@@ -169,7 +182,7 @@ end
 local function latest_after(latest, owner, task_id, sent, first, taken, keep_ms)
   if taken then
     local f = redis.call('hmget', latest, 's', 'st', 'p')
-    local s, st = tonumber(f[1]), f[2]
+    local s, st = latest_time(f[1], now_ms() * 1000 + LATEST_AHEAD_US), f[2]
     if not s or not st or latest_older(s, st, sent, task_id) then
       redis.call('hset', latest, 's', string.format('%.0f', sent), 'st', task_id)
     end

@@ -479,9 +479,9 @@ def test_a_wrong_type_or_far_future_time_under_the_prefix(
 ) -> None:
     """A string where the hash belongs is replaced. A sent time far in the future written
     in the hash (``s``: the newest run that started; ``ps``: a pending call that is not
-    parked) makes every call of the key SUPERSEDED until the hash expires (never, as
-    written): the gate trusts the times it stored. Observed, not a promise broken by a
-    worker: whoever may write the prefix can stop a key (docs/security.md)."""
+    parked) by whoever may write the prefix would make every call of the key SUPERSEDED
+    until then: no worker can have counted such a time (each caps a call's at its
+    clock), so it is read as junk and the key's next call runs."""
     r = broker.client()
     keys = keys_of(f"far{field}")
     r.set(keys.latest, "junk")
@@ -494,10 +494,9 @@ def test_a_wrong_type_or_far_future_time_under_the_prefix(
         if field == "ps":
             r.hset(keys.latest, "p", "ghost")
         r.persist(keys.latest)
-        blocked = laa.replace.delay(f"far{field}", "y", 0.0)
-        wait_until(lambda: state(blocked.id) == SUPERSEDED, what="superseded by the forged time")
-        assert AsyncResult(blocked.id, app=laa.app).info["superseded_by"] == "ghost"
-        assert tags(r, f"far{field}") == ["x"]
+        after = laa.replace.delay(f"far{field}", "y", 0.0)
+        wait_until(lambda: state(after.id) == "SUCCESS", what="the call after the forged time")
+        assert tags(r, f"far{field}") == ["x", "y"]
     finally:
         proc.kill()
 
@@ -816,3 +815,28 @@ def test_scripts_a_call_older_than_a_long_run_is_superseded(redis_server: RedisS
         assert reply.superseded, reply
     finally:
         run.finish(hold=0, done_ttl=60)
+
+
+@pytest.mark.parametrize("field", ["s", "ps"])
+def test_scripts_a_sent_time_written_far_ahead_supersedes_nobody(
+    redis_server: RedisServer, field: str
+) -> None:
+    """Whoever may write the prefix writes a newest-started mark (``s``) or a pending call
+    (``ps``) sent ten days ahead of the server's clock. Every call of the key would be
+    superseded until then; a sent time no worker can have counted (each caps its own at
+    its clock) is junk: the next call takes the key."""
+    client = redis_server.client()
+    lock = _scripts_lock(client, f"ahead-{field}-{time.time_ns()}")
+    latest = lock("x").keys.latest
+    ahead = str(now_us() + 10 * 86_400_000_000)
+    if field == "s":
+        client.hset(latest, mapping={"s": ahead, "st": "forged"})
+    else:
+        client.hset(latest, mapping={"p": "forged", "pt": "forged", "ps": ahead, "pd": "0"})
+    call = lock("call")
+    reply = call.park_latest("m", 60, LatestCall("call", now_us()))
+    try:
+        assert reply.park.acquired and not reply.superseded, reply
+        assert client.hget(latest, "st") == b"call"
+    finally:
+        call.finish(hold=0, done_ttl=60)
