@@ -22,16 +22,12 @@ and then ``os.killpg`` SIGKILL.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import secrets
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -41,6 +37,8 @@ from typing import Any
 import redis
 
 from celery_redislock.testing import RedisServer
+
+from .celery_settlement import Worker as SettleWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -55,53 +53,10 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class Worker:
-    """``celery worker`` on one queue; its own session, killed by pgid."""
-
-    def __init__(
-        self,
-        variant: str,
-        env: dict[str, str],
-        args: argparse.Namespace,
-        app: str = "bench._pertask_app",
-    ) -> None:
-        self.variant = variant
-        self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
-            prefix=f"pertask-{variant}-", suffix=".log", delete=False
-        )
-        command = [
-            sys.executable, "-m", "celery", "-A", app, "worker",
-            "-P", "prefork", "-c", str(args.concurrency),
-            "-Q", env["PERTASK_QUEUE"], "-n", f"pertask-{variant}-{secrets.token_hex(3)}@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-l", args.log_level,
-        ]  # fmt: skip
-        self.process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=self.log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def text(self) -> str:
-        return Path(self.log_file.name).read_text(errors="replace")
-
-    def stop(self) -> None:
-        proc = self.process
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        self.log_file.close()
-        os.unlink(self.log_file.name)
+def Worker(variant: str, env: dict[str, str], args: argparse.Namespace) -> SettleWorker:
+    """The per-task app's worker on its queue (the settlement benchmark's worker class)."""
+    queue = env["PERTASK_QUEUE"]
+    return SettleWorker(variant, env, args, app="bench._pertask_app", queue=queue, tag="pertask")
 
 
 def script_names() -> dict[str, str]:

@@ -154,17 +154,28 @@ def perfect_lock_bound(
 
 
 class Worker:
-    """``celery worker`` for one variant on its own queue; its own session, killed by pgid."""
+    """``celery worker`` for one variant on its own queue; its own session, killed by pgid.
+    The other Celery benchmarks start theirs with it too (``app``, ``queue``, ``tag``)."""
 
-    def __init__(self, variant: str, env: dict[str, str], args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        variant: str,
+        env: dict[str, str],
+        args: argparse.Namespace,
+        *,
+        app: str = "bench._settlement_app",
+        queue: str | None = None,
+        tag: str = "settle",
+    ) -> None:
         self.variant = variant
         self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
-            prefix=f"settle-{variant}-", suffix=".log", delete=False
+            prefix=f"{tag}-{variant}-", suffix=".log", delete=False
         )
+        queue = queue or env["SETTLE_QUEUE"]
         command = [
-            sys.executable, "-m", "celery", "-A", "bench._settlement_app", "worker",
+            sys.executable, "-m", "celery", "-A", app, "worker",
             "-P", "prefork", "-c", str(args.concurrency),
-            "-Q", env["SETTLE_QUEUE"], "-n", f"settle-{variant}-{secrets.token_hex(3)}@%h",
+            "-Q", queue, "-n", f"{tag}-{variant}-{secrets.token_hex(3)}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-l", args.log_level,
         ]  # fmt: skip

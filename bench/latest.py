@@ -26,7 +26,8 @@ from celery.result import AsyncResult
 
 from celery_redislock.testing import RedisServer
 
-from .celery_pertask import ROOT, Worker, log
+from .celery_pertask import ROOT, log
+from .celery_settlement import Worker
 
 POLICIES = ("requeue", "replace", "debounce")
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_app.app.conf.update(broker_url=server.url, result_backend=server.url)
         r = server.client()
         worker = Worker(
-            "latest", {**env, "PERTASK_QUEUE": "latest-bench"}, args, "bench._latest_app"
+            "run", env, args, app="bench._latest_app", queue="latest-bench", tag="latest"
         )
         try:
             _wait_ready(worker)
