@@ -292,7 +292,9 @@ def test_any_arguments_work_or_raise_only_a_configuration_error_writing_nothing(
         assert str(exc).split()[0] in {"rate", "burst", "cost", "max_wait", "timeout"}
         # reserve() and acquire() check the same values alike: an error comes first.
         assert evalsha_calls(client) == calls
-        assert set(client.keys("*")) == before
+        # No key written; an earlier example's rate key may expire meanwhile, so only new
+        # keys count.
+        assert set(client.keys("*")) - before == set()
 
 
 # -- the script checks its arguments before any write ------------------------------
