@@ -15,7 +15,7 @@ from typing import Any
 
 from ._core import lease_ms
 from ._errors import LockConfigurationError
-from ._scripts import is_cluster
+from ._scripts import _direct_pool, is_cluster
 
 log = logging.getLogger("celery_redislock")
 
@@ -90,7 +90,9 @@ def warn_if_unbounded(client: Any, name: str | bytes) -> None:
         )
     retry = kwargs.get("retry")
     retries = getattr(retry, "_retries", 0) if retry is not None else 0
-    if isinstance(retries, int) and retries > 0:
+    if isinstance(retries, int) and retries > 0 and _direct_pool(client) is None:
+        # (On a plain redis.Redis the scripts go to a pooled connection directly and are
+        # never re-sent: _scripts.run.)
         log.warning(
             "redislock: the Redis client of lock %r re-sends a command whose connection "
             "failed (retry with %d retries). Lock scripts are not idempotent: a re-sent "

@@ -52,8 +52,9 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_park_fallback`` (``"auto"``) — also keep a delayed copy of each parked task in
   the broker: ``"auto"`` does when the lock Redis is not the broker's Redis.
 * ``redislock_park_at_delivery`` (``True``) — park contended messages in the worker's main
-  process before dispatch, where the broker is the locks' own Redis (``False``: pool
-  processes park them, one round trip less per message in the main loop).
+  process before dispatch, where the broker is the locks' own Redis, for keys that come
+  again (``False``: pool processes park them, one round trip less per such message in the
+  main loop).
 * ``redislock_signing_key`` (derived from ``broker_url``) — the key the workers sign parked
   messages with and check them against before sending them on or running them (a ``str``
   or ``bytes`` of at least 16 bytes, the same on every worker). See docs/security.md.

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from celery_redislock.celery.parking import RecentKeys
+
 from ._support import wait_until as wait_until  # the one wait_until; re-exported here
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,3 +115,11 @@ def worker(
     proc.start()
     proc.wait_for_log("ready.")
     return proc
+
+
+class EveryKeySeen(RecentKeys):
+    """A Parker's recent keys (``Parker.seen``) that know every key: each message is
+    checked at delivery, as if its key had come before (tests of the check itself)."""
+
+    def again(self, key: bytes) -> bool:
+        return True

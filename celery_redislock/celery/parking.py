@@ -14,8 +14,10 @@ locks (checked once per worker and broker URL, with a probe key), a queue list t
 Redis user may write, messages of task protocol 2 without ``eta`` or ``expires``,
 ``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
 ``redislock_urls``), no parked-task fallback copies, and ``redislock_park_at_delivery``
-left on. Everything else (and any error here) goes the usual way: the pool process takes
-the lock, or parks the task itself.
+left on; and only for a key that comes again (:class:`RecentKeys`): a key's first message
+among the consumer's recent keys costs the main loop no round trip. Everything else (and
+any error here) goes the usual way: the pool process takes the lock, or parks the task
+itself.
 
 A message whose delivery tag says a hand-over pushed it back is run only if its signature
 verifies (:func:`accept_handed_over`): a hand-over script pushes what it finds in Redis,
@@ -121,7 +123,15 @@ def _parked_as(app: Any, raw: Any) -> tuple[bytes | None, bytes]:
 class Parker:
     """Parks one task type's contended messages in the worker's main process."""
 
-    def __init__(self, task: Any, app: Any, revoked: Any, *, slots: int | None = None) -> None:
+    def __init__(
+        self,
+        task: Any,
+        app: Any,
+        revoked: Any,
+        *,
+        slots: int | None = None,
+        seen: RecentKeys | None = None,
+    ) -> None:
         self.task = task
         self.app = app
         self.revoked = revoked
@@ -132,6 +142,8 @@ class Parker:
         #: Lock keys this check last found held (at most HELD_KEYS, oldest dropped): their
         #: next message goes straight to the park script, without the EXISTS probe first.
         self.held: dict[bytes, None] = {}
+        #: Lock keys of the consumer's recent messages (every task type's alike).
+        self.seen = seen if seen is not None else RecentKeys()
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -166,6 +178,7 @@ class Parker:
             app,
             consumer.controller.state.revoked,
             slots=slots if isinstance(slots, int) else None,
+            seen=_recent_keys(consumer),
         )
 
     def park(self, message: Any) -> bool:
@@ -199,27 +212,33 @@ class Parker:
         count = int(headers.get(REQUEUE_HEADER) or 0)
         if count >= options.max_requeues and not handed:
             return False
-        queue_list = self._queue_list(message, raw)
-        if queue_list is None:
-            return False
         if handed:  # pushed back by a hand-over (and verified): the lock is its own
-            if options.lookahead and self.lookahead:
+            queue_list = self._queue_list(message, raw)
+            if queue_list is not None and options.lookahead and self.lookahead:
                 # Its release looks in the list for the next task of its lock.
                 message.headers[LOOKAHEAD_HEADER] = queue_list
             return False
         args, kwargs, _embed = message.decode()
-        # A bad value (or limit): the pool process fails the task.
+        key = task.run_key(args, kwargs)  # a bad value: the pool process fails the task
+        if key not in self.held and not self.seen.again(key):
+            # The first message of its key among the last SEEN_KEYS keys here goes to a pool
+            # process unchecked: contention needs a key that recurs, and the check would
+            # cost every message of a key that does not one round trip in the main loop.
+            return False
+        queue_list = self._queue_list(message, raw)
+        if queue_list is None:
+            return False
         lock = task.run_lock(args, kwargs, request_owner(headers), options)
         if not isinstance(lock, PARKABLE):
             return False
-        if isinstance(lock, TaskLock) and lock.keys.lock not in self.held:
+        if isinstance(lock, TaskLock) and key not in self.held:
             # park.lua "behind" answers "free" when the lock's hash does not exist: asked
             # first with EXISTS, a free key's message is delivered without its envelope
             # being built and signed (the pool process's acquire decides, as after the
             # script's answer). A key found held is remembered: its next message skips this.
-            if not lock.client.exists(lock.keys.lock):
+            if not lock.client.exists(key):
                 return False
-            self.held[lock.keys.lock] = None
+            self.held[key] = None
             if len(self.held) > HELD_KEYS:
                 del self.held[next(iter(self.held))]
         name = lock.name
@@ -238,7 +257,7 @@ class Parker:
         except OwnerFinished:
             return False  # the pool process logs the duplicate and ignores it
         if outcome is None or outcome is True:
-            self.held.pop(lock.keys.lock, None)  # free (or this task's): probed again next
+            self.held.pop(key, None)  # free (or this task's): probed again next
             return False
         lock._contended(task_id)
         queue = (getattr(message, "delivery_info", None) or {}).get("routing_key")
@@ -304,6 +323,41 @@ class Parker:
 
 #: How many lock keys found held a Parker remembers (:attr:`Parker.held`).
 HELD_KEYS = 1024
+#: How many lock keys of its recent messages a worker's consumer remembers (RecentKeys).
+SEEN_KEYS = 4096
+
+
+class RecentKeys:
+    """The lock keys of a consumer's last ``size`` distinct keys' messages, oldest first.
+
+    The check at delivery asks only for a key that comes again: a key seen for the first
+    time (or not among the last ``size``) goes to a pool process, whose acquire decides.
+    """
+
+    def __init__(self, size: int = SEEN_KEYS) -> None:
+        self.size = size
+        self._keys: dict[bytes, None] = {}
+
+    def again(self, key: bytes) -> bool:
+        """Whether ``key`` is among the recent keys; it is the most recent one after."""
+        keys = self._keys
+        known = keys.pop(key, False) is None
+        keys[key] = None
+        if not known and len(keys) > self.size:
+            del keys[next(iter(keys))]
+        return known
+
+
+_seen: weakref.WeakKeyDictionary[Any, RecentKeys] = weakref.WeakKeyDictionary()
+
+
+def _recent_keys(consumer: Any) -> RecentKeys:
+    """The consumer's recent keys, shared by its task types (keys are, too)."""
+    try:
+        return _seen.setdefault(consumer, RecentKeys())
+    except TypeError:  # not weakly referable: this task type's own
+        return RecentKeys()
+
 
 _same: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 #: Per app: queue lists the locks' Redis user may write (True) or not (False).

@@ -35,7 +35,7 @@ from celery_redislock.task import (
 from celery_redislock.testing import RedisServer
 
 from .. import celery_app as ca
-from .._celery import wait_until, worker
+from .._celery import EveryKeySeen, wait_until, worker
 from ..lock.test_security import LOCK_COMMANDS, PASSWORD, acl_rules, set_user
 
 REFUSED = "redislock: refused the parked message of task"
@@ -172,7 +172,7 @@ def test_a_worker_with_another_signing_key_refuses_what_was_parked(
     queue = "celery"
     RedisLock(r, "job:keyed", ttl=60, owner="holder", auto_renew=False).acquire()
     sent = [ca.hold_for.apply_async(("keyed", 0.01), queue=queue) for _ in range(2)]
-    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    parker = Parker(ca.hold_for, ca.app, revoked=set(), seen=EveryKeySeen())
     with ca.app.connection_for_read() as conn:
         simple = conn.SimpleQueue(queue)
         for _ in sent:

@@ -24,7 +24,7 @@ from celery_redislock.task import LockedTask
 from celery_redislock.testing import RedisServer
 
 from .. import celery_app as ca
-from .._celery import wait_until, worker
+from .._celery import EveryKeySeen, wait_until, worker
 from .test_limits import _permit
 from .test_parking import _fetch
 
@@ -124,10 +124,12 @@ def test_parking_at_delivery_counts_a_deferral_and_the_wait_starts_at_the_first_
         sent = ca.tenant_job.apply_async(("t", 0.01), queue=queue)
         mutex = ca.settle.apply_async((5, 1), queue=queue)  # (free: taken, not parked)
         before = time.time()
-        parker = Parker(ca.tenant_job, ca.app, revoked=set())
+        parker = Parker(ca.tenant_job, ca.app, revoked=set(), seen=EveryKeySeen())
         assert _fetch(queue, parker=parker).headers["id"] == sent.id
         after = time.time()
-        assert _fetch(queue, parker=Parker(ca.settle, ca.app, revoked=set()), parks=False)
+        assert _fetch(
+            queue, parker=Parker(ca.settle, ca.app, revoked=set(), seen=EveryKeySeen()), parks=False
+        )
     finally:
         signals.task_parked.disconnect(record)
     assert [(d["task"], d["task_id"], d["limit"]) for d in deferred] == [(TENANT_JOB, sent.id, 2)]

@@ -24,7 +24,7 @@ from celery_redislock.task import LockedTask
 from celery_redislock.testing import RedisServer
 
 from .. import celery_app as ca
-from .._celery import wait_until, worker
+from .._celery import EveryKeySeen, wait_until, worker
 from .test_parking import _fetch
 
 SEM = SemaphoreKeys.for_name("tenant:t")
@@ -216,7 +216,7 @@ def test_the_main_process_parks_over_limit_messages_and_the_sweeper_serves_free_
     assert all(h.take() for h in holders)
     sent = [ca.tenant_job.apply_async(("t", 0.01), queue=queue) for _ in range(3)]
     free = ca.tenant_job.apply_async(("other", 0.01), queue=queue)
-    parker = Parker(ca.tenant_job, ca.app, revoked=set())
+    parker = Parker(ca.tenant_job, ca.app, revoked=set(), seen=EveryKeySeen())
     for result in sent:
         assert _fetch(queue, parker=parker).headers["id"] == result.id
     assert _fetch(queue, parker=parker, parks=False).headers["id"] == free.id

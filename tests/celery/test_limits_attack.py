@@ -37,7 +37,7 @@ from celery_redislock.testing import RedisServer
 
 from .. import celery_app as ca
 from .. import limits_attack_app as lap
-from .._celery import wait_until, worker
+from .._celery import EveryKeySeen, wait_until, worker
 from .test_parking import _fetch
 
 APP = "tests.limits_attack_app"
@@ -250,7 +250,12 @@ def test_two_copies_of_one_run_never_run_at_once_through_a_worker(
     plain = [RedisSemaphore(r, "cap:dup", 2, ttl=60, owner=f"plain-{i}") for i in range(2)]
     assert all(p.acquire(blocking=False) for p in plain)
     copy_a = lap.capped.apply_async(("dup", 8.0), queue=queue, task_id="run-x")
-    assert _fetch(queue, parker=Parker(lap.capped, ca.app, revoked=set())).headers["id"] == "run-x"
+    assert (
+        _fetch(
+            queue, parker=Parker(lap.capped, ca.app, revoked=set(), seen=EveryKeySeen())
+        ).headers["id"]
+        == "run-x"
+    )
     assert r.lrange(keys_of("dup").line.parked, 0, -1) == [b"run-x"]
     plain[0].release()
     lap.capped.apply_async(("dup", 8.0), queue=queue, task_id="run-x")  # copy B
@@ -588,7 +593,7 @@ def test_the_sweeper_hands_out_free_permits_up_to_the_limit_and_resends_a_lost_o
     held = [permit(f"h{i}", "sweep") for i in range(2)]
     assert all(h.take() for h in held)
     sent = [lap.capped.apply_async(("sweep", 0.0), queue=queue) for _ in range(4)]
-    parker = Parker(lap.capped, ca.app, revoked=set())
+    parker = Parker(lap.capped, ca.app, revoked=set(), seen=EveryKeySeen())
     for result in sent:
         assert _fetch(queue, parker=parker).headers["id"] == result.id
     sweeper = Sweeper(ca.app)

@@ -18,7 +18,9 @@ from celery_redislock import RedisLock
 from celery_redislock._core import OwnerRunning
 from celery_redislock._scripts import scripts_for
 from celery_redislock.celery import base as base_module
+from celery_redislock.celery import parking as parking_module
 from celery_redislock.celery import sweeper as sweeper_module
+from celery_redislock.celery.parking import RecentKeys
 from celery_redislock.parking import Parker, _same_redis
 from celery_redislock.task import (
     QUEUE_REACH,
@@ -32,7 +34,7 @@ from celery_redislock.task import (
 from celery_redislock.testing import RedisServer
 
 from .. import celery_app as ca
-from .._celery import wait_until, worker
+from .._celery import EveryKeySeen, wait_until, worker
 from ..lock.test_security import CELERY_COMMANDS, PASSWORD, acl_rules, denials, set_user
 
 PARKED = "redislock:{job:%s}:parked"
@@ -47,6 +49,21 @@ def _release_as(r: redis.Redis, name: str, owner: str) -> list[Any]:
     lock.push_to = ("\n".join(ca.app.amqp.queues), push_targets(ca.app)[1])
     keys, args = lock.handoff_args(owner, "one", None)
     return list(scripts_for(r).handoff(keys=keys, args=args))
+
+
+class _Consumer:
+    """A stand-in for the worker's consumer (hashable and weakly referable, as Celery's is)."""
+
+    def __init__(self, **attributes: Any) -> None:
+        self.__dict__.update(attributes)
+
+
+def _warm(r: redis.Redis, name: str) -> None:
+    """One task of ``job:<name>`` run to its end by the worker: the key is then among its
+    recent keys, so its next messages are checked at delivery. Its start record goes."""
+    ca.hold_for.delay(name, 0.0).get(timeout=60)
+    wait_until(lambda: not r.exists(f"redislock:{{job:{name}}}"), timeout=10)
+    r.delete(f"started:{name}")
 
 
 def _fetch(queue: str, *, app: Any = None, parker: Parker | None = None, parks: bool = True) -> Any:
@@ -74,7 +91,7 @@ def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
     ids = ['say "hi"', "C:\\temp\\x", "sync%2Fuser%1"]
     sent = [ca.hold_for.apply_async(("env", 0.01), queue=queue, task_id=i) for i in ids]
     other = ca.hold_for.apply_async(("free", 0.01), queue=queue)  # its lock is free
-    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    parker = Parker(ca.hold_for, ca.app, revoked=set(), seen=EveryKeySeen())
     for result in sent:  # parked: the worker acks it
         assert _fetch(queue, parker=parker).headers["id"] == result.id
     # free: delivered as usual
@@ -112,6 +129,35 @@ def test_a_contended_message_is_parked_as_its_envelope_and_comes_back_first(
     assert _fetch(queue).headers["id"] == later.id
 
 
+def test_a_key_s_first_message_goes_to_a_pool_process_unchecked(broker: RedisServer) -> None:
+    """The check at delivery is for keys that come again: a key's first message among a
+    worker's recent keys is delivered without a round trip (its lock held or not: the
+    pool process's acquire decides, and parks it); its next one is checked and parked.
+    The recent keys are the consumer's, every task type's alike, and the oldest go."""
+    r = broker.client()
+    queue = "parking-first-seen"
+    RedisLock(r, "job:seen", ttl=60, owner="holder", auto_renew=False).acquire()
+    first, second = (ca.hold_for.apply_async(("seen", 0.01), queue=queue) for _ in range(2))
+    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    before = r.info("commandstats")
+    assert _fetch(queue, parker=parker, parks=False).headers["id"] == first.id
+    after = r.info("commandstats")
+    assert after.get("cmdstat_exists") == before.get("cmdstat_exists")  # not asked
+    assert after.get("cmdstat_evalsha") == before.get("cmdstat_evalsha")
+    assert _fetch(queue, parker=parker).headers["id"] == second.id  # parked at delivery
+    assert [p.decode() for p in r.lrange(PARKED % "seen", 0, -1)] == [second.id]
+    # Bounded, oldest first: a key pushed out is unchecked again.
+    recent = RecentKeys(size=2)
+    assert [recent.again(k) for k in (b"a", b"b", b"a", b"c", b"b", b"a")] == [
+        False,
+        False,
+        True,
+        False,  # b is now the oldest, and goes
+        False,
+        False,  # a went when b came back
+    ]
+
+
 def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
     broker: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,7 +165,7 @@ def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
     queue = "parking-sweeper"
     RedisLock(r, "job:swept", ttl=60, owner="holder", auto_renew=False).acquire()
     sent = [ca.hold_for.apply_async(("swept", 0.01), queue=queue) for _ in range(2)]
-    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    parker = Parker(ca.hold_for, ca.app, revoked=set(), seen=EveryKeySeen())
     for result in sent:
         message = _fetch(queue, parker=parker)
         assert message.headers["id"] == result.id
@@ -186,6 +232,7 @@ def test_a_worker_parks_contended_tasks_without_a_pool_process_and_runs_them_in_
     r = broker.client()
     proc = worker(broker.url, tmp_path / "w.log")
     try:
+        _warm(r, "line")  # the check at delivery is for keys that come again
         RedisLock(r, "job:line", ttl=60, owner="holder", auto_renew=False).acquire()
         results = [ca.hold_for.delay("line", 0.01) for _ in range(5)]
         wait_until(lambda: r.llen(PARKED % "line") == 5, timeout=30)
@@ -228,7 +275,7 @@ def test_one_broken_lock_does_not_stop_the_sweepers_pass(broker: RedisServer) ->
     queue = "parking-broken"
     RedisLock(r, "job:good", ttl=60, owner="holder", auto_renew=False).acquire()
     sent = ca.hold_for.apply_async(("good", 0.01), queue=queue)
-    _fetch(queue, parker=Parker(ca.hold_for, ca.app, revoked=set()))
+    _fetch(queue, parker=Parker(ca.hold_for, ca.app, revoked=set(), seen=EveryKeySeen()))
     # A lock ahead of it in the registry whose parked entry cannot be published.
     r.rpush("redislock:{job:bad}:parked", "t-bad")
     r.hset("redislock:{job:bad}:parked:messages", "t-bad", "{not json")
@@ -275,10 +322,11 @@ def test_a_lock_user_that_may_not_write_the_queue_leaves_parking_to_pool_process
     queue = "parking-acl"
     try:
         with app.connection_for_read() as conn:
-            consumer = SimpleNamespace(
+            consumer = _Consumer(
                 connection=conn,
                 controller=SimpleNamespace(state=SimpleNamespace(revoked=set())),
             )
+            parking_module._seen[consumer] = EveryKeySeen()  # every message checked
             parkers = [Parker.for_consumer(job, app, consumer) for _ in range(2)]
         RedisLock(admin, "job:acl", ttl=60, owner="holder", auto_renew=False).acquire()
         for parker in parkers:  # as the Parkers of two task types of the app
@@ -307,7 +355,7 @@ def test_a_prioritised_message_under_a_key_prefix_comes_back_to_the_first_read_l
         RedisLock(r, "job:pri", ttl=60, owner="holder", auto_renew=False).acquire()
         sent = job.apply_async(("pri",), queue=queue, priority=9)
         assert r.llen(f"pfx:{queue}\x06\x169") == 1  # where kombu put it
-        _fetch(queue, app=app, parker=Parker(job, app, revoked=set()))
+        _fetch(queue, app=app, parker=Parker(job, app, revoked=set(), seen=EveryKeySeen()))
         lock = TaskLock(r, "job:pri", task_id="holder", options=job.lock_options())
         app.amqp.queues.select(queue)  # as a worker consuming it (celery worker -Q)
         lock.push_to = push_targets(app)  # (what task_lock sets: its lists are "pfx:...")
@@ -448,7 +496,7 @@ def test_a_release_with_nobody_parked_hands_the_lock_to_the_next_queued_task_of_
     ]
     # The worker's main process delivers it without checking the lock again, and tells
     # the pool process which list its own release is to search.
-    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    parker = Parker(ca.hold_for, ca.app, revoked=set(), seen=EveryKeySeen())
     first = _fetch(queue, parker=parker, parks=False)
     assert first.headers["id"] == target.id
     assert first.headers["redislock_lookahead"] == queue
@@ -530,12 +578,13 @@ def test_a_worker_runs_the_queued_tasks_of_a_busy_lock_ahead_of_the_backlog(
     free, each moved ahead of the o* backlog by the release before it (without look-ahead
     they would wait for o2..o7, in turn)."""
     r = broker.client()
-    RedisLock(r, "job:busy", ttl=60, owner="holder", auto_renew=False).acquire()
-    first = ca.hold_for.apply_async(("busy", 0.2), queue="celery")
-    backlog = [ca.hold_for.apply_async((f"o{i}", 0.5), queue="celery") for i in range(8)]
-    chain = [ca.hold_for.apply_async(("busy", 0.2), queue="celery") for _ in range(3)]
     proc = worker(broker.url, tmp_path / "w.log", concurrency=2)
     try:
+        _warm(r, "busy")  # the check at delivery is for keys that come again
+        RedisLock(r, "job:busy", ttl=60, owner="holder", auto_renew=False).acquire()
+        first = ca.hold_for.apply_async(("busy", 0.2), queue="celery")
+        backlog = [ca.hold_for.apply_async((f"o{i}", 0.5), queue="celery") for i in range(8)]
+        chain = [ca.hold_for.apply_async(("busy", 0.2), queue="celery") for _ in range(3)]
         wait_until(lambda: r.llen(PARKED % "busy") == 1, timeout=30)  # a, at delivery
         wait_until(lambda: r.llen("started:o1") == 1, timeout=30)  # both slots busy
         assert _release_as(r, "busy", "holder")[2].decode() == first.id
@@ -700,7 +749,7 @@ def test_a_worker_with_one_slot_does_not_look_ahead(broker: RedisServer) -> None
     RedisLock(r, "job:solo", ttl=60, owner="holder", auto_renew=False).acquire()
     parked = ca.hold_for.apply_async(("solo", 0.01), queue=queue)
     for slots, header in ((1, False), (2, True)):
-        parker = Parker(ca.hold_for, ca.app, revoked=set(), slots=slots)
+        parker = Parker(ca.hold_for, ca.app, revoked=set(), seen=EveryKeySeen(), slots=slots)
         if slots == 1:
             _fetch(queue, parker=parker)  # parked at delivery
             _release_as(r, "solo", "holder")  # ...and handed its lock through the list
