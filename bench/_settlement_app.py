@@ -53,6 +53,9 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
 )
+if os.environ.get("SETTLE_FALLBACK"):  # redislock_park_fallback: "auto" (default), 0, 1
+    fallback = os.environ["SETTLE_FALLBACK"]
+    app.conf.redislock_park_fallback = fallback if fallback == "auto" else fallback == "1"
 if os.environ.get("SETTLE_LOOKAHEAD"):
     app.conf.redislock_lookahead = int(os.environ["SETTLE_LOOKAHEAD"])
 

@@ -408,7 +408,13 @@ def run_variant(
         if args.keep_logs:
             keep = Path(args.keep_logs) / f"{variant}-r{repeat + 1}.log"
         worker.stop(keep)
-        delete_queues(broker, [queue, f"{queue}.redislock"])
+        names = [queue, f"{queue}.redislock"]
+        if variant == "locked" and broker.startswith("amqp"):  # its fallback copies' queue
+            from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX
+
+            delay = round(task._fallback_delay(task.lock_options()) * 1000)
+            names.append(f"{DELAY_QUEUE_PREFIX}{delay}.{queue}")
+        delete_queues(broker, names)
     return out
 
 

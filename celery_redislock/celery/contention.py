@@ -4,13 +4,16 @@ holder (in the pool process), re-queue, skip or fail; and when it gives up.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
+import weakref
 from typing import Any, NamedTuple
 
 from celery import Task
 from celery.exceptions import Ignore, Reject
+from kombu.entity import Exchange, Queue
 
 from .. import signals
 from .._core import MAX_SECONDS, LockKeys, OwnerFinished, backoff
@@ -248,10 +251,19 @@ class Contention(Task):  # type: ignore[misc]
 
     def _fallback_copy(self, call: _Call, signature: Any, countdown: float) -> float | None:
         """Publish the fallback copy of a run kept in the lock Redis (parked, or pending),
-        where its broker is not that Redis (``_park_fallback``): its countdown, or None."""
+        where its broker is not that Redis (``_park_fallback``): its countdown, or None.
+
+        With an AMQP broker the copy waits in a delay queue of the broker's own
+        (:func:`delay_queue`), not in a worker's memory as an ``eta`` task would: held
+        ``eta`` messages count against the consumer's prefetch, and a worker holding one
+        per parked task was seen to stall for seconds."""
         if not _park_fallback(self.app):
             return None
-        self._publish(signature, countdown=countdown)
+        delayed = delay_queue(self.app, signature, countdown)
+        if delayed is None:
+            self._publish(signature, countdown=countdown)
+        else:
+            self._publish(signature, queue=delayed, exchange="", routing_key=delayed.name)
         return countdown
 
     def _fallback_delay(self, options: LockOptions) -> float:
@@ -308,6 +320,67 @@ def _park_fallback(app: Any) -> bool:
             settings.url != (getattr(app.conf, "broker_url", None) or app.conf.get("broker_url"))
         )
     return bool(settings.park_fallback)
+
+
+#: Where the fallback copies of an AMQP broker wait: ``<prefix><ms>.<target>``, one queue per
+#: delay and destination, with no consumers; a copy dead-letters to its destination when
+#: the queue's message TTL (the delay) runs out.
+DELAY_QUEUE_PREFIX = "redislock.delay."
+#: AMQP caps queue names at 255 bytes: a longer destination is named by its digest.
+_MAX_QUEUE_NAME = 255
+_amqp: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def delay_queue(app: Any, signature: Any, countdown: float) -> Any:
+    """The queue a fallback copy of ``signature`` waits ``countdown`` seconds in before it
+    goes where ``signature`` would go, or None when the broker is not AMQP (the copy is
+    then an ``eta`` task).
+
+    A queue with a message TTL of the delay, dead-lettering to the destination's exchange
+    and routing key: every message in it waits the same time, so they leave it in order
+    (RabbitMQ expires messages at the head of a queue). Declared when a copy is published
+    to it; nothing consumes it.
+    """
+    if not _is_amqp(app):
+        return None
+    options = signature.options
+    exchange = options.get("exchange") or ""
+    exchange = getattr(exchange, "name", exchange)
+    routing_key = options.get("routing_key")
+    queue = options.get("queue")
+    if not routing_key:
+        routing_key = getattr(queue, "name", queue) or app.conf.task_default_queue
+    if not isinstance(exchange, str) or not isinstance(routing_key, str):
+        return None
+    delay_ms = max(1, round(countdown * 1000))
+    target = f"{exchange}/{routing_key}" if exchange else routing_key
+    name = f"{DELAY_QUEUE_PREFIX}{delay_ms}.{target}"
+    if len(name.encode()) > _MAX_QUEUE_NAME:
+        digest = hashlib.sha256(target.encode()).hexdigest()[:32]
+        name = f"{DELAY_QUEUE_PREFIX}{delay_ms}.{digest}"
+    return Queue(  # type: ignore[no-untyped-call]
+        name,
+        exchange=Exchange("", type="direct"),  # type: ignore[no-untyped-call]
+        routing_key=name,
+        durable=True,
+        queue_arguments={
+            "x-message-ttl": delay_ms,
+            "x-dead-letter-exchange": exchange,
+            "x-dead-letter-routing-key": routing_key,
+        },
+    )
+
+
+def _is_amqp(app: Any) -> bool:
+    found = _amqp.get(app)
+    if found is None:
+        try:
+            with app.connection_for_write() as conn:  # not connected: the transport's kind
+                found = conn.transport.driver_type == "amqp"
+        except Exception:
+            found = False
+        _amqp[app] = found
+    return found
 
 
 def _visibility_timeout(app: Any) -> float:
