@@ -23,7 +23,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.client
 import redis.client
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from ._core import MAX_MS
 
@@ -189,6 +189,16 @@ def _run_direct(pool: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
             connection.read_response()
             connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
             return connection.read_response()
+    except ResponseError:  # an error reply, read whole: the connection is in step
+        raise
+    except BaseException:
+        # Anything else may leave a reply unread: an exception raised between the send
+        # and the read (a signal handler's, such as Celery's soft time limit), which
+        # redis-py's Connection does not see. Its next user would read that reply as
+        # its own (the pool checks a connection it hands out only without maintenance
+        # notifications, and only for a reply already arrived): drop it.
+        connection.disconnect()
+        raise
     finally:
         if _should_reconnect(connection):  # a maintenance notice said so (redis-py 7+)
             connection.disconnect()
@@ -209,10 +219,34 @@ def _get_connection_args(pool_class: Any) -> tuple[str, ...]:
 
 _GET_CONNECTION_ARGS = _get_connection_args(redis.ConnectionPool)
 _GET_CONNECTION_ARGS_ASYNC = _get_connection_args(redis.asyncio.ConnectionPool)
-#: redis-py's own ``Redis.execute_command``: a client whose class has another (a subclass's,
-#: or one wrapped by tracing instrumentation) keeps it for the scripts too.
-_EXECUTE_COMMAND = redis.Redis.execute_command
-_EXECUTE_COMMAND_ASYNC = redis.asyncio.Redis.execute_command
+#: The methods of redis-py's ``Redis`` a command goes through (redis-py 8.1; those a
+#: version lacks are not looked at): a client whose class has another of any (a
+#: subclass's, or one wrapped by tracing instrumentation) keeps its path for the scripts.
+_COMMAND_PATH = (
+    "execute_command",
+    "_execute_command",
+    "_send_command_parse_response",
+    "parse_response",
+)
+
+
+def _own_code(cls: type, module: str) -> dict[str, Any]:
+    """The code of ``cls``'s own methods of ``_COMMAND_PATH``, found under any wrapper
+    that names them (``__wrapped__``: instrumentation may have patched the class before
+    this module was imported)."""
+    found: dict[str, Any] = {}
+    for name in _COMMAND_PATH:
+        function = inspect.unwrap(getattr(cls, name, None))  # type: ignore[arg-type]
+        if isinstance(function, types.FunctionType) and (
+            function.__module__,
+            function.__qualname__,
+        ) == (module, f"{cls.__name__}.{name}"):
+            found[name] = function.__code__
+    return found
+
+
+_OWN_CODE = _own_code(redis.Redis, "redis.client")
+_OWN_CODE_ASYNC = _own_code(redis.asyncio.Redis, "redis.asyncio.client")
 #: Per client: the pool the scripts run on directly, or None (``_direct_pool``).
 _direct: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -221,8 +255,9 @@ def _direct_pool(client: Any) -> Any:
     """The connection pool the scripts of ``client`` go to directly, or None: they do on a
     plain ``redis.Redis`` (or a subclass that keeps its command path) with a connection
     pool of its own kind, no single connection, no client-side cache and no reply
-    callback for EVALSHA; anything else (a pipeline, a cluster or asyncio client, a traced
-    client) goes through ``execute_command``.
+    callback for EVALSHA; and the same of ``redis.asyncio.Redis``. Anything else (a
+    pipeline, a cluster client, a traced client, a Sentinel's pool) goes through
+    ``execute_command``.
 
     The direct way skips redis-py's per-command layers (retry wrapper, observability
     recorder, event dispatch): about a fifth of a short script's round trip here, and a
@@ -235,13 +270,12 @@ def _direct_pool(client: Any) -> Any:
     except TypeError:  # not weakly referable
         return None
     pool = None
-    execute = getattr(type(client), "execute_command", None)
     if isinstance(client, redis.Redis):
         kind: Any = redis.client
-        own = execute is _EXECUTE_COMMAND or _is_redis_own(execute, "redis.client")
+        own = _is_redis_own(client, _OWN_CODE)
     elif isinstance(client, redis.asyncio.Redis):
         kind = redis.asyncio.client
-        own = execute is _EXECUTE_COMMAND_ASYNC or _is_redis_own(execute, "redis.asyncio.client")
+        own = _is_redis_own(client, _OWN_CODE_ASYNC)
     else:
         kind, own = None, False
     if (
@@ -258,13 +292,23 @@ def _direct_pool(client: Any) -> Any:
     return pool
 
 
-def _is_redis_own(execute: Any, module: str) -> bool:
-    """Whether ``execute`` is redis-py's ``Redis.execute_command`` (a plain function of
-    ``module``), not a wrapper (instrumentation patches the class)."""
-    return isinstance(execute, types.FunctionType) and (
-        execute.__module__,
-        execute.__qualname__,
-    ) == (module, "Redis.execute_command")
+def _is_redis_own(client: Any, own: dict[str, Any]) -> bool:
+    """Whether ``client``'s command path is redis-py's own: every method of ``own`` the
+    very function redis-py defines (a wrapper has code of its own, even one that copies
+    the name with ``functools.wraps``, as Sentry's does), none set on the instance."""
+    if "execute_command" not in own:
+        return False
+    cls = type(client)
+    instance = getattr(client, "__dict__", {})
+    for name, code in own.items():
+        method = getattr(cls, name, None)
+        if (
+            name in instance
+            or not isinstance(method, types.FunctionType)
+            or method.__code__ is not code
+        ):
+            return False
+    return True
 
 
 #: The pools whose connections the scripts use directly: redis-py's own (a Sentinel's is a
@@ -304,6 +348,11 @@ async def _run_direct_async(
             await connection.read_response()
             await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
             return await connection.read_response()
+    except ResponseError:
+        raise
+    except BaseException:  # as in _run_direct: a reply may be left unread
+        await connection.disconnect(nowait=True)
+        raise
     finally:
         if _should_reconnect(connection):
             await connection.disconnect()

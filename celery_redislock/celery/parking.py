@@ -250,8 +250,8 @@ class Parker:
             tried = first_try(headers.get(FIRST_TRY_HEADER), time.time())
             envelope["headers"][FIRST_TRY_HEADER] = tried
         keep_for = task._parking_lifetime(options)
-        key = settings_for(self.app).signing_key
-        entry = envelope_entry(queue_list, envelope, lock.keys.lock, key)
+        signing_key = settings_for(self.app).signing_key
+        entry = envelope_entry(queue_list, envelope, lock.keys.lock, signing_key)
         try:
             outcome = lock.park(entry, keep_for, behind=True)
         except OwnerFinished:

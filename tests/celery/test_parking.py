@@ -158,6 +158,88 @@ def test_a_key_s_first_message_goes_to_a_pool_process_unchecked(broker: RedisSer
     ]
 
 
+def test_a_key_found_free_by_the_park_script_is_probed_with_exists_again(
+    broker: RedisServer,
+) -> None:
+    """A key the check found held skips the EXISTS probe next time; once the park script
+    finds it free (or the message's own), it is forgotten, and its next message is
+    probed with EXISTS again (not sent on to the park script, its envelope built and
+    signed for nothing)."""
+    r = broker.client()
+    queue = "parking-forget-held"
+    lock_key = b"redislock:{job:forget}"
+    RedisLock(r, "job:forget", ttl=60, owner="holder", auto_renew=False).acquire()
+    sent = [ca.hold_for.apply_async(("forget", 0.01), queue=queue) for _ in range(3)]
+    parker = Parker(ca.hold_for, ca.app, revoked=set(), seen=EveryKeySeen())
+    assert _fetch(queue, parker=parker).headers["id"] == sent[0].id  # held: parked
+    assert lock_key in parker.held
+    r.delete(lock_key.decode())  # the holder's lease ran out
+    assert _fetch(queue, parker=parker, parks=False).headers["id"] == sent[1].id
+    assert lock_key not in parker.held  # found free by the park script: forgotten
+    before = r.info("commandstats")
+    assert _fetch(queue, parker=parker, parks=False).headers["id"] == sent[2].id
+    after = r.info("commandstats")
+    assert after["cmdstat_exists"]["calls"] == before["cmdstat_exists"]["calls"] + 1
+    assert after["cmdstat_evalsha"] == before["cmdstat_evalsha"]  # not asked to park
+
+
+def test_a_key_whose_messages_alternate_between_task_types_is_checked_the_second_time(
+    broker: RedisServer,
+) -> None:
+    """The recent keys are the consumer's: a key's first message of one task type makes
+    the next message of its lock, of another task type, a key that came again."""
+    r = broker.client()
+    queue = "parking-alternate"
+    RedisLock(r, "job:alt", ttl=60, owner="holder", auto_renew=False).acquire()
+    first = ca.hold_for.apply_async(("alt", 0.01), queue=queue)
+    second = ca.fail.apply_async(("alt",), queue=queue)
+    third = ca.hold_for.apply_async(("alt", 0.01), queue=queue)
+    consumer = _Consumer(controller=SimpleNamespace(state=SimpleNamespace(revoked=set())))
+    seen = parking_module._recent_keys(consumer)
+    assert parking_module._recent_keys(consumer) is seen  # one per consumer
+    holding = Parker(ca.hold_for, ca.app, revoked=set(), seen=seen)
+    failing = Parker(ca.fail, ca.app, revoked=set(), seen=seen)
+    assert _fetch(queue, parker=holding, parks=False).headers["id"] == first.id
+    assert _fetch(queue, parker=failing).headers["id"] == second.id  # parked
+    assert _fetch(queue, parker=holding).headers["id"] == third.id  # parked
+    assert [p.decode() for p in r.lrange(PARKED % "alt", 0, -1)] == [second.id, third.id]
+
+
+@pytest.mark.parametrize("seen", [RecentKeys, EveryKeySeen], ids=["first", "again"])
+def test_a_message_whose_key_cannot_be_rendered_is_delivered_not_lost(
+    broker: RedisServer, seen: type[RecentKeys]
+) -> None:
+    """A hostile or broken message (its lock key's value missing, or of the wrong type)
+    makes the key's rendering raise in the worker's main process: the message is
+    delivered (the pool process fails the task), never dropped, and nothing is recorded
+    for it."""
+    queue = f"parking-unrenderable-{seen.__name__}"
+    recent = seen()
+    parker = Parker(ca.bad_value, ca.app, revoked=set(), seen=recent)
+    sent = [
+        ca.bad_value.apply_async(({"no id": 1},), queue=queue),
+        ca.bad_value.apply_async(("not a mapping",), queue=queue),
+        ca.app.send_task(ca.bad_value.name, (), queue=queue),  # no argument at all
+    ]
+    for result in sent:
+        assert _fetch(queue, parker=parker, parks=False).headers["id"] == result.id
+    assert not parker.held
+    assert not recent._keys
+
+
+def test_the_recent_keys_and_the_held_keys_stay_bounded(broker: RedisServer) -> None:
+    """Every message of a stream of keys that never repeat adds one recent key: at most
+    SEEN_KEYS are kept, the oldest dropped first (and a key pushed out is new again)."""
+    recent = RecentKeys()
+    for n in range(3 * parking_module.SEEN_KEYS):
+        assert not recent.again(b"k%d" % n)
+    assert len(recent._keys) == parking_module.SEEN_KEYS
+    assert next(iter(recent._keys)) == b"k%d" % (2 * parking_module.SEEN_KEYS)
+    assert recent.again(b"k%d" % (3 * parking_module.SEEN_KEYS - 1))
+    assert not recent.again(b"k0")
+    assert len(recent._keys) == parking_module.SEEN_KEYS
+
+
 def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
     broker: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
