@@ -661,10 +661,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{broker} {fmt(m.get('locked', {}).get('W2', {}).get('hot_efficiency'), '.2f')}"
         for broker, m in meds.items()
     ]
+    floors = []
+    for broker, m in meds.items():
+        plain = m.get("nolock", {}).get("W2")
+        if plain is None or plain.get("makespan") is None:
+            continue
+        # A hand-over costs at least one task's own Celery cost (the releasing slot's ack,
+        # the next fetch, the dispatch): the no-lock run's, at best, between two sections.
+        tasks = len(workload("W2", args.seed))
+        cost = max(0.0, plain["makespan"] * args.concurrency / tasks - args.work)
+        floors.append(f"{broker} {args.work / (args.work + cost):.2f} ({cost * 1e3:.1f} ms)")
     lines += [
         "",
         "Hot-key chain efficiency (W2, LockedTask: 50 x work / the hot account's span; "
         "targets >= 0.92 same database, >= 0.88 elsewhere): " + ", ".join(effs),
+    ]
+    if floors:
+        lines.append(
+            "  the most a chain through Celery can reach here: work / (work + Celery's own "
+            "per-task cost, from the no-lock run): " + ", ".join(floors)
+        )
+    lines += [
         "",
         "Notes:",
         "  makespan = first publish -> last section's end; ideal = max(hottest account's tasks"

@@ -41,11 +41,12 @@ def test_example_runs_against_a_real_worker(example: str, tmp_path: Path) -> Non
             _account, balance, _, _, expected = line.replace("b'", "").replace("'", "").split()
             assert int(balance) == int(expected), line
     elif example == "indexing":
-        # The burst of edits runs once, with the last revision; the rebuilds run the first
-        # request and the newest (the first may already have found the key free).
+        # The burst of edits runs once, with the last revision; the rebuilds run the one
+        # that first found the key free (the first sent, or an early one that reached a
+        # pool process first: four of them take the ten messages at once) and the newest.
         assert "20 edits: 1 run, 19 superseded" in out.stdout, out.stdout
         assert "indexed revisions: [20]" in out.stdout, out.stdout
         rebuilt = out.stdout.split("rebuilt versions: ")[1].strip()
-        assert rebuilt in ("[1, 10]", "[10]"), out.stdout
+        assert rebuilt in ["[10]", *(f"[{first}, 10]" for first in range(1, 10))], out.stdout
     else:
         assert "rebuilt" in out.stdout and "ada@example.com" in out.stdout
