@@ -410,9 +410,9 @@ def run_variant(
         worker.stop(keep)
         names = [queue, f"{queue}.redislock"]
         if variant == "locked" and broker.startswith("amqp"):  # its fallback copies' queue
-            from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX
+            from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX, _delay_ms
 
-            delay = round(task._fallback_delay(task.lock_options()) * 1000)
+            delay = _delay_ms(task._fallback_delay(task.lock_options()))
             names.append(f"{DELAY_QUEUE_PREFIX}{delay}.{queue}")
         delete_queues(broker, names)
     return out

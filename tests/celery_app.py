@@ -44,6 +44,18 @@ if os.environ.get("REDISLOCK_TEST_BAD_SETTING"):  # a misconfigured deployment
 if os.environ.get("REDISLOCK_TEST_BROKER"):  # e.g. RabbitMQ; locks stay in Redis
     app.conf.broker_url = os.environ["REDISLOCK_TEST_BROKER"]
     app.conf.redislock_url = URL
+if os.environ.get("REDISLOCK_TEST_AMQP_QUEUES"):  # queues of named exchanges, quorum, priority
+    from kombu import Exchange, Queue
+
+    app.conf.task_queues = [
+        Queue(
+            q["name"],
+            Exchange(q["exchange"], type=q.get("type", "direct")),
+            routing_key=q["routing_key"],
+            queue_arguments=q.get("arguments"),
+        )
+        for q in json.loads(os.environ["REDISLOCK_TEST_AMQP_QUEUES"])
+    ]
 if os.environ.get("REDISLOCK_TEST_NO_FALLBACK"):
     app.conf.redislock_park_fallback = False
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own
@@ -91,12 +103,17 @@ def settle_unlocked(self: Any, account_id: int, amount: int, work: float = 0.02)
     return balance + amount
 
 
+_DELIVERY = ("exchange", "routing_key", "priority")
+
+
 @app.task(bind=True, base=LockedTask, lock_key="job:{name}", soft_time_limit=30)
 def hold_for(self: Any, name: str, seconds: float, fence: bool = False) -> int | None:
     """Hold the lock ``seconds``; reports the attempt's token; fenced write at the end."""
     lock = self.lock
     token = lock.token
     r().rpush(f"started:{name}", f"{self.request.id} {token} {os.getpid()}")
+    info = self.request.delivery_info or {}
+    r().rpush(f"delivered:{name}", json.dumps([info.get(k) for k in _DELIVERY]))
     time.sleep(seconds)
     if fence:
         admitted = FencedResource(r(), f"res:{name}").write(token, f"res:{name}:value", token)

@@ -124,7 +124,7 @@ from ..semaphore import RedisSemaphore, validate_limit
 from ..settings import APP_SETTING, LockOptions, check_latest, task_overrides
 from . import signing
 from .clients import client_for, quorum_clients_for, settings_for
-from .contention import FIRST_TRY_HEADER, Contention, _Call, first_try
+from .contention import DEAD_LETTER_HEADERS, FIRST_TRY_HEADER, Contention, _Call, first_try
 from .deferral import BOOKED_HEADER, admit_or_defer, rate_pairs
 from .envelope import TAG_PREFIX, _Handed
 from .finish import _claim_kept_hold, _finish_quietly, _mark_kept_hold
@@ -494,10 +494,18 @@ class LockedTask(LastCallWins, Contention):
         re-queue must not carry it to another delivery), a parked envelope's signature, or
         when a limited run first tried for its permit, or a drained task's booked rate slot
         (a retry is a run of its own: rate-checked again, its wait starting afresh; a
-        re-queue or a parking of this run sets them again: ``Contention._sent_again``)."""
+        re-queue or a parking of this run sets them again: ``Contention._sent_again``), nor
+        RabbitMQ's dead-letter headers (a fallback copy back from its delay queue): Celery
+        drops them from the headers it copies itself, not from headers passed in."""
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         headers = signature.options.get("headers")
-        dropped = (LOOKAHEAD_HEADER, signing.PARKED_HEADER, FIRST_TRY_HEADER, BOOKED_HEADER)
+        dropped = (
+            LOOKAHEAD_HEADER,
+            signing.PARKED_HEADER,
+            FIRST_TRY_HEADER,
+            BOOKED_HEADER,
+            *DEAD_LETTER_HEADERS,
+        )
         if isinstance(headers, dict) and any(name in headers for name in dropped):
             signature.options["headers"] = {k: v for k, v in headers.items() if k not in dropped}
         return signature

@@ -5,9 +5,11 @@ holder (in the pool process), re-queue, skip or fail; and when it gives up.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import random
+import time
 import weakref
 from typing import Any, NamedTuple
 
@@ -38,6 +40,17 @@ FIRST_TRY_HEADER = "redislock_first_try"
 RATE_BOOKED = "redislock_rate_booked"
 RATE_ADMITTED = "redislock_rate_admitted"
 SKIPPED = "SKIPPED"
+#: The headers RabbitMQ adds to a dead-lettered message (a fallback copy back from its
+#: delay queue), not carried into the messages sent for the same run.
+DEAD_LETTER_HEADERS = (
+    "x-death",
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-last-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+)
 
 
 def first_try(value: Any, now: float) -> float:
@@ -260,11 +273,31 @@ class Contention(Task):  # type: ignore[misc]
         if not _park_fallback(self.app):
             return None
         delayed = delay_queue(self.app, signature, countdown)
-        if delayed is None:
-            self._publish(signature, countdown=countdown)
-        else:
-            self._publish(signature, queue=delayed, exchange="", routing_key=delayed.name)
+        if delayed is not None:
+            try:
+                signature.apply_async(queue=delayed, exchange="", routing_key=delayed.name)
+                return countdown
+            except Exception as exc:  # sent as an eta task instead, or rejected (_publish)
+                if isinstance(exc, _channel_errors(self.app)):  # the queue refused, not the broker
+                    self._refused_delay_queue(delayed.name, exc)
+        self._publish(signature, countdown=countdown)
         return countdown
+
+    def _refused_delay_queue(self, name: str, exc: BaseException) -> None:
+        """The broker refused the delay queue ``name`` (declared with other arguments, or
+        not for this user to declare): not tried again by this process for a while."""
+        _refuse(name)
+        log.warning(
+            "redislock: %s[%s]: its fallback copy cannot wait in the delay queue %r "
+            "(%s: %s); it is sent as an eta task instead (delay queues of this name "
+            "are not tried again for %.0fs)",
+            self.name,
+            self.request.id,
+            name,
+            type(exc).__name__,
+            exc,
+            _REFUSED_FOR,
+        )
 
     def _fallback_delay(self, options: LockOptions) -> float:
         return min(max(options.ttl, options.requeue_backoff[1]), _visibility_timeout(self.app) / 4)
@@ -328,18 +361,29 @@ def _park_fallback(app: Any) -> bool:
 DELAY_QUEUE_PREFIX = "redislock.delay."
 #: AMQP caps queue names at 255 bytes: a longer destination is named by its digest.
 _MAX_QUEUE_NAME = 255
-_amqp: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+#: How long an unused delay queue is kept beyond its delay (it is declared again, so kept
+#: on, by every copy published to it).
+_KEEP_UNUSED_MS = 60_000
+#: How long a delay queue the broker refused is not tried again (its copies are eta tasks).
+_REFUSED_FOR = 60.0
+_amqp: weakref.WeakKeyDictionary[Any, tuple[type[BaseException], ...] | None]
+_amqp = weakref.WeakKeyDictionary()
+_refused: dict[str, float] = {}
 
 
 def delay_queue(app: Any, signature: Any, countdown: float) -> Any:
-    """The queue a fallback copy of ``signature`` waits ``countdown`` seconds in before it
-    goes where ``signature`` would go, or None when the broker is not AMQP (the copy is
-    then an ``eta`` task).
+    """The queue a fallback copy of ``signature`` waits about ``countdown`` seconds in
+    before it goes where ``signature`` would go, or None when the broker is not AMQP (the
+    copy is then an ``eta`` task), or when the broker refused that queue lately.
 
     A queue with a message TTL of the delay, dead-lettering to the destination's exchange
     and routing key: every message in it waits the same time, so they leave it in order
-    (RabbitMQ expires messages at the head of a queue). Declared when a copy is published
-    to it; nothing consumes it.
+    (RabbitMQ expires messages at the head of a queue). The delay is ``countdown`` rounded
+    up to a step of at most 1/8 of it (whole seconds, at least one): a debounced call's
+    copy waits its own due time, and a queue per distinct delay would make one per call.
+    Declared again by every copy published to it (``x-expires``: kombu does not cache
+    the declaration), so a queue deleted meanwhile is made again, and one unused for its
+    delay plus a minute (or twice its delay) is deleted by the broker. Nothing consumes it.
     """
     if not _is_amqp(app):
         return None
@@ -352,12 +396,10 @@ def delay_queue(app: Any, signature: Any, countdown: float) -> Any:
         routing_key = getattr(queue, "name", queue) or app.conf.task_default_queue
     if not isinstance(exchange, str) or not isinstance(routing_key, str):
         return None
-    delay_ms = max(1, round(countdown * 1000))
-    target = f"{exchange}/{routing_key}" if exchange else routing_key
-    name = f"{DELAY_QUEUE_PREFIX}{delay_ms}.{target}"
-    if len(name.encode()) > _MAX_QUEUE_NAME:
-        digest = hashlib.sha256(target.encode()).hexdigest()[:32]
-        name = f"{DELAY_QUEUE_PREFIX}{delay_ms}.{digest}"
+    delay_ms = _delay_ms(countdown)
+    name = f"{DELAY_QUEUE_PREFIX}{delay_ms}.{_target(exchange, routing_key)}"
+    if _refused.get(name, 0.0) > time.monotonic():
+        return None
     return Queue(  # type: ignore[no-untyped-call]
         name,
         exchange=Exchange("", type="direct"),  # type: ignore[no-untyped-call]
@@ -367,18 +409,53 @@ def delay_queue(app: Any, signature: Any, countdown: float) -> Any:
             "x-message-ttl": delay_ms,
             "x-dead-letter-exchange": exchange,
             "x-dead-letter-routing-key": routing_key,
+            "x-expires": delay_ms + max(delay_ms, _KEEP_UNUSED_MS),
         },
     )
 
 
+def _delay_ms(countdown: float) -> int:
+    """``countdown`` in ms, rounded up to whole seconds, then to a step of 2**(k-3) s for
+    2**k <= countdown < 2**(k+1) s (at most 1/8 of it): 8 steps a doubling."""
+    seconds = max(1, math.ceil(countdown - 1e-9))
+    step = 1 << max(0, seconds.bit_length() - 4)
+    return -(-seconds // step) * step * 1000
+
+
+def _target(exchange: str, routing_key: str) -> str:
+    """The destination part of a delay queue's name: ``<routing key>`` (the default
+    exchange) or ``<exchange>/<routing key>`` where that names one destination only and
+    fits; else ``#`` and a digest of both."""
+    readable = f"{exchange}/{routing_key}" if exchange else routing_key
+    plain = "/" not in (exchange or routing_key) and not readable.startswith("#")
+    if plain and len(f"{DELAY_QUEUE_PREFIX}{2**40}.{readable}".encode()) <= _MAX_QUEUE_NAME:
+        return readable
+    both = json.dumps([exchange, routing_key]).encode()
+    return "#" + hashlib.sha256(both).hexdigest()[:32]
+
+
+def _refuse(name: str) -> None:
+    now = time.monotonic()
+    for stale in [n for n, until in _refused.items() if until <= now]:
+        del _refused[stale]
+    _refused[name] = now + _REFUSED_FOR
+
+
 def _is_amqp(app: Any) -> bool:
+    return _channel_errors(app) != ()
+
+
+def _channel_errors(app: Any) -> tuple[type[BaseException], ...]:
+    """The AMQP transport's channel errors (a queue refused: its arguments, permissions),
+    or () when the broker is not AMQP."""
     found = _amqp.get(app)
     if found is None:
         try:
             with app.connection_for_write() as conn:  # not connected: the transport's kind
-                found = conn.transport.driver_type == "amqp"
+                amqp = conn.transport.driver_type == "amqp"
+                found = tuple(conn.channel_errors) if amqp else ()
         except Exception:
-            found = False
+            found = ()
         _amqp[app] = found
     return found
 
