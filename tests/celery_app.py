@@ -44,18 +44,25 @@ if os.environ.get("REDISLOCK_TEST_BAD_SETTING"):  # a misconfigured deployment
 if os.environ.get("REDISLOCK_TEST_BROKER"):  # e.g. RabbitMQ; locks stay in Redis
     app.conf.broker_url = os.environ["REDISLOCK_TEST_BROKER"]
     app.conf.redislock_url = URL
-if os.environ.get("REDISLOCK_TEST_AMQP_QUEUES"):  # queues of named exchanges, quorum, priority
+
+
+def amqp_queues(specs: list[dict[str, Any]]) -> list[Any]:
+    """kombu queues from ``{name, exchange, routing_key, type?, arguments?}`` specs."""
     from kombu import Exchange, Queue
 
-    app.conf.task_queues = [
+    return [
         Queue(
             q["name"],
             Exchange(q["exchange"], type=q.get("type", "direct")),
             routing_key=q["routing_key"],
             queue_arguments=q.get("arguments"),
         )
-        for q in json.loads(os.environ["REDISLOCK_TEST_AMQP_QUEUES"])
+        for q in specs
     ]
+
+
+if os.environ.get("REDISLOCK_TEST_AMQP_QUEUES"):  # queues of named exchanges, quorum, priority
+    app.conf.task_queues = amqp_queues(json.loads(os.environ["REDISLOCK_TEST_AMQP_QUEUES"]))
 if os.environ.get("REDISLOCK_TEST_NO_FALLBACK"):
     app.conf.redislock_park_fallback = False
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own

@@ -235,54 +235,6 @@ def test_hand_over_through_rabbitmq_follows_the_tasks_own_queue(
                 Exchange(name).bind(conn.default_channel).delete()
 
 
-@pytest.mark.skipif(not _rabbitmq_running(), reason="no RabbitMQ on 127.0.0.1:5672")
-def test_a_fallback_copy_waits_in_a_rabbitmq_delay_queue_and_runs_what_the_lock_redis_lost(
-    broker: RedisServer, tmp_path: Path
-) -> None:
-    """Locks in Redis, broker RabbitMQ: a parked task's fallback copy waits in the broker's
-    delay queue (no worker holds it as an eta task, which stalled workers' prefetch), and
-    when the lock Redis loses the parked task (as a restart without persistence would),
-    the copy comes back after its delay and runs it, once."""
-    import secrets
-
-    from celery import Celery
-    from kombu import Connection, Exchange, Queue
-
-    from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX
-
-    queue = f"redislock-test-{secrets.token_hex(4)}"
-    delayed = f"{DELAY_QUEUE_PREFIX}2000.{queue}"  # min(max(ttl 3, cap 5), vt 8 / 4) = 2 s
-    r = broker.client()
-    holder = RedisLock(r, "job:fb", ttl=60, owner="holder", auto_renew=False)
-    holder.acquire()
-    proc = worker(
-        broker.url,
-        tmp_path / "w.log",
-        extra=["-Q", queue],
-        env={"REDISLOCK_TEST_BROKER": RABBITMQ, "REDISLOCK_TEST_VT": "8"},
-    )
-    client_app = Celery("rabbit-client", broker=RABBITMQ, backend=broker.url)
-    try:
-        result = client_app.send_task("tests.celery_app.hold_for", args=("fb", 0.01), queue=queue)
-        wait_until(lambda: r.llen("redislock:{job:fb}:parked") == 1, timeout=30)
-        wait_until(lambda: "fallback copy in 2.0s" in proc.text(), timeout=10)
-        with Connection(RABBITMQ) as conn:
-            declared = conn.default_channel.queue_declare(delayed, passive=True)
-            assert declared.message_count == 1  # waiting in the broker, not in the worker
-        for key in r.scan_iter("redislock:*"):  # the lock Redis forgets it all
-            r.delete(key)
-        assert result.get(timeout=30) is not None  # the copy ran it...
-        time.sleep(0.5)
-        assert r.llen("started:fb") == 1  # ...once
-    finally:
-        proc.kill()
-        client_app.close()
-        with Connection(RABBITMQ) as conn:  # leave the shared RabbitMQ as we found it
-            for name in (queue, f"{queue}.redislock", delayed):
-                Queue(name).bind(conn.default_channel).delete()
-                Exchange(name).bind(conn.default_channel).delete()
-
-
 def test_warm_shutdown_lets_the_task_finish_and_release(
     broker: RedisServer, tmp_path: Path
 ) -> None:

@@ -18,6 +18,7 @@ from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX, _delay_ms, de
 from celery_redislock.testing import RedisServer
 
 from .._celery import wait_until, worker
+from ..celery_app import amqp_queues
 from .test_celery_more import RABBITMQ, _rabbitmq_running
 
 rabbitmq = pytest.mark.skipif(not _rabbitmq_running(), reason="no RabbitMQ on 127.0.0.1:5672")
@@ -63,20 +64,28 @@ def rabbit() -> Iterator[Rabbit]:
 
 def _amqp_app(queues: list[dict[str, Any]] | None = None, backend: str | None = None) -> Any:
     from celery import Celery
-    from kombu import Exchange, Queue
 
     client = Celery("rabbit-client", broker=RABBITMQ, backend=backend)
     if queues:
-        client.conf.task_queues = [
-            Queue(
-                q["name"],
-                Exchange(q["exchange"], type=q.get("type", "direct")),
-                routing_key=q["routing_key"],
-                queue_arguments=q.get("arguments"),
-            )
-            for q in queues
-        ]
+        client.conf.task_queues = amqp_queues(queues)
     return client
+
+
+def _rabbit_worker(
+    broker: RedisServer,
+    tmp_path: Path,
+    queue: str,
+    queues: list[dict[str, Any]] | None = None,
+    **options: Any,
+) -> tuple[Any, Any]:
+    """A worker of ``queue`` on RabbitMQ (locks on ``broker``; fallback copies after 2 s:
+    min(max(ttl 3, cap 5), visibility timeout 8 / 4)), and a client app to send to it;
+    both with ``queues`` (specs of ``celery_app.amqp_queues``) when given."""
+    env = {"REDISLOCK_TEST_BROKER": RABBITMQ, "REDISLOCK_TEST_VT": "8"}
+    if queues:
+        env["REDISLOCK_TEST_AMQP_QUEUES"] = json.dumps(queues)
+    proc = worker(broker.url, tmp_path / "w.log", extra=["-Q", queue], env=env, **options)
+    return proc, _amqp_app(queues, backend=broker.url)
 
 
 def _forget_locks(r: Any) -> None:
@@ -199,17 +208,7 @@ def test_a_dead_lettered_copy_reaches_the_tasks_own_queue(
 
     r = broker.client()
     RedisLock(r, "job:fb", ttl=60, owner="holder", auto_renew=False).acquire()
-    proc = worker(
-        broker.url,
-        tmp_path / "w.log",
-        extra=["-Q", name],
-        env={
-            "REDISLOCK_TEST_BROKER": RABBITMQ,
-            "REDISLOCK_TEST_VT": "8",
-            "REDISLOCK_TEST_AMQP_QUEUES": json.dumps(queues),
-        },
-    )
-    client = _amqp_app(queues, backend=broker.url)
+    proc, client = _rabbit_worker(broker, tmp_path, name, queues)
     try:
         # (a direct queue's exchange named too: Celery sends to a direct queue through the
         # default exchange, routing key its name, when no exchange is named)
@@ -255,13 +254,7 @@ def test_a_delay_queue_declared_otherwise_falls_back_to_an_eta_copy(
 
     r = broker.client()
     RedisLock(r, "job:fb", ttl=60, owner="holder", auto_renew=False).acquire()
-    proc = worker(
-        broker.url,
-        tmp_path / "w.log",
-        extra=["-Q", name],
-        env={"REDISLOCK_TEST_BROKER": RABBITMQ, "REDISLOCK_TEST_VT": "8"},
-    )
-    client = _amqp_app(backend=broker.url)
+    proc, client = _rabbit_worker(broker, tmp_path, name)
     try:
         result = client.send_task("tests.celery_app.hold_for", args=("fb", 0.01), queue=name)
         wait_until(lambda: r.llen("redislock:{job:fb}:parked") == 1, timeout=15)
@@ -300,13 +293,7 @@ def test_a_delay_queue_deleted_under_a_running_worker_is_declared_again(
     r = broker.client()
     RedisLock(r, "job:fb1", ttl=60, owner="holder", auto_renew=False).acquire()
     RedisLock(r, "job:fb2", ttl=60, owner="holder", auto_renew=False).acquire()
-    proc = worker(
-        broker.url,
-        tmp_path / "w.log",
-        extra=["-Q", name],
-        env={"REDISLOCK_TEST_BROKER": RABBITMQ, "REDISLOCK_TEST_VT": "8"},
-    )
-    client = _amqp_app(backend=broker.url)
+    proc, client = _rabbit_worker(broker, tmp_path, name)
     try:
         client.send_task("tests.celery_app.hold_for", args=("fb1", 0.01), queue=name)
         wait_until(lambda: r.llen("redislock:{job:fb1}:parked") == 1, timeout=15)
@@ -346,13 +333,7 @@ def test_a_copy_back_from_the_delay_queue_while_still_parked_parks_again(
     rabbit.queues += [name, f"{name}.redislock", delayed]
     rabbit.exchanges += [name, f"{name}.redislock"]
     r = broker.client()
-    proc = worker(
-        broker.url,
-        tmp_path / "w.log",
-        extra=["-Q", name],
-        env={"REDISLOCK_TEST_BROKER": RABBITMQ, "REDISLOCK_TEST_VT": "8"},
-    )
-    client = _amqp_app(backend=broker.url)
+    proc, client = _rabbit_worker(broker, tmp_path, name)
     try:
         holder = client.send_task("tests.celery_app.hold_for", args=("xd", 5.0), queue=name)
         wait_until(lambda: r.llen("started:xd") == 1, timeout=15)
@@ -391,14 +372,7 @@ def test_a_pending_calls_copy_back_from_the_delay_queue_stays_the_pending_call(
     rabbit.queues += [name, f"{name}.redislock", delayed]
     rabbit.exchanges += [name, f"{name}.redislock"]
     r = broker.client()
-    proc = worker(
-        broker.url,
-        tmp_path / "w.log",
-        extra=["-Q", name],
-        env={"REDISLOCK_TEST_BROKER": RABBITMQ, "REDISLOCK_TEST_VT": "8"},
-        app="tests.latest_app",
-    )
-    client = _amqp_app(backend=broker.url)
+    proc, client = _rabbit_worker(broker, tmp_path, name, app="tests.latest_app")
     try:
         task = "tests.latest_app.rebuild"
         first = client.send_task(task, args=("xd", "first", 5.0), queue=name)
