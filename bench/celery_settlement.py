@@ -340,6 +340,8 @@ def analyse(
             else None
         ),
         "unrelated_done": (max(unrelated) - t0) if unrelated and complete else None,
+        # the hot account's sections, from its first one's start (s): the timeline plot
+        HOT_SECTIONS: [(e - hot_secs[0][0], leave - hot_secs[0][0]) for e, leave in hot_secs],
     }
 
 
@@ -533,6 +535,49 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
     return lines
 
 
+#: The key of a workload's result holding the hot account's sections (not a median).
+HOT_SECTIONS = "hot_sections"
+
+
+def plot_hot_key(
+    timelines: dict[str, list[tuple[float, float]]],
+    meds: dict[str, Any],
+    work: float,
+    path: Path,
+) -> bool:
+    """The hot account's sections of W2 (first run), one row per broker: each bar a task's
+    section, each white gap a hand-over as the work sees it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no plot")
+        return False
+    labels = {"same": "broker in the locks' db", "otherdb": "broker in db 1", "amqp": "RabbitMQ"}
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(timelines)))
+    for row, (broker, sections) in enumerate(timelines.items()):
+        bars = [(enter * 1e3, (leave - enter) * 1e3) for enter, leave in sections]
+        ax.broken_barh(bars, (row - 0.35, 0.7), facecolors="tab:blue")
+        eff = meds.get(broker, {}).get("locked", {}).get("W2", {}).get("hot_efficiency")
+        end = sections[-1][1] * 1e3 if sections else 0.0
+        note = f"efficiency {eff:.2f}" if eff is not None else ""
+        ax.text(end + 10, row, note, va="center", fontsize=8)
+    ax.set_yticks(range(len(timelines)), [labels.get(b, b) for b in timelines])
+    ax.set_xlabel(
+        f"ms since the hot account's first section (50 tasks x {work * 1e3:.0f} ms; "
+        "gaps are hand-overs)"
+    )
+    ax.set_title("W2: the hot account's sections with LockedTask")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def publish_times(runs: list[dict[str, Any]]) -> str:
     parts = []
     for wl in WORKLOADS:
@@ -571,6 +616,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="warning", help="worker log level (warning)")
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each worker's log in DIR")
     ap.add_argument("--no-json", action="store_true", help="do not write settlement.json")
+    ap.add_argument("--no-plot", action="store_true", help="do not draw bench/results/hotkey.png")
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.concurrency < 1 or args.work <= 0:
         ap.error("--repeat and --concurrency must be >= 1, --work > 0")
@@ -637,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not any(wl in r.get(v, {}) for r in runs):
                     continue
                 keys = runs[0][v].get(wl, next(r[v][wl] for r in runs if wl in r[v])).keys()
+                keys = [k for k in keys if k != HOT_SECTIONS]
                 med.setdefault(v, {})[wl] = {k: median_of(runs, v, wl, k) for k in keys}
                 med[v][wl]["complete"] = all(r[v][wl]["complete"] for r in runs if wl in r[v])
                 if not med[v][wl]["complete"]:
@@ -693,6 +740,14 @@ def main(argv: list[str] | None = None) -> int:
         "(hand-over time as the work sees it; not shown without a lock, where sections overlap)",
         f"  total run time {elapsed:.0f}s",
     ]
+    if not args.no_plot:
+        timelines = {
+            broker: runs[0]["locked"]["W2"][HOT_SECTIONS]
+            for broker, runs in by_broker.items()
+            if runs and "W2" in runs[0].get("locked", {})
+        }
+        if timelines and plot_hot_key(timelines, meds, args.work, RESULTS / "hotkey.png"):
+            lines.append("  plot: bench/results/hotkey.png (the hot account's sections, W2)")
     print("\n".join(lines))
     first = next(iter(by_broker), "same")
     med = meds.get(first, {})
