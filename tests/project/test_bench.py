@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -105,6 +107,7 @@ def test_the_settlement_benchmark_runs_lockedtask_without_lost_updates() -> None
         "bench.celery_settlement",
         "--variants", "locked",
         "--no-json",
+        "--no-plot",
         "--timeout", "120",
         timeout=400,
     )  # fmt: skip
@@ -113,6 +116,17 @@ def test_the_settlement_benchmark_runs_lockedtask_without_lost_updates() -> None
     for makespan in re.findall(r"makespan \(s\)\s+(\S+)", out):
         assert float(makespan) > 0  # a number: every task completed (not "timeout")
     assert "LockedTask makespan/ideal W2" in out
+
+
+def test_the_hot_key_plot_draws_one_row_per_broker(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra (matplotlib) is not installed")
+    from bench.celery_settlement import plot_hot_key
+
+    sections = [(i * 0.025, i * 0.025 + 0.02) for i in range(50)]
+    meds = {"same": {"locked": {"W2": {"hot_efficiency": 0.8}}}}
+    path = tmp_path / "hotkey.png"
+    assert plot_hot_key({"same": sections, "amqp": sections}, meds, 0.02, path)
+    assert path.stat().st_size > 1000
 
 
 def test_the_celery_rate_benchmark_runs_at_tiny_sizes() -> None:
