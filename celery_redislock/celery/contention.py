@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import random
+import threading
 import time
 import weakref
 from typing import Any, NamedTuple
@@ -369,6 +370,8 @@ _REFUSED_FOR = 60.0
 _amqp: weakref.WeakKeyDictionary[Any, tuple[type[BaseException], ...] | None]
 _amqp = weakref.WeakKeyDictionary()
 _refused: dict[str, float] = {}
+#: Taken to change ``_refused`` (a threads pool's tasks may note refusals at once).
+_refused_lock = threading.Lock()
 
 
 def delay_queue(app: Any, signature: Any, countdown: float) -> Any:
@@ -436,9 +439,10 @@ def _target(exchange: str, routing_key: str) -> str:
 
 def _refuse(name: str) -> None:
     now = time.monotonic()
-    for stale in [n for n, until in _refused.items() if until <= now]:
-        del _refused[stale]
-    _refused[name] = now + _REFUSED_FOR
+    with _refused_lock:
+        for stale in [n for n, until in _refused.items() if until <= now]:
+            del _refused[stale]
+        _refused[name] = now + _REFUSED_FOR
 
 
 def _is_amqp(app: Any) -> bool:

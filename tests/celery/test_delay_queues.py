@@ -389,3 +389,39 @@ def test_a_pending_calls_copy_back_from_the_delay_queue_stays_the_pending_call(
     finally:
         proc.kill()
         client.close()
+
+
+def test_refusals_noted_by_threads_at_once_never_fail_the_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A threads pool's tasks refused the same delay queue at once each note the refusal;
+    noting one must not fail (a RuntimeError there escaped ``_fallback_copy`` after the
+    task was parked: the task failed, and no copy was sent)."""
+    import sys
+    import threading
+
+    from celery_redislock.celery import contention
+
+    far = time.monotonic() + 3600
+    monkeypatch.setattr(contention, "_refused", {f"kept.{n}": far for n in range(20_000)})
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: the race shows at once
+    errors: list[BaseException] = []
+
+    def refuse(thread: int) -> None:
+        for n in range(40):
+            try:
+                contention._refuse(f"refused.{thread}.{n}")
+            except BaseException as exc:  # what the test looks for
+                errors.append(exc)
+
+    threads = [threading.Thread(target=refuse, args=(t,)) for t in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert all(f"refused.{t}.39" in contention._refused for t in range(4))

@@ -167,8 +167,8 @@ def test_a_client_that_re_sends_the_scripts_is_logged_once(
     """redis-py's default client re-sends a command whose connection failed, and the lock
     scripts are not idempotent. On a plain ``redis.Redis`` the scripts go to a pooled
     connection directly and are never re-sent, so nothing is said; a client whose scripts
-    take redis-py's command path (asyncio, or a class with its own ``execute_command``)
-    is logged once a pool."""
+    take redis-py's command path (a class with its own ``execute_command``, say) is
+    logged once a pool."""
     server = redis_server_factory()
     plain = redis.Redis(port=server.port, socket_timeout=1)  # redis-py's default retry
 
