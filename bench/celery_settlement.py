@@ -58,7 +58,9 @@ LABELS = {
     "prl": "d. prl",
     "locked": "e. LockedTask",
 }
-WORKLOADS = ("W1", "W2")
+#: Every workload this benchmark knows; ``--workloads`` picks (``WORKLOADS``: this run's).
+ALL_WORKLOADS = ("W1", "W2", "W3")
+WORKLOADS: tuple[str, ...] = ("W1", "W2")
 BROKERS = ("same", "otherdb", "amqp")
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 monotonic = time.monotonic
@@ -76,6 +78,10 @@ def workload(name: str, seed: int) -> list[str]:
     rng = random.Random(f"{seed}:{name}")
     if name == "W1":
         return [f"acct{rng.randrange(4)}" for _ in range(100)]
+    if name == "W3":  # the speed issue's settlement: 120 over 6 accounts (20 each)
+        accounts = [f"acct{i % 6}" for i in range(120)]
+        rng.shuffle(accounts)
+        return accounts
     hot = ["hot"] * 50
     own = [f"own{i}" for i in range(150)]
     tasks = hot + own
@@ -455,6 +461,7 @@ def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) 
     descriptions = {
         "W1": "W1 100 tasks / 4 accounts",
         "W2": "W2 200 tasks, 50 on a hot account",
+        "W3": "W3 120 tasks / 6 accounts",
     }
     for wl in WORKLOADS:
         lines.append(descriptions[wl])
@@ -505,9 +512,21 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
             f"{ratio('redispy', wl)}, python-redis-lock blocking {ratio('prl', wl)}"
         )
     lines.append(
-        f"floor (no lock; Celery's own per-task overhead here): W1 {ratio('nolock', 'W1')}, "
-        f"W2 {ratio('nolock', 'W2')}"
+        "floor (no lock; Celery's own per-task overhead here): "
+        + ", ".join(f"{wl} {ratio('nolock', wl)}" for wl in WORKLOADS)
     )
+    against = []
+    for wl in WORKLOADS:
+        locked = med.get("locked", {}).get(wl, {}).get("makespan")
+        plain = med.get("nolock", {}).get(wl, {}).get("makespan")
+        if locked and plain:
+            against.append(f"{wl} {locked / plain:.2f}x")
+    if against:
+        lines.append(
+            "LockedTask makespan / the same workload without a lock: "
+            + ", ".join(against)
+            + "   (W3 target <= 1.05x)"
+        )
     bounds, ahead = [], []
     lookahead = 64 if args.lookahead is None else args.lookahead
     for wl in WORKLOADS:
@@ -598,6 +617,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--repeat", type=int, default=1, help="runs per variant; medians (1)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {VARIANTS}")
+    ap.add_argument(
+        "--workloads",
+        default="W1,W2",
+        help="comma list from W1 (100 tasks / 4 accounts), W2 (200, 50 on a hot account), "
+        "W3 (120 / 6 accounts: with --concurrency 3 --work 0.03, the speed issue's); W1,W2",
+    )
     ap.add_argument("--concurrency", type=int, default=4, help="worker processes (4)")
     ap.add_argument("--work", type=float, default=0.02, help="seconds per section (0.02)")
     ap.add_argument("--prefetch", type=int, default=1, help="worker_prefetch_multiplier (1)")
@@ -623,6 +648,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.broker_list = [b.strip() for b in args.broker.split(",") if b.strip()]
     if not args.broker_list or any(b not in BROKERS for b in args.broker_list):
         ap.error(f"--broker: a comma list of {BROKERS}")
+    args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not args.workload_list or any(w not in ALL_WORKLOADS for w in args.workload_list):
+        raise SystemExit(f"--workloads: a comma list from {', '.join(ALL_WORKLOADS)}")
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variant_list if v not in VARIANTS]
     if unknown:
@@ -631,7 +659,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global WORKLOADS
     args = parse_args(argv)
+    WORKLOADS = tuple(args.workload_list)
     started = monotonic()
     load_before = os.getloadavg()
     by_broker: dict[str, list[dict[str, Any]]] = {}
