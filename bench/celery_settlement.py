@@ -297,10 +297,19 @@ def analyse(
     complete: bool,
 ) -> dict[str, Any]:
     sections: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    by_pid: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for raw in store.lrange(sa.log_key(run), 0, -1):
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
-        name, entered, left, _pid = text.split("|")
+        name, entered, left, pid = text.split("|")
         sections[name.split(":", 1)[1]].append((float(entered), float(left)))
+        by_pid[pid].append((float(entered), float(left)))
+    # A pool process's time between its sections: Celery's per-task cost, plus any wait
+    # for a task it could run (and, with a lock, the lock's own cost).
+    slot_gaps = [
+        nxt[0] - cur[1]
+        for secs in by_pid.values()
+        for cur, nxt in zip(sorted(secs), sorted(secs)[1:])
+    ]
     expected = Counter(accounts)
     lost = 0
     extra = 0
@@ -336,6 +345,8 @@ def analyse(
         "extra": extra,
         "overlaps": overlaps,
         "gap_p50_ms": statistics.median(gaps) * 1e3 if gaps else None,
+        "slot_gap_p50_ms": statistics.median(slot_gaps) * 1e3 if slot_gaps else None,
+        "slot_gap_mean_ms": statistics.fmean(slot_gaps) * 1e3 if slot_gaps else None,
         "gap_p90_ms": (statistics.quantiles(gaps, n=10)[-1] * 1e3 if len(gaps) >= 2 else None),
         "hot_first_enter": (hot_secs[0][0] - t0) if hot_secs else None,
         "hot_span": (hot_secs[-1][1] - hot_secs[0][0]) if hot_secs else None,
@@ -457,6 +468,8 @@ def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) 
         ("parked (e) / retries (b)", None, ".0f", ""),
         ("same-account gap p50 (ms)", "gap_p50_ms", ".1f", ""),
         ("same-account gap p90 (ms)", "gap_p90_ms", ".1f", ""),
+        ("a slot between sections p50 (ms)", "slot_gap_p50_ms", ".1f", ""),
+        ("a slot between sections mean (ms)", "slot_gap_mean_ms", ".1f", ""),
     ]
     descriptions = {
         "W1": "W1 100 tasks / 4 accounts",
