@@ -247,8 +247,9 @@ def _own_code(cls: type, module: str) -> dict[str, Any]:
 
 _OWN_CODE = _own_code(redis.Redis, "redis.client")
 _OWN_CODE_ASYNC = _own_code(redis.asyncio.Redis, "redis.asyncio.client")
-#: Per client: the pool the scripts run on directly, or None (``_direct_pool``).
-_direct: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+#: Per client: the pool the scripts run on directly, or None, and the ``execute_command``
+#: of its class and of the instance when that was decided (``_direct_pool``).
+_direct: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()
 
 
 def _direct_pool(client: Any) -> Any:
@@ -264,11 +265,20 @@ def _direct_pool(client: Any) -> Any:
     script whose connection failed is never re-sent (redis-py's default ``Retry`` would).
     """
     try:
-        return _direct[client]
+        pool, on_class, on_instance = _direct[client]
     except KeyError:
         pass
     except TypeError:  # not weakly referable
         return None
+    else:
+        # Still as decided: no tracing installed on the class or the instance since, no
+        # EVALSHA reply callback set since (each a lookup: this runs on every script call).
+        if (
+            getattr(type(client), "execute_command", None) is on_class
+            and getattr(client, "__dict__", {}).get("execute_command") is on_instance
+            and (pool is None or "EVALSHA" not in client.response_callbacks)
+        ):
+            return pool
     pool = None
     if isinstance(client, redis.Redis):
         kind: Any = redis.client
@@ -288,7 +298,11 @@ def _direct_pool(client: Any) -> Any:
         and "EVALSHA" not in getattr(client, "response_callbacks", {})
     ):
         pool = client.connection_pool
-    _direct[client] = pool
+    _direct[client] = (
+        pool,
+        getattr(type(client), "execute_command", None),
+        getattr(client, "__dict__", {}).get("execute_command"),
+    )
     return pool
 
 

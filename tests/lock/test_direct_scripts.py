@@ -584,3 +584,41 @@ def test_a_wrapper_named_like_redis_py_s_own_keeps_its_path(
     finally:
         for client in (wrapped, parsed, patched):
             client.close()
+
+
+def test_tracing_or_a_reply_callback_installed_after_first_use_is_followed(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct way is decided once per client and checked again on every call: an
+    instrumentation that wraps ``execute_command`` later (on the class, as tracing
+    libraries do at start-up, or on the instance), or an EVALSHA reply callback set later,
+    sends the lock's scripts back through redis-py's command path."""
+    client = redis.Redis(port=redis_server.port)
+    try:
+        lock = RedisLock(client, "late-tracing", auto_renew=False)
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert _direct_pool(client) is client.connection_pool
+        seen: list[Any] = []
+        original = redis.Redis.execute_command
+
+        def traced(self: Any, *args: Any, **options: Any) -> Any:
+            seen.append(args[0])
+            return original(self, *args, **options)
+
+        monkeypatch.setattr(redis.Redis, "execute_command", traced)  # on the class
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert seen.count("EVALSHA") >= 2
+        monkeypatch.undo()
+        assert _direct_pool(client) is client.connection_pool  # unwrapped: direct again
+        seen.clear()
+        client.execute_command = lambda *a, **k: (seen.append(a[0]), original(client, *a, **k))[1]  # type: ignore[method-assign]
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert seen.count("EVALSHA") >= 2
+        del client.execute_command
+        client.set_response_callback("EVALSHA", lambda reply, **kw: reply)
+        assert _direct_pool(client) is None
+    finally:
+        client.close()
