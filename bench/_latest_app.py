@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import time
 
-import redis
 from celery import Celery
 
+from bench._libs import process_client
 from celery_redislock.task import LockedTask
 
 URL = os.environ.get("LATEST_URL", "redis://127.0.0.1:1/0")  # never the default 6379
@@ -28,14 +28,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_expires=600,
 )
-_client: tuple[int, redis.Redis] | None = None
-
-
-def client() -> redis.Redis:
-    global _client
-    if _client is None or _client[0] != os.getpid():
-        _client = (os.getpid(), redis.Redis.from_url(URL, socket_timeout=30))
-    return _client[1]
+#: One client per process (a new one after the prefork fork).
+client = process_client(URL)
 
 
 def _run(key: str, tag: str, seconds: float) -> str:

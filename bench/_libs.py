@@ -14,7 +14,10 @@ Each adapter uses its library's own blocking wait, as that library's docs intend
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from typing import Any, Callable
+
+import redis
 
 LIBS = ("ours", "redispy", "redispy_fast", "prl", "pottery")
 LABELS = {
@@ -110,3 +113,16 @@ def make(lib: str, client: Any, name: str, ttl: float, *, renew: bool = True) ->
 def hold_lease(lib: str, client: Any, name: str, ttl: float) -> Adapter:
     """A lock whose lease is NOT renewed (the dead-holder scenario's holder)."""
     return Adapter(lib, client, name, ttl, renew=False)
+
+
+def process_client(url: str) -> Callable[[], redis.Redis]:
+    """A getter of one client of ``url`` per process (a new one after a prefork fork): the
+    benchmark apps' tasks write their records with it."""
+    held: list[tuple[int, redis.Redis]] = []
+
+    def client() -> redis.Redis:
+        if not held or held[0][0] != os.getpid():
+            held[:] = [(os.getpid(), redis.Redis.from_url(url, socket_timeout=30))]
+        return held[0][1]
+
+    return client

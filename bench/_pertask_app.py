@@ -18,9 +18,9 @@ import json
 import os
 import time
 
-import redis
 from celery import Celery
 
+from bench._libs import process_client
 from celery_redislock.task import LockedTask
 
 URL = os.environ.get("PERTASK_URL", "redis://127.0.0.1:1/0")  # never the default 6379
@@ -39,15 +39,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 
-_client: tuple[int, redis.Redis] | None = None
-
-
-def client() -> redis.Redis:
-    """One client per process (a new one after the prefork fork)."""
-    global _client
-    if _client is None or _client[0] != os.getpid():
-        _client = (os.getpid(), redis.Redis.from_url(URL, socket_timeout=30))
-    return _client[1]
+#: One client per process (a new one after the prefork fork).
+client = process_client(URL)
 
 
 def done_key(run: str) -> str:

@@ -27,9 +27,9 @@ import os
 import time
 from typing import Any
 
-import redis
 from celery import Celery
 
+from bench._libs import process_client
 from celery_redislock import signals as redislock_signals
 from celery_redislock.task import LockedTask
 
@@ -59,15 +59,8 @@ if os.environ.get("SETTLE_FALLBACK"):  # redislock_park_fallback: "auto" (defaul
 if os.environ.get("SETTLE_LOOKAHEAD"):
     app.conf.redislock_lookahead = int(os.environ["SETTLE_LOOKAHEAD"])
 
-_client: tuple[int, redis.Redis] | None = None
-
-
-def client() -> redis.Redis:
-    """One client per process (a new one after the prefork fork)."""
-    global _client
-    if _client is None or _client[0] != os.getpid():
-        _client = (os.getpid(), redis.Redis.from_url(URL, socket_timeout=30))
-    return _client[1]
+#: One client per process (a new one after the prefork fork).
+client = process_client(URL)
 
 
 def balance_key(account: str) -> str:

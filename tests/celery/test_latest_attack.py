@@ -89,6 +89,16 @@ def now_us() -> int:
 # -- what a worker sees of the SENT header ---------------------------------------------
 
 
+def _running_and_pending(lr: Any, key: str, seconds: float) -> tuple[Any, Any]:
+    """A first ``replace`` call of ``key`` running ``seconds`` (its lock taken, in ``lr``),
+    and an older call pending behind it: both results."""
+    first = laa.replace.delay(key, "first", seconds)
+    wait_until(lambda: lr.exists(keys_of(key).lock), what="the first run's lock")
+    older = laa.replace.delay(key, "older", 0.0)
+    wait_until(lambda: lr.hget(keys_of(key).latest, "pt") == older.id.encode())
+    return first, older
+
+
 def test_a_worker_sees_the_sent_header_of_a_message(broker: RedisServer, tmp_path: Path) -> None:
     proc = worker(broker.url, tmp_path / "w.log", concurrency=1, app=APP)
     try:
@@ -523,10 +533,7 @@ def test_a_call_evicted_by_a_park_whose_reply_is_lost_still_ends_superseded(
         }
         proc = worker(broker.url, tmp_path / "w.log", concurrency=2, env=env, app=APP)
         try:
-            first = laa.replace.delay("drop", "first", 1.5)
-            wait_until(lambda: lr.exists(keys_of("drop").lock), what="the first run's lock")
-            older = laa.replace.delay("drop", "older", 0.0)
-            wait_until(lambda: lr.hget(keys_of("drop").latest, "pt") == older.id.encode())
+            first, older = _running_and_pending(lr, "drop", 1.5)
             fault = proxy.inject("drop_reply", "park")
             newest = laa.replace.delay("drop", "newest", 0.0)
             wait_until(fault.fired.is_set, what="the newest call's park")
@@ -774,10 +781,7 @@ def test_an_evicted_calls_fallback_copy_is_not_counted_superseded_twice(
     env = {"REDISLOCK_TEST_LOCK_URL": locks.url}
     proc = worker(broker.url, tmp_path / "w.log", concurrency=2, env=env, app=APP)
     try:
-        first = laa.replace.delay("fb", "first", 4.5)
-        wait_until(lambda: lr.exists(keys_of("fb").lock), what="the first run's lock")
-        older = laa.replace.delay("fb", "older", 0.0)
-        wait_until(lambda: lr.hget(keys_of("fb").latest, "pt") == older.id.encode())
+        first, older = _running_and_pending(lr, "fb", 4.5)
         newer = laa.replace.delay("fb", "newer", 0.0)
         wait_until(lambda: state(older.id) == SUPERSEDED, what="the older call superseded")
         wait_until(lambda: state(newer.id) == "SUCCESS", timeout=20, what="the newer run")

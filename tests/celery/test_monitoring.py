@@ -224,8 +224,9 @@ class Run:
         return sum(v for found, v in rows if labels.items() <= found.items())
 
 
-def _cli(url: str, *args: str) -> str:
-    done = subprocess.run(
+def run_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.monitoring_app redislock ARGS`` against ``url``, as run."""
+    return subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.monitoring_app", "redislock", *args],
         cwd=ROOT,
         env={**os.environ, "REDISLOCK_TEST_URL": url, "COLUMNS": "160"},
@@ -233,6 +234,10 @@ def _cli(url: str, *args: str) -> str:
         text=True,
         timeout=60,
     )
+
+
+def _cli(url: str, *args: str) -> str:
+    done = run_cli(url, *args)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 

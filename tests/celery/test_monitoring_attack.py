@@ -6,9 +6,6 @@ count, not at 0). Real redis-server; the exporter's collector is read in process
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -22,6 +19,7 @@ from celery_redislock.celery.survey import survey
 from celery_redislock.testing import RedisServer
 
 from .._celery import ROOT
+from .test_monitoring import run_cli
 
 PREFIX = "redislock:"
 RULES = ROOT / "monitoring" / "prometheus" / "alerts.yaml"
@@ -46,17 +44,6 @@ def _scrape(client: Any, **kwargs: Any) -> dict[str, list[tuple[dict[str, str], 
         for sample in family.samples:
             found.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
     return found
-
-
-def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.monitoring_app", "redislock", *args],
-        cwd=ROOT,
-        env={**os.environ, "REDISLOCK_TEST_URL": url, "COLUMNS": "160"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def _envelope(headers: dict[str, Any]) -> bytes:
@@ -240,7 +227,7 @@ def test_a_redis_that_is_down_is_said_by_redis_up_and_top_says_it_plainly() -> N
     assert scraped["celery_redislock_exporter_redis_up"] == [({}, 0.0)]
     assert not any(name.endswith("_total") for name in scraped)
     for args in (("top", "--json"), ("top", "--once"), ("exporter", "--once")):
-        done = _cli(url, *args)
+        done = run_cli(url, *args)
         if args[0] == "exporter":
             assert done.returncode == 0, done.stderr
             assert "celery_redislock_exporter_redis_up 0.0" in done.stdout
@@ -250,20 +237,20 @@ def test_a_redis_that_is_down_is_said_by_redis_up_and_top_says_it_plainly() -> N
 
 
 def test_top_on_an_empty_redis_and_on_junk(r: Any) -> None:
-    empty = _cli(r.url, "top", "--json")
+    empty = run_cli(r.url, "top", "--json")
     assert empty.returncode == 0, empty.stderr
     assert (
         json.loads(empty.stdout)["keys"] == [] and json.loads(empty.stdout)["totals"]["keys"] == 0
     )
-    assert _cli(r.url, "top", "--once").returncode == 0
+    assert run_cli(r.url, "top", "--once").returncode == 0
     _junk(r)
     _good(r)
     _park(r, "good", _envelope({"task": "t.\x1b[2Jcleared"}))
-    found = _cli(r.url, "top", "--json")
+    found = run_cli(r.url, "top", "--json")
     assert found.returncode == 0, found.stderr
     keys = {key["name"]: key for key in json.loads(found.stdout)["keys"]}
     assert keys["good"]["holders"] == 1 and keys["good"]["parked"] == 1
-    frame = _cli(r.url, "top", "--once")
+    frame = run_cli(r.url, "top", "--once")
     assert frame.returncode == 0, frame.stderr
     assert "good" in frame.stdout and "\x1b[2J" not in frame.stdout
 
