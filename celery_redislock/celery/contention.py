@@ -420,7 +420,10 @@ def delay_queue(app: Any, signature: Any, countdown: float) -> Any:
 def _delay_ms(countdown: float) -> int:
     """``countdown`` in ms, rounded up to whole seconds, then to a step of 2**(k-3) s for
     2**k <= countdown < 2**(k+1) s (at most 1/8 of it): 8 steps a doubling."""
-    seconds = max(1, math.ceil(countdown - 1e-9))
+    # Bounded both ways: at least a second (a negative or NaN countdown too), at most the
+    # package's longest duration (an infinite one too).
+    bounded = 1.0 if not countdown >= 1 else min(countdown, MAX_SECONDS)
+    seconds = max(1, math.ceil(bounded - 1e-9))
     step = 1 << max(0, seconds.bit_length() - 4)
     return -(-seconds // step) * step * 1000
 

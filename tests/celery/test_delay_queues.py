@@ -117,6 +117,25 @@ def test_delay_queues_are_few_whatever_the_countdowns() -> None:
         client.close()
 
 
+@pytest.mark.parametrize(
+    ("countdown", "delay_ms"),
+    [(0, 1000), (-5.0, 1000), (float("nan"), 1000), (float("-inf"), 1000), (1.0, 1000)],
+)
+def test_a_delay_below_a_second_or_not_a_number_waits_a_second(
+    countdown: float, delay_ms: int
+) -> None:
+    assert _delay_ms(countdown) == delay_ms
+
+
+@pytest.mark.parametrize("countdown", [float("inf"), 1e30, 10 * 365 * 24 * 3600.0])
+def test_a_delay_beyond_the_longest_duration_waits_the_longest(countdown: float) -> None:
+    """Bounded by the package's longest duration (a year), not an overflow; RabbitMQ
+    accepts a queue TTL that long."""
+    longest = _delay_ms(365 * 24 * 3600.0)
+    assert _delay_ms(countdown) == longest
+    assert 365 * 24 * 3600 * 1000 <= longest <= 365 * 24 * 3600 * 1000 * 1.125
+
+
 def test_delay_queues_of_different_destinations_never_share_a_name() -> None:
     """``<exchange>/<routing key>`` is ambiguous when a name holds a "/": two
     destinations on one delay queue would be declared with two dead-letter targets
