@@ -26,6 +26,7 @@ where anyone who may write the lock keys may have written it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -325,6 +326,8 @@ class Parker:
 HELD_KEYS = 1024
 #: How many lock keys of its recent messages a worker's consumer remembers (RecentKeys).
 SEEN_KEYS = 4096
+#: A key longer than this many bytes is remembered by a digest half as long.
+_DIGEST_OVER = 64
 
 
 class RecentKeys:
@@ -339,7 +342,14 @@ class RecentKeys:
         self._keys: dict[bytes, None] = {}
 
     def again(self, key: bytes) -> bool:
-        """Whether ``key`` is among the recent keys; it is the most recent one after."""
+        """Whether ``key`` is among the recent keys; it is the most recent one after.
+
+        A key longer than a digest is remembered by its digest: keys are rendered from the
+        tasks' arguments, and ``size`` of them must not hold ``size`` arguments' worth of
+        memory in the worker's main process (two keys of one digest only share a check).
+        """
+        if len(key) > _DIGEST_OVER:
+            key = hashlib.blake2b(key, digest_size=_DIGEST_OVER // 2).digest()
         keys = self._keys
         known = keys.pop(key, False) is None
         keys[key] = None

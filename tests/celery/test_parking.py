@@ -20,7 +20,7 @@ from celery_redislock._scripts import scripts_for
 from celery_redislock.celery import base as base_module
 from celery_redislock.celery import parking as parking_module
 from celery_redislock.celery import sweeper as sweeper_module
-from celery_redislock.celery.parking import RecentKeys
+from celery_redislock.celery.parking import SEEN_KEYS, RecentKeys
 from celery_redislock.parking import Parker, _same_redis
 from celery_redislock.task import (
     QUEUE_REACH,
@@ -238,6 +238,22 @@ def test_the_recent_keys_and_the_held_keys_stay_bounded(broker: RedisServer) -> 
     assert recent.again(b"k%d" % (3 * parking_module.SEEN_KEYS - 1))
     assert not recent.again(b"k0")
     assert len(recent._keys) == parking_module.SEEN_KEYS
+
+
+def test_recent_keys_hold_long_keys_by_digest() -> None:
+    """Keys are rendered from task arguments: 4,096 keys of 100 kB each must not keep
+    400 MB in the worker's main process. Long keys are remembered by a digest, and are
+    still told apart and found again."""
+    recent = RecentKeys()
+    long_keys = [
+        b"redislock:{doc:" + bytes([i % 256]) * 100_000 + str(i).encode() + b"}" for i in range(3)
+    ]
+    assert [recent.again(k) for k in long_keys] == [False, False, False]
+    assert [recent.again(k) for k in long_keys] == [True, True, True]
+    for i in range(SEEN_KEYS):
+        recent.again(b"x" * 100_000 + str(i).encode())
+    assert sum(len(k) for k in recent._keys) <= SEEN_KEYS * 64
+    assert recent.again(b"redislock:{short}") is False and recent.again(b"redislock:{short}")
 
 
 def test_the_sweeper_resends_a_lost_envelope_and_serves_an_abandoned_lock(
