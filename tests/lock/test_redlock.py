@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -221,6 +223,54 @@ def test_bad_arguments_are_named(three: list[redis.Redis]) -> None:
         RedLock(three, "x", retry_delay=-1)
     with pytest.raises(LockConfigurationError, match="ttl"):
         RedLock(three, "x", ttl=0)
+
+
+def _same_server_pairs(
+    client_class: type[Any], server: RedisServer, tmp_path: Path
+) -> list[tuple[str, list[Any]]]:
+    """Pairs of nodes that each reach ``server`` (or one unix socket) twice."""
+    client = client_class(host="localhost", port=server.port)
+    socket_dir = tmp_path / "sockets"
+    socket_dir.mkdir()
+    (tmp_path / "link").symlink_to(socket_dir)
+    return [
+        ("the same client object", [client, client]),
+        ("two clients on one pool", [client, client_class(connection_pool=client.connection_pool)]),
+        ("the same connection kwargs", [client, client_class(host="localhost", port=server.port)]),
+        ("localhost and 127.0.0.1", [client, client_class(host="127.0.0.1", port=server.port)]),
+        ("localhost and 127.0.0.1 URLs", [f"redis://localhost:{server.port}", server.url]),
+        ("another database", [client, f"redis://127.0.0.1:{server.port}/5"]),
+        ("IPv4-mapped IPv6", [f"redis://[::ffff:127.0.0.1]:{server.port}", server.url]),
+        (
+            "one unix socket by two paths",
+            [f"unix://{socket_dir}/redis.sock", f"unix://{tmp_path}/link/redis.sock?db=1"],
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("lock_class", "client_class"),
+    [(RedLock, redis.Redis), (AsyncRedLock, redis.asyncio.Redis)],
+)
+def test_nodes_that_reach_one_server_are_refused_naming_both(
+    nodes: list[RedisServer],
+    five: list[redis.Redis],
+    tmp_path: Path,
+    lock_class: type[Any],
+    client_class: type[Any],
+) -> None:
+    """One server counted twice would cast two votes (issue 15: ``localhost:P`` and
+    ``127.0.0.1:P`` were two masters): refused before anything is sent, naming both."""
+    others = [client_class(host="127.0.0.1", port=server.port) for server in nodes[:3]]
+    for case, pair in _same_server_pairs(client_class, nodes[3], tmp_path):
+        with pytest.raises(LockConfigurationError, match="clients") as caught:
+            lock_class([others[0], pair[0], others[1], pair[1]], "dup", ttl=5)
+        message = str(caught.value)
+        assert "clients[1]" in message and "clients[3]" in message, (case, message)
+        assert "twice" in message, (case, message)
+    assert not any(client.exists("redislock:{dup}") for client in five)
+    # Distinct servers, by any spelling, are accepted.
+    lock_class([f"redis://localhost:{nodes[0].port}", nodes[1].url, others[2]], "ok", ttl=5)
 
 
 def test_urls_are_accepted(nodes: list[RedisServer], three: list[redis.Redis]) -> None:
