@@ -401,3 +401,69 @@ def test_a_hand_over_whose_reply_is_lost_runs_every_task_once(
             assert not lr.exists("redislock:{job:handfault}")
         finally:
             proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("step", "fault"),
+    [("acquire", "drop_reply"), ("acquire", "stall"), ("park", "drop_reply"), ("park", "stall")],
+)
+def test_a_take_or_park_whose_reply_is_lost_runs_every_task_once(
+    broker: RedisServer, redis_server_factory: Any, tmp_path: Path, step: str, fault: str
+) -> None:
+    """The task's life through the fault proxy, at its other round trips: the first
+    task's take (``acquire``), or the parking of a task that found the key held
+    (``park``), runs on Redis but loses its reply (drop_reply), or lands after the client
+    gave up (stall). (A take that never ran: the test of a take that cannot reach the lock
+    Redis, above.) A take that ran holds the lock for a run that does not know it,
+    unrenewed: its lease ends it, and the run's copy, sent again, finds that hold as
+    another delivery's until then. A park that ran leaves the task parked as well as sent
+    again. Either way every task runs exactly once, every result is a success, and the
+    lock is free at the end."""
+    from celery_redislock._scripts import SCRIPT_NAMES, source
+    from celery_redislock.testing import FaultProxy
+
+    locks = redis_server_factory()
+    r = broker.client()
+    lr = locks.client()
+    for name in SCRIPT_NAMES:  # a NOSCRIPT reply and its retry would be two commands
+        lr.script_load(source(name))
+    key = "redislock:{job:takefault}"
+    with FaultProxy(locks) as proxy:
+        proc = worker(
+            broker.url,
+            tmp_path / "w.log",
+            env={
+                "REDISLOCK_TEST_TTL": "2",
+                "REDISLOCK_TEST_LOCK_URL": proxy.url,
+                "REDISLOCK_TEST_LOCK_TIMEOUT": "0.5",
+            },
+        )
+        try:
+            seconds = 1.5 if fault == "stall" else None
+            if step == "acquire":
+                injected = proxy.inject(fault, "acquire", seconds=seconds)
+                first = ca.hold_for.delay("takefault", 0.5)
+            else:
+                first = ca.hold_for.delay("takefault", 1.0)
+                wait_until(lambda: r.llen("started:takefault") == 1, timeout=30)
+                injected = proxy.inject(fault, "park", seconds=seconds)
+            results = [first, *(ca.hold_for.delay("takefault", 0.05) for _ in range(2))]
+            for result in results:
+                assert result.get(timeout=60) is not None
+            assert injected.fired.is_set()
+            started = [x.decode().split()[0] for x in r.lrange("started:takefault", 0, -1)]
+            assert sorted(started) == sorted(res.id for res in results)  # each ran once
+            wait_until(lambda: not lr.exists(key), timeout=15)
+            # Late copies (the take's or park's re-send, the sweeper's, a fallback copy)
+            # come back and find their runs done.
+            wait_until(
+                lambda: not lr.exists(f"{key}:parked") and not r.llen("celery"),
+                timeout=30,
+                what="no parked or queued copy left",
+            )
+            time.sleep(2.0)
+            again = [x.decode().split()[0] for x in r.lrange("started:takefault", 0, -1)]
+            assert sorted(again) == sorted(started)
+            assert not lr.exists(key)
+        finally:
+            proc.kill()
