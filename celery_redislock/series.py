@@ -250,8 +250,9 @@ REDIS_SERIES = (
         "deferred",
         GAUGE,
         ("name",),
-        "Runs deferred now by a rate (lock_rate); each rate key's backlog counted "
-        "under the task of its head",
+        "Runs deferred now by a rate (lock_rate), each rate key's backlog counted "
+        "under the task of its head, and debounced calls waiting for their quiet period "
+        "(lock_debounce), one per key at most",
         "How much work is deferred right now, and is it growing?",
     ),
     _s(

@@ -17,7 +17,9 @@ tenants    a hot tenant floods the pool and small tenants send a few jobs just a
            max) and the most of its jobs seen running at once.
 
 Everything it writes lives under one random key prefix and its own queue, and is deleted
-at the end; it stops every process it started.
+at the end; it stops every process it started. With ``--external-worker`` the prefix is
+the worker's (``DEMO_PREFIX``), and the counts the worker adds to ``<prefix>stats`` stay:
+an exporter watching the worker (docker compose) serves them, and they only go up.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 import redis
 
+from .._keyspace import stats_key
 from . import payments, tenants
 
 SCENES = {"payments": payments.run, "tenants": tenants.run}
@@ -140,10 +143,15 @@ def wait_ready(
     raise SystemExit("no worker answered within the timeout")
 
 
-def cleanup(store: redis.Redis, prefix: str, queue: str, broker_is_store: bool) -> int:
+def cleanup(
+    store: redis.Redis, prefix: str, queue: str, broker_is_store: bool, keep: tuple[str, ...] = ()
+) -> int:
+    """Delete the demo's keys (but those in ``keep``) and its queues; how many were deleted."""
     removed = 0
+    kept = {name.encode() for name in keep}
     for key in store.scan_iter(match=f"{prefix}*", count=500):
-        removed += int(store.delete(key))
+        if key not in kept:
+            removed += int(store.delete(key))
     if broker_is_store:
         # The demo's own queues (and their hand-over twins) and kombu's bindings for them.
         for name in (queue, f"{queue}.redislock"):
@@ -195,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(log.read().decode(errors="replace"))
             log.close()
             demo.app.close()
-            removed = cleanup(store, prefix, queue, broker_url == redis_url)
+            # A worker elsewhere keeps counting into <prefix>stats for its exporter:
+            # deleting it would reset the counters Prometheus scrapes after every run.
+            keep = (stats_key(prefix),) if args.external_worker else ()
+            removed = cleanup(store, prefix, queue, broker_url == redis_url, keep)
             store.close()
 
     print(f"\ncleaned up {removed} demo keys; no demo process is left running")

@@ -141,13 +141,71 @@ def test_every_series_is_documented_with_its_question() -> None:
         assert found.question in doc, f"{found.name}'s question is not in docs/metrics.md"
 
 
+def test_each_series_row_of_the_doc_is_the_vocabulary_s() -> None:
+    """docs/metrics.md's tables say what the exporter's HELP says: type, labels, question
+    and what it counts, as in celery_redislock.series (the one place they are written)."""
+    rows = {}
+    for line in METRICS_DOC.read_text().splitlines():
+        if line.startswith("| `" + series.NAMESPACE):
+            name, *cells = (cell.strip() for cell in line.strip().strip("|").split("|"))
+            rows[name.strip("`")] = cells
+    assert set(rows) == set(series.BY_NAME)
+    for found in series.ALL_SERIES:
+        labels = ", ".join(f"`{label}`" for label in found.labels) or "—"
+        assert rows[found.name] == [found.type, labels, found.question, found.help], found.name
+
+
+_SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^}]*)\}")
+_MATCHER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
+_GROUPS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+
+
+def _blank(expr: str) -> str:
+    """``expr`` with each string's text blanked (its length kept): no brace, comma or
+    ``=`` inside a string is read as PromQL."""
+    return _STRING.sub(lambda m: m.group()[0] + "x" * (len(m.group()) - 2) + m.group()[-1], expr)
+
+
+def _labels_of(metric: str) -> set[str]:
+    name = series_of(metric)
+    assert name is not None, metric
+    return set(series.BY_NAME[name].labels) | ({"le"} if metric.endswith("_bucket") else set())
+
+
+def test_the_dashboard_and_the_rules_use_only_the_labels_their_series_carry() -> None:
+    """A matcher or a grouping on a label its series lacks selects or groups nothing (a
+    queue filter on a gauge would empty its panel once a queue is picked)."""
+    checked = 0
+    for expr in dashboard_expressions() + rule_expressions():
+        text = _blank(expr)
+        for metric, matchers in _SELECTOR.findall(text):
+            used, carries = set(_MATCHER.findall(matchers)), _labels_of(metric)
+            assert used <= carries, f"{expr!r}: {metric} has no {used - carries}"
+            checked += len(used)
+        carried = set().union(*(_labels_of(n) for n in metric_names(expr)))
+        for group in _GROUPS.findall(text):
+            used = {label.strip() for label in group.split(",") if label.strip()}
+            assert used <= carried, f"{expr!r}: no series of it has {used - carried}"
+            checked += len(used)
+    assert checked >= 50  # (the parsers saw them)
+
+
+def test_the_label_checks_read_matchers_and_groupings() -> None:
+    expr = 'sum by (name, le) (rate(a_total{name=~"$name",x="by(y)"}[5m]))'
+    text = _blank(expr)
+    assert _SELECTOR.findall(text) == [("a_total", 'name=~"xxxxx",x="xxxxx"')]
+    assert _MATCHER.findall(_SELECTOR.findall(text)[0][1]) == ["name", "x"]
+    assert _GROUPS.findall(text) == ["name, le"]
+
+
 def _promtool() -> str | None:
     return os.environ.get("PROMTOOL") or shutil.which("promtool")
 
 
 @pytest.mark.skipif(
     _promtool() is None,
-    reason="promtool is not installed (Debian: prometheus; or set PROMTOOL): rules not checked",
+    reason="promtool not found (set PROMTOOL; ./dev test takes it from Debian's prometheus "
+    "package where apt-get can): rules not checked",
 )
 def test_promtool_accepts_the_rules_and_the_dashboards_queries() -> None:
     promtool = _promtool()
@@ -174,7 +232,8 @@ def test_promtool_accepts_the_rules_and_the_dashboards_queries() -> None:
 
 @pytest.mark.skipif(
     _promtool() is None,
-    reason="promtool is not installed (Debian: prometheus; or set PROMTOOL): alerts not run",
+    reason="promtool not found (set PROMTOOL; ./dev test takes it from Debian's prometheus "
+    "package where apt-get can): alerts not run",
 )
 def test_each_alert_fires_on_what_should_fire_it_and_not_before() -> None:
     """monitoring/prometheus/alerts.test.yaml: promtool's unit tests of the rules."""

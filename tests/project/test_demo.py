@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -159,6 +160,37 @@ def test_demo_rejects_bad_arguments(args: list[str], error: str) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and error in out.stderr
+
+
+def test_with_an_external_worker_the_demo_leaves_the_workers_counts_to_its_exporter(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docker compose: the demo-worker and the demo-exporter outlive each demo run; the
+    demo deletes its keys, not the counters the exporter serves (a reset after every run)."""
+    from celery_redislock.demo import __main__ as demo_main
+
+    client = redis_server.client()
+    client.flushall()
+    prefix, queue = "redislock-demo-test:", "redislock-demo-test"
+    for name, value in {"DEMO_PREFIX": prefix, "DEMO_QUEUE": queue, "DEMO_WORK": "0.02",
+                        "DEMO_LIMIT": "2", "DEMO_REDIS_URL": redis_server.url,
+                        "DEMO_BROKER_URL": redis_server.url}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)  # (restored after: main() sets them too)
+
+    def scene(args: Any, store: Any, demo: Any) -> bool:  # what the worker would write
+        store.hset(f"{prefix}stats", "celery_redislock_task_acquired_total{}", 3)
+        store.set(f"{prefix}balance:1", 10)
+        store.rpush(queue, "a message")
+        return True
+
+    monkeypatch.setattr(demo_main, "SCENES", {"payments": scene})
+    code = demo_main.main(["--redis-url", redis_server.url, "--external-worker"])
+    assert code == 0
+    assert client.keys("*") == [f"{prefix}stats".encode()]
+    assert client.hgetall(f"{prefix}stats") == {b"celery_redislock_task_acquired_total{}": b"3"}
+    # Its own worker's prefix is the demo's alone: everything goes (the test above).
+    assert demo_main.cleanup(client, prefix, queue, True) == 1
+    assert client.keys("*") == []
 
 
 # -- the tenants scene's arithmetic, without a worker -------------------------------
