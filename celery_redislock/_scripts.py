@@ -12,12 +12,13 @@ the script's slot.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
 import weakref
 from importlib import resources
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import redis
 import redis.asyncio
@@ -179,8 +180,7 @@ def _run_direct(pool: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
     lost), and the scripts are not idempotent (a re-sent release gives back two holds).
     The connection drops itself on any error it raises (redis-py's ``Connection``).
     """
-    connection = pool.get_connection(*_GET_CONNECTION_ARGS)
-    try:
+    with _pooled(pool) as connection:
         connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
             return connection.read_response()
@@ -189,14 +189,33 @@ def _run_direct(pool: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
             connection.read_response()
             connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
             return connection.read_response()
+
+
+def pop_box(pool: Any, key: bytes, timeout: float) -> Any:
+    """BLPOP ``key`` for at most ``timeout`` seconds (at least a millisecond: 0 would be
+    for ever) on one of ``pool``'s connections (:func:`_direct_pool`'s): the reply, a
+    ``[key, value]`` or None. The pool's socket timeout must be longer than ``timeout``."""
+    with _pooled(pool) as connection:
+        connection.send_command("BLPOP", key, f"{max(timeout, 0.001):.3f}")
+        return connection.read_response()
+
+
+@contextlib.contextmanager
+def _pooled(pool: Any) -> Iterator[Any]:
+    """One of ``pool``'s connections, for one command sent and its reply read.
+
+    A connection that raised anything but an error reply is dropped, not handed back in
+    use: an exception raised between the send and the read (a signal handler's, such as
+    Celery's soft time limit) is not seen by redis-py's Connection, and its next user
+    would read that reply as its own (the pool checks a connection it hands out only
+    without maintenance notifications, and only for a reply already arrived).
+    """
+    connection = pool.get_connection(*_GET_CONNECTION_ARGS)
+    try:
+        yield connection
     except ResponseError:  # an error reply, read whole: the connection is in step
         raise
     except BaseException:
-        # Anything else may leave a reply unread: an exception raised between the send
-        # and the read (a signal handler's, such as Celery's soft time limit), which
-        # redis-py's Connection does not see. Its next user would read that reply as
-        # its own (the pool checks a connection it hands out only without maintenance
-        # notifications, and only for a reply already arrived): drop it.
         connection.disconnect()
         raise
     finally:

@@ -52,13 +52,14 @@ from collections import deque
 from types import TracebackType
 from typing import Any, Callable
 
+import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._core import LINE_MARGIN_MS
 from ._keyspace import grant_channel_tail
-from ._scripts import is_cluster
+from ._scripts import _direct_pool, is_cluster, pop_box
 
 log = logging.getLogger(__name__)
 
@@ -180,23 +181,27 @@ class WaiterBase:
         #: (nonce, fencing token) of a direct grant (set by the subscriber).
         self.granted: tuple[bytes, int] | None = None
 
+    def _grant_id(self) -> bytes | None:
+        """Where a direct grant to this waiter goes: its subscriber's part of the grant
+        channel's name (None: sharded, no direct grants)."""
+        grant_id: bytes | None = self._subscriber.grant_id
+        return grant_id
+
     @property
     def direct(self) -> bool:
-        """Whether this waiter's subscriber takes direct grants (not sharded)."""
-        return self._subscriber.grant_id is not None
+        """Whether this waiter takes direct grants (its subscriber is not sharded)."""
+        return self._grant_id() is not None
 
     @property
     def grant_name(self) -> bytes:
         """``<subscriber>:<wait>``: how a direct grant to this wait is named in Redis."""
-        sub: bytes = self._subscriber.grant_id
-        return sub + b":" + self.wait_id
+        return (self._grant_id() or b"") + b":" + self.wait_id
 
     def next_wake_id(self) -> bytes:
         """A new nonce for the next attempt; ``<subscriber>:<nonce>`` for acquire.lua."""
         self.attempt += 1
         self.nonce = self.wait_id + b"." + str(self.attempt).encode()
-        sub: bytes = self._subscriber.grant_id
-        return sub + b":" + self.nonce
+        return (self._grant_id() or b"") + b":" + self.nonce
 
     def take_grant(self) -> int | None:
         """The token of a direct grant answering the latest attempt, or None."""
@@ -575,9 +580,17 @@ def subscriber_for(client: Any, channel: bytes | None = None) -> Subscriber:
         return found
 
 
-def waiter_for(client: Any, channel: bytes, owner: str, within: float | None = None) -> Waiter:
+def waiter_for(
+    client: Any, channel: bytes, owner: str, within: float | None = None, *, lone: bool = False
+) -> Waiter | BoxWaiter:
     """A waiter on ``channel`` for ``owner`` (it follows the channel's slot on a cluster);
-    ``within``: the acquire's remaining timeout, which bounds the wait for confirmation."""
+    ``within``: the acquire's remaining timeout, which bounds the wait for confirmation.
+    ``lone``: the acquire takes direct grants; it reads its own (:class:`BoxWaiter`) if
+    it is its pool's only such waiter in this process."""
+    if lone:
+        box = _box_waiter(client, channel, owner, within)
+        if box is not None:
+            return box
     relocate = (lambda: subscriber_for(client, channel)) if is_cluster(client) else None
     waiter = subscriber_for(client, channel).waiter(channel, owner, relocate)
     if within is not None:
@@ -585,10 +598,156 @@ def waiter_for(client: Any, channel: bytes, owner: str, within: float | None = N
     return waiter
 
 
+# -- a lone waiter reads its own grant ---------------------------------------------------
+
+
+class BoxWaiter(WaiterBase):
+    """A blocked acquire that reads its direct grant itself: the only one of its pool in
+    this process at a time (:func:`waiter_for`).
+
+    Its wake id names a list, its *box* (``<channel>:<box id>``, the box id starting with
+    ``L``), instead of a subscriber: a release that grants it the lock pushes
+    ``<token>:<nonce>`` there (grant.lua), and the waiting thread, blocked on the box
+    (BLPOP on a connection of the lock's own pool), returns with it. No subscriber thread
+    wakes it: one thread switch less between a release and the acquire it ends. Other
+    wake-ups (a release with nobody in line, an expired holder) reach it when its wait,
+    bounded by the holder's lease as any waiter's, ends.
+
+    A Redis user that may not BLPOP (``NOPERM``) sends the waiter, and later ones of its
+    pool, back to the subscriber: the wait goes on as a :class:`Waiter`.
+    """
+
+    __slots__ = ("_box_id", "_client", "_fallback", "_pool", "_read_for", "box")
+
+    def __init__(self, client: Any, pool: Any, name: bytes, owner: str, within: float | None):
+        super().__init__(None, name, owner, None, None)
+        self._client = client
+        self._pool = pool
+        self._box_id = b"L" + secrets.token_hex(8).encode()
+        self.box = name + grant_channel_tail(self._box_id)
+        self._fallback: Waiter | None = None
+        timeout = pool.connection_kwargs.get("socket_timeout")
+        #: A read must end before the connection's socket timeout (None: no limit).
+        self._read_for = None if timeout is None else timeout - BOX_SOCKET_MARGIN
+        self.confirm_wait = CONFIRM_WAIT if within is None else max(0.0, min(CONFIRM_WAIT, within))
+
+    def _grant_id(self) -> bytes | None:
+        return self._box_id
+
+    def __enter__(self) -> BoxWaiter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._fallback is not None:
+                self._fallback.__exit__(None, None, None)
+        finally:
+            _box_done(self._pool)
+
+    @property
+    def grant_name(self) -> bytes:
+        return self._fallback.grant_name if self._fallback is not None else super().grant_name
+
+    def next_wake_id(self) -> bytes:
+        if self._fallback is not None:
+            return self._fallback.next_wake_id()
+        return super().next_wake_id()
+
+    def take_grant(self) -> int | None:
+        if self._fallback is not None:
+            return self._fallback.take_grant()
+        return super().take_grant()
+
+    def _fall_back(self) -> bool:
+        """The rest of this wait goes through the subscriber: retry at once (True). A grant
+        pushed to the box meanwhile, or lost with a failed read, is still the owner's hold
+        in Redis: the next blocked attempt takes it up (acquire.lua)."""
+        self._fallback = Waiter(subscriber_for(self._client), self._name, self.owner.decode())
+        self._fallback.confirm_wait = self.confirm_wait
+        self._fallback.__enter__()
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """Block on the box until a grant (True) or ``timeout`` (False); a read that fails
+        or is refused sends the rest of the wait to the subscriber (True: retry now)."""
+        if self._fallback is not None:
+            return self._fallback.wait(timeout)
+        read_for = timeout if self._read_for is None else min(timeout, self._read_for)
+        try:
+            reply = pop_box(self._pool, self.box, read_for)
+        except NoPermissionError as exc:
+            _box_refused(self._pool, exc)
+            return self._fall_back()
+        except BROKEN as exc:  # the read failed: its grant, if any, may be lost with it
+            log.debug("redislock: a box read failed (%r); waiting through the subscriber", exc)
+            return self._fall_back()
+        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], bytes):
+            return False
+        token, _, nonce = reply[1].partition(b":")
+        if nonce == self.nonce and token.isdigit():
+            self.granted = (nonce, int(token))
+        return True
+
+
+#: False: every blocked acquire waits through the subscriber (no :class:`BoxWaiter`).
+LONE_WAITERS = True
+#: A pool's lone waiter uses its pool only if the pool may open this many connections (it
+#: keeps one for as long as it waits).
+BOX_MIN_CONNECTIONS = 8
+#: A box read ends this long before the connection's socket timeout; a pool whose socket
+#: timeout is shorter than BOX_MIN_TIMEOUT has no lone waiters.
+BOX_SOCKET_MARGIN = 0.25
+BOX_MIN_TIMEOUT = 1.0
+#: Pools with a lone waiter now in this process.
+_boxes: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Pools whose Redis user may not BLPOP.
+_refused_boxes: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _box_waiter(client: Any, name: bytes, owner: str, within: float | None) -> BoxWaiter | None:
+    """A :class:`BoxWaiter` if ``client``'s pool has no lone waiter in this process now
+    and can have one: a plain client whose scripts run on its pool directly
+    (``_scripts._direct_pool``), enough connections, a socket timeout long enough to
+    wait in, a Redis user allowed BLPOP."""
+    if not LONE_WAITERS:
+        return None
+    pool = _direct_pool(client)
+    if pool is None or not isinstance(client, redis.Redis):
+        return None
+    timeout = pool.connection_kwargs.get("socket_timeout")
+    if (timeout is not None and timeout < BOX_MIN_TIMEOUT) or (
+        getattr(pool, "max_connections", 0) < BOX_MIN_CONNECTIONS
+    ):
+        return None
+    with _subscribers_mutex:
+        if pool in _boxes or pool in _refused_boxes:
+            return None
+        _boxes.add(pool)
+    return BoxWaiter(client, pool, name, owner, within)
+
+
+def _box_done(pool: Any) -> None:
+    with _subscribers_mutex:
+        _boxes.discard(pool)
+
+
+def _box_refused(pool: Any, exc: Exception) -> None:
+    with _subscribers_mutex:
+        known = pool in _refused_boxes
+        _refused_boxes.add(pool)
+    if not known:
+        log.warning(
+            "redislock: Redis refused BLPOP (%s); blocked acquires wait through the "
+            "subscriber only (grant BLPOP on the prefix's keys for the faster wake-up)",
+            exc,
+        )
+
+
 def _after_fork_in_child() -> None:
     global _subscribers_mutex
     _subscribers_mutex = threading.Lock()
     _subscribers.clear()
+    _boxes.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -115,8 +115,9 @@ class SyncSingle(SingleBase[LeaseLost], SyncContext):
             return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
-        with waiter_for(self.client, self.keys.channel, owner, wait_limit) as waiter:
-            direct = self._direct(renew) and waiter.direct
+        direct = self._direct(renew)
+        with waiter_for(self.client, self.keys.channel, owner, wait_limit, lone=direct) as waiter:
+            direct = direct and waiter.direct
             pttl = 0  # the holder's lease at the last attempt (how long our place is kept)
             try:
                 while True:

@@ -8,7 +8,8 @@
 --   writes the lock for that waiter with a fresh token (`lock`: the lock's key, or a function
 --   of the waiter's owner id giving the key to write: a semaphore's permit of that owner): with `direct` and a wake id, held
 --   (count 1, for the shorter of grant_ms and the waiter's lease, "__grant__" naming the
---   wait), told "<token>:<nonce>" on channel:<subscriber> alone; else granted (count 0, for
+--   wait), told "<token>:<nonce>" on channel:<subscriber> alone (a subscriber part "L...":
+--   pushed to the list of that name, the waiter's box, kept grant_ms); else granted (count 0, for
 --   grant_ms), its owner id published on channel. Its wake id goes either way.
 local function grant_lease(value)
   return ms_arg((value ~= '' and value) or '2000', 'grant lease')
@@ -36,7 +37,13 @@ local function grant_first(lock, channel, fence, waiters, claims, wake, grant_ms
         local wait = string.match(nonce, '^(.*)%.%d+$')
         redis.call('hset', lock, head, 1, '__fence__', token, '__grant__', sub .. ':' .. wait)
         redis.call('pexpire', lock, math.min(grant_ms, tonumber(lease)))
-        redis.call('publish', channel .. ':' .. sub, token .. ':' .. nonce)
+        if string.sub(sub, 1, 1) == 'L' then
+          local box = channel .. ':' .. sub
+          redis.call('rpush', box, token .. ':' .. nonce)
+          redis.call('pexpire', box, grant_ms)
+        else
+          redis.call('publish', channel .. ':' .. sub, token .. ':' .. nonce)
+        end
       else
         redis.call('hset', lock, head, 0, '__fence__', token)  -- count 0: granted, not taken
         redis.call('pexpire', lock, grant_ms)

@@ -634,6 +634,61 @@ def test_blocked_acquire(walk: Walk, step: str, action: str, retry: bool) -> Non
     assert walk.lost(owner[0]) == []
 
 
+BOX_CASES = [
+    case("box", "drop"),
+    case("box", "drop_reply"),
+    case("box", "delay"),
+    case("box", "stall"),
+]
+#: A's socket timeout in the box cases: long enough for a lone waiter to read its own
+#: grant (``_waiting.BOX_MIN_TIMEOUT``); a box read lasts at most 0.25 s less.
+BOX_SOCKET_TIMEOUT = 1.2
+
+
+@pytest.mark.parametrize(("step", "action", "retry"), BOX_CASES)
+def test_boxed_wait(walk: Walk, step: str, action: str, retry: bool) -> None:
+    """B holds; A, its pool's lone waiter, blocks on its grant box (BLPOP) when the fault
+    meets that read, then B releases. A read that fails or stalls past A's socket
+    timeout sends the rest of A's wait to the subscriber; a grant popped by a read whose
+    reply is lost is taken up by A's next attempt. Either way A gets the lock once, with
+    no overlap, and leaves nothing behind."""
+    holder = walk.keep(RedisLock(walk.direct(), NAME, ttl=2.0, owner="B", auto_renew=False))
+    assert holder.acquire()
+    b_section = walk.record.open("B", holder.token)
+    client = walk.keep(
+        walk.proxy.client(socket_timeout=BOX_SOCKET_TIMEOUT, socket_connect_timeout=0.3, retry=None)
+    )
+    a = walk.lock(client)
+    owner: list[str] = []
+    fault = walk.inject(action, "BLPOP", seconds={"stall": BOX_SOCKET_TIMEOUT + 0.3}.get(action))
+
+    def wait() -> Any:
+        owner.append(thread_owner())
+        outcome = attempt(lambda: a.acquire(timeout=6))
+        if outcome is True:
+            section = walk.record.open("A", a.token)
+            assert work(a, section, 0.05), section.told
+            a.release()
+        return outcome
+
+    job = walk.spawn(wait)
+    assert fault.fired.wait(5)
+    time.sleep(0.2)
+    assert work(holder, b_section, 0.0)
+    released = now()
+    holder.release()
+    outcome = job.join()
+    settled = max(released, _finish_fault(fault))
+    assert outcome is True
+    a_section = walk.record.of("A")[0]
+    # Woken by the grant (or by its own re-check within the lease B had left), never
+    # by a lapse of the line.
+    assert a_section.start - released <= 2.0 + SLACK
+    walk.gone(owner[0], by=settled + GRANT_MS / 1000 + SLACK)
+    walk.record.check(A=1, B=1)
+    assert walk.lost(owner[0]) == []
+
+
 #: The renewal cases' lease: renewed every 0.3 s, so a renewal that stalls past the
 #: watchdog's socket timeout (A's, 0.3 s) is retried well inside the lease.
 RENEW_TTL = 0.9

@@ -88,6 +88,8 @@ LOCK_COMMANDS = (
     "zscore",
     "zrem",
     "time",
+    # a lone blocked acquire's own grant box (_waiting.BoxWaiter)
+    "blpop",
 )
 #: RedisSemaphore / AsyncRedisSemaphore add the holders set (SADD/SREM/SMEMBERS) and the
 #: look along the line of waiters for the places ahead (LRANGE); RedisRateLimiter /
@@ -170,8 +172,20 @@ def denials(admin: redis.Redis, user: str | None = None) -> list[dict[str, Any]]
     ]
 
 
+@pytest.fixture
+def subscriber_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every blocked acquire waits through the subscriber (none reads its own grant box):
+    for the tests of the subscriber's connection."""
+    monkeypatch.setattr(_waiting, "LONE_WAITERS", False)
+
+
 def numsub(admin: redis.Redis, channel: bytes) -> int:
     return int(admin.pubsub_numsub(channel)[0][1])
+
+
+def blocked_pops(admin: redis.Redis) -> int:
+    """Clients blocked in BLPOP now (a lone waiter on its grant box)."""
+    return sum(1 for c in admin.client_list() if c.get("cmd") == "blpop" and "b" in c["flags"])
 
 
 # ------------------------------------------------------------------ scenarios
@@ -182,7 +196,8 @@ def exercise_lock(client: redis.Redis, admin: redis.Redis, tag: str) -> None:
     """Every Redis path of RedisLock: acquire (first call meets NOSCRIPT on a fresh
     script cache), re-entry, queries, extend, contention, two waiters woken by releases
     over pub/sub (and the UNSUBSCRIBE of the channel left idle while the other is still
-    waited on: needs ``_waiting.LINGER`` short), watchdog renewal and force_release."""
+    waited on: needs ``_waiting.LINGER`` short), a lone waiter woken through its grant
+    box (BLPOP), watchdog renewal and force_release."""
     lock = RedisLock(client, f"{tag}:a", ttl=30)
     assert lock.acquire() and lock.acquire()
     assert lock.hold_count == 2 and lock.token is not None and lock.token >= 1
@@ -207,10 +222,15 @@ def exercise_lock(client: redis.Redis, admin: redis.Redis, tag: str) -> None:
         held.keys.channel: threading.Thread(target=wait_for, args=(held.name,), daemon=True)
         for held in (lock, other)
     }
-    for thread in threads.values():
-        thread.start()
-    for channel in threads:
-        wait_until(lambda ch=channel: numsub(admin, ch) == 1, what=f"{channel!r} subscribed")
+    lone = _waiting.LONE_WAITERS
+    _waiting.LONE_WAITERS = False  # both through the subscriber (the box comes below)
+    try:
+        for thread in threads.values():
+            thread.start()
+        for channel in threads:
+            wait_until(lambda ch=channel: numsub(admin, ch) == 1, what=f"{channel!r} subscribed")
+    finally:
+        _waiting.LONE_WAITERS = lone
 
     # Both holders have 20-30 s leases: only the release's publish can wake a waiter now.
     lock.release()
@@ -226,6 +246,28 @@ def exercise_lock(client: redis.Redis, admin: redis.Redis, tag: str) -> None:
     threads[other.keys.channel].join(10)
     got, at = results[other.name]
     assert got and at - released_at < 5.0
+
+    # A lone waiter reads its grant itself: BLPOP on its box, where the release pushes it
+    # (a user without BLPOP: refused once, then the subscriber).
+    boxed = RedisLock(client, f"{tag}:box", ttl=30)
+    assert boxed.acquire()
+    box_results: list[tuple[bool, float]] = []
+
+    def wait_boxed() -> None:
+        waiter = RedisLock(client, boxed.name, ttl=30)
+        box_results.append((waiter.acquire(timeout=20), time.monotonic()))
+        waiter.release()
+
+    box_thread = threading.Thread(target=wait_boxed, daemon=True)
+    box_thread.start()
+    wait_until(
+        lambda: blocked_pops(admin) + numsub(admin, boxed.keys.channel) == 1,
+        what="the lone waiter blocked on its box (or subscribed)",
+    )
+    boxed.release()
+    released_at = time.monotonic()
+    box_thread.join(10)
+    assert box_results and box_results[0][0] and box_results[0][1] - released_at < 5.0
 
     # The watchdog (its own client, built from the pool's connection kwargs) renews.
     short = RedisLock(client, f"{tag}:short", ttl=0.3)
@@ -872,6 +914,7 @@ def test_rediss_url_with_ca_in_the_query(tls_server: TLSRedisServer) -> None:
         client.close()
 
 
+@pytest.mark.usefixtures("subscriber_only")
 def test_waiter_is_woken_by_release_through_the_tls_subscriber(
     tls_server: TLSRedisServer, tls_client: redis.Redis
 ) -> None:
@@ -986,6 +1029,7 @@ def test_celery_client_for_a_rediss_url(tls_server: TLSRedisServer) -> None:
         app.close()
 
 
+@pytest.mark.usefixtures("subscriber_only")
 def test_mutual_tls_client_certificate_through_redis_options(mtls_server: TLSRedisServer) -> None:
     from celery import Celery
 
@@ -1397,6 +1441,7 @@ def test_every_command_of_the_minimal_acl_is_needed(part: str, commands: tuple[s
     assert not_needed == [], f"{part}: commands never refused when removed: {not_needed}"
 
 
+@pytest.mark.usefixtures("subscriber_only")
 def test_a_refused_subscribe_does_not_kill_the_subscriber(
     acl_server: RedisServer, admin: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,204 @@
+"""A lone blocked acquire reads its own grant: BLPOP on its box (``_waiting.BoxWaiter``).
+
+Real redis-server processes (the session's, flushed, and private ones for ACL users).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock import RedisLock, _waiting
+from celery_redislock.testing import RedisServer
+
+from .._support import wait_until
+
+
+def blocked_pops(admin: redis.Redis) -> int:
+    """Clients blocked in BLPOP now."""
+    return sum(1 for c in admin.client_list() if c.get("cmd") == "blpop" and "b" in c["flags"])
+
+
+def numsub(admin: redis.Redis, channel: bytes) -> int:
+    return int(admin.pubsub_numsub(channel)[0][1])
+
+
+def waiting_thread(lock: RedisLock, timeout: float = 20) -> tuple[threading.Thread, dict[str, Any]]:
+    """A thread (a new owner) that waits for ``lock``'s name and releases it at once; its
+    outcome in the dict."""
+    result: dict[str, Any] = {}
+
+    def body() -> None:
+        waiter = RedisLock(lock.client, lock.name, ttl=30)
+        result["ok"] = waiter.acquire(timeout=timeout)
+        result["at"] = time.monotonic()
+        result["token"] = waiter.token
+        if result["ok"]:
+            waiter.release()
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_lone_waiter_reads_its_grant_from_its_box_without_a_subscriber(
+    redis_client: redis.Redis,
+) -> None:
+    holder = RedisLock(redis_client, "lone:a", ttl=30)
+    assert holder.acquire()
+    thread, result = waiting_thread(holder)
+    wait_until(lambda: blocked_pops(redis_client) == 1, what="the waiter blocked on its box")
+    # No subscriber connection, no subscription: the waiter reads its grant itself.
+    assert _waiting.subscriber_for(redis_client).connections == 0
+    assert numsub(redis_client, holder.keys.channel) == 0
+    token = holder.token
+    assert token is not None
+    released = time.monotonic()
+    holder.release()  # a 30 s lease: only the grant can wake the waiter now
+    thread.join(10)
+    assert result["ok"] and result["at"] - released < 5.0
+    assert result["token"] == token + 1  # the grant's fencing token, taken as the hold's
+    assert not holder.locked()
+    # The grant was popped: no box left behind; the pool's box is free for the next wait.
+    assert redis_client.keys("*:released:L*") == []
+    assert redis_client.connection_pool not in _waiting._boxes
+
+
+def test_two_waiters_in_a_process_one_boxed_one_subscribed_both_served_in_order(
+    redis_client: redis.Redis,
+) -> None:
+    holder = RedisLock(redis_client, "lone:two", ttl=30)
+    assert holder.acquire()
+    first, first_result = waiting_thread(holder)
+    wait_until(lambda: blocked_pops(redis_client) == 1, what="the first on its box")
+    second, second_result = waiting_thread(holder)
+    wait_until(lambda: numsub(redis_client, holder.keys.channel) == 1, what="second subscribed")
+    wait_until(lambda: redis_client.llen(holder.keys.waiters) == 2, what="both in line")
+    holder.release()
+    first.join(10)
+    second.join(10)  # the first's release hands it to the subscribed one, directly
+    assert first_result["ok"] and second_result["ok"]
+    assert second_result["at"] >= first_result["at"]
+    assert second_result["token"] == first_result["token"] + 1
+    assert not holder.locked()
+
+
+def test_a_boxed_waiter_that_times_out_leaves_the_line_and_frees_the_box(
+    redis_client: redis.Redis,
+) -> None:
+    holder = RedisLock(redis_client, "lone:timeout", ttl=30)
+    assert holder.acquire()
+    waiter = RedisLock(redis_client, "lone:timeout", ttl=30, auto_renew=True)
+    started = time.monotonic()
+    outcome: list[bool] = []
+    thread = threading.Thread(target=lambda: outcome.append(waiter.acquire(timeout=0.5)))
+    thread.start()
+    thread.join(10)
+    assert outcome == [False] and time.monotonic() - started < 5
+    assert redis_client.llen(holder.keys.waiters) == 0
+    assert redis_client.connection_pool not in _waiting._boxes
+    holder.release()
+    assert not holder.locked()  # nobody in line: released, not granted
+
+
+def test_junk_in_a_box_is_not_taken_for_a_grant(redis_client: redis.Redis) -> None:
+    """Anyone who may write under the prefix may push into a box: a value that does not
+    answer the waiter's latest attempt (junk, a forged token, a stale nonce) only makes it
+    try again; the hold it gets is the real grant's."""
+    holder = RedisLock(redis_client, "lone:junk", ttl=30)
+    assert holder.acquire()
+    thread, result = waiting_thread(holder)
+    wait_until(lambda: blocked_pops(redis_client) == 1, what="the waiter blocked on its box")
+    wake = redis_client.hgetall(holder.keys.wake)
+    (wake_id,) = wake.values()  # "<box id>:<wait>.<attempt>:<lease>"
+    box_id, nonce, _lease = wake_id.split(b":")
+    box = holder.keys.channel + b":" + box_id
+    for junk in (b"garbage", b"999999:" + nonce + b"0", b"x:" + nonce, b"999999:0.1", b""):
+        redis_client.rpush(box, junk)
+        wait_until(lambda: blocked_pops(redis_client) == 1, what="the waiter back on its box")
+    assert "ok" not in result and holder.owned()
+    token = holder.token
+    assert token is not None
+    holder.release()
+    thread.join(10)
+    assert result["ok"] and result["token"] == token + 1
+    assert not holder.locked()
+
+
+def test_a_box_read_is_cut_below_the_socket_timeout(redis_server: RedisServer) -> None:
+    client = redis_server.client(socket_timeout=1.5)
+    try:
+        client.flushall()
+        holder = RedisLock(client, "lone:slices", ttl=30)
+        assert holder.acquire()
+        thread, result = waiting_thread(holder)
+        wait_until(lambda: blocked_pops(client) == 1, what="the waiter blocked on its box")
+        time.sleep(3.5)  # more than two socket timeouts: each read ends before its own
+        assert thread.is_alive() and "ok" not in result
+        holder.release()
+        thread.join(10)
+        assert result["ok"]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "make_client",
+    [
+        lambda server: server.client(socket_timeout=0.5),  # too short to wait in
+        lambda server: redis.Redis(
+            connection_pool=redis.ConnectionPool(port=server.port, max_connections=4)
+        ),  # too few connections to keep one
+    ],
+    ids=["short-socket-timeout", "small-pool"],
+)
+def test_pools_that_cannot_spare_a_connection_wait_through_the_subscriber(
+    redis_server: RedisServer, make_client: Callable[[RedisServer], redis.Redis]
+) -> None:
+    client = make_client(redis_server)
+    try:
+        client.flushall()
+        holder = RedisLock(client, "lone:sub", ttl=30)
+        assert holder.acquire()
+        thread, result = waiting_thread(holder)
+        wait_until(lambda: numsub(client, holder.keys.channel) == 1, what="subscribed")
+        assert blocked_pops(client) == 0
+        holder.release()
+        thread.join(10)
+        assert result["ok"]
+    finally:
+        client.close()
+
+
+def test_a_user_without_blpop_waits_through_the_subscriber_after_one_refusal(
+    redis_server_factory: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = redis_server_factory()
+    admin = server.client()
+    from .test_security import LOCK_COMMANDS, PASSWORD, acl_rules, denials, set_user
+
+    set_user(admin, "no-blpop", acl_rules(tuple(c for c in LOCK_COMMANDS if c != "blpop")))
+    client = redis.Redis(port=server.port, username="no-blpop", password=PASSWORD)
+    try:
+        caplog.set_level(logging.WARNING, logger="celery_redislock")
+        for round_ in range(2):
+            holder = RedisLock(client, f"acl:{round_}", ttl=30)
+            assert holder.acquire()
+            thread, result = waiting_thread(holder)
+            channel = holder.keys.channel
+            wait_until(lambda ch=channel: numsub(admin, ch) == 1, what="subscribed")
+            holder.release()
+            thread.join(10)
+            assert result["ok"]
+        refused = [e for e in denials(admin, "no-blpop") if e["object"] == "blpop"]
+        assert len(refused) == 1 and refused[0]["count"] == 1  # tried once, by the first wait
+        assert sum("refused BLPOP" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        client.close()
+        admin.close()
