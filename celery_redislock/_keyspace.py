@@ -9,6 +9,7 @@ lock hash's key ``<prefix>{<name>}``:
 ``<L>:fence``                       the fencing counter (never expires)
 ``<L>:released``                    the pub/sub channel a release is announced on
 ``<L>:released:<grant id>``         one subscriber's direct-grant channel (``_waiting``)
+``<L>:released:L<hex>``             a lone waiter's box: its direct grant (a list, BLPOP)
 ``<L>:waiters``                     blocked acquires in arrival order (a list)
 ``<L>:claims``                      how long each waiter's place in line is kept (zset)
 ``<L>:waiters:wake``                waiters' wake ids for direct grants (a hash)

@@ -19,6 +19,11 @@ watchdog lengthens the grant's short lease; see ``LockBase._take_grant``). The n
 latest attempt counts (it was made after that attempt reached Redis, which dates its
 lease), and a late message from an earlier attempt or wait is ignored.
 
+**A lone waiter** (sync, a plain client): one blocked acquire per pool in a process at a
+time skips the subscriber: its wake id names a list of its own (its *box*), the release
+pushes the grant there, and it waits in BLPOP on a connection of the lock's pool, so
+the thread that waits is the one that reads the grant (:class:`BoxWaiter`).
+
 Subscriptions are reference-counted per channel and dropped a little after their
 last waiter leaves, so a lock contended in bursts is not re-subscribed each time.
 If the subscriber's connection breaks, every waiter is woken to retry (a release
