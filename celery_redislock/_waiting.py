@@ -614,9 +614,11 @@ class BoxWaiter(WaiterBase):
     ``L``), instead of a subscriber: a release that grants it the lock pushes
     ``<token>:<nonce>`` there (grant.lua), and the waiting thread, blocked on the box
     (BLPOP on a connection of the lock's own pool), returns with it. No subscriber thread
-    wakes it: one thread switch less between a release and the acquire it ends. Other
-    wake-ups (a release with nobody in line, an expired holder) reach it when its wait,
-    bounded by the holder's lease as any waiter's, ends.
+    wakes it: one thread switch less between a release and the acquire it ends. A grant
+    to it the usual way (a ``LockedTask``'s release: count 0, its owner id published on
+    the lock's channel) is pushed to its box too, and it retries at once. Other wake-ups
+    (a release with nobody in line, an expired holder) reach it when its wait, bounded
+    by the holder's lease as any waiter's, ends.
 
     A Redis user that may not BLPOP (``NOPERM``) sends the waiter, and later ones of its
     pool, back to the subscriber: the wait goes on as a :class:`Waiter`.

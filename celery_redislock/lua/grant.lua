@@ -10,7 +10,8 @@
 --   (count 1, for the shorter of grant_ms and the waiter's lease, "__grant__" naming the
 --   wait), told "<token>:<nonce>" on channel:<subscriber> alone (a subscriber part "L...":
 --   pushed to the list of that name, the waiter's box, kept grant_ms); else granted (count 0, for
---   grant_ms), its owner id published on channel. Its wake id goes either way.
+--   grant_ms), its owner id published on channel (and pushed to its box, if its wake id names
+--   one: that waiter hears nothing on channel). Its wake id goes either way.
 local function grant_lease(value)
   return ms_arg((value ~= '' and value) or '2000', 'grant lease')
 end
@@ -48,6 +49,12 @@ local function grant_first(lock, channel, fence, waiters, claims, wake, grant_ms
         redis.call('hset', lock, head, 0, '__fence__', token)  -- count 0: granted, not taken
         redis.call('pexpire', lock, grant_ms)
         redis.call('publish', channel, head)
+        local box = wake_id and string.match(wake_id, '^(L[^:]*):')
+        if box then  -- a waiter reading its box hears nothing on channel: wake it there
+          box = channel .. ':' .. box
+          redis.call('rpush', box, head)
+          redis.call('pexpire', box, grant_ms)
+        end
       end
       return head
     end

@@ -202,3 +202,30 @@ def test_a_user_without_blpop_waits_through_the_subscriber_after_one_refusal(
     finally:
         client.close()
         admin.close()
+
+
+def test_a_task_lock_hand_over_to_a_boxed_waiter_wakes_it_through_its_box(
+    redis_client: redis.Redis,
+) -> None:
+    """A ``LockedTask``'s release (handoff.lua) grants the usual way: count 0, the
+    waiter's owner id published on the lock's channel, which a boxed waiter does not
+    hear. Its box is told too, so it takes up that grant (its token) before the grant
+    lapses, not at its own re-check 5 s later (a free lock then, with a new token)."""
+    from celery_redislock.celery.tasklock import TaskLock
+    from celery_redislock.settings import LockOptions
+
+    task = TaskLock(redis_client, "lone:task", task_id="t1", options=LockOptions(ttl=30))
+    try:
+        assert task.take() is True
+        thread, result = waiting_thread(RedisLock(redis_client, "lone:task", ttl=30))
+        wait_until(lambda: blocked_pops(redis_client) == 1, what="the waiter blocked on its box")
+        wait_until(lambda: redis_client.llen(task.keys.waiters) == 1, what="the waiter in line")
+        token = task.token
+        assert token is not None
+        assert task.finish(hold=0, done_ttl=None) is None  # handed to the waiter in line
+        thread.join(10)
+        assert result["ok"] and result["token"] == token + 1  # the hand-over's grant
+        assert not task.locked()
+        assert redis_client.keys("*:released:L*") == []
+    finally:
+        task.close()
