@@ -194,10 +194,11 @@ def _run_direct(pool: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
 def pop_box(pool: Any, key: bytes, timeout: float) -> Any:
     """BLPOP ``key`` for at most ``timeout`` seconds (at least a millisecond: 0 would be
     for ever) on one of ``pool``'s connections (:func:`_direct_pool`'s): the reply, a
-    ``[key, value]`` or None. The pool's socket timeout must be longer than ``timeout``."""
+    ``[key, value]`` (bytes, whatever the client's ``decode_responses``) or None. The
+    pool's socket timeout must be longer than ``timeout``."""
     with _pooled(pool) as connection:
         connection.send_command("BLPOP", key, f"{max(timeout, 0.001):.3f}")
-        return connection.read_response()
+        return connection.read_response(disable_decoding=True)
 
 
 @contextlib.contextmanager

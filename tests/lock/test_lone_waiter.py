@@ -229,3 +229,46 @@ def test_a_task_lock_hand_over_to_a_boxed_waiter_wakes_it_through_its_box(
         assert redis_client.keys("*:released:L*") == []
     finally:
         task.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"decode_responses": True}, {"protocol": 3}, {"protocol": 3, "decode_responses": True}],
+    ids=["resp2", "resp2-decoded", "resp3", "resp3-decoded"],
+)
+def test_a_boxed_waiter_takes_its_grant_without_a_round_trip_whatever_the_decoding(
+    redis_server: RedisServer, options: dict[str, Any]
+) -> None:
+    """The grant read from the box counts as acquired as it is (one script call for the
+    whole hand-over: the holder's release), decoded replies and RESP3 included."""
+    client = redis.Redis(port=redis_server.port, socket_timeout=5, **options)
+    try:
+        client.flushall()
+        holder = RedisLock(client, "lone:decode", ttl=30)
+        assert holder.acquire()
+        holder.release()  # the scripts loaded: every call below is one EVALSHA
+        assert holder.acquire()
+        taken, done = threading.Event(), threading.Event()
+        result: dict[str, Any] = {}
+
+        def body() -> None:
+            waiter = RedisLock(client, "lone:decode", ttl=30)
+            result["ok"] = waiter.acquire(timeout=20)
+            taken.set()
+            done.wait(10)
+            if result["ok"]:
+                waiter.release()
+
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        wait_until(lambda: blocked_pops(client) == 1, what="the waiter blocked on its box")
+        client.config_resetstat()
+        holder.release()
+        assert taken.wait(10) and result["ok"]
+        calls = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+        done.set()
+        thread.join(10)
+        assert calls == 1  # the release alone: the waiter made no attempt after it
+        assert not holder.locked()
+    finally:
+        client.close()
