@@ -624,7 +624,7 @@ class BoxWaiter(WaiterBase):
     pool, back to the subscriber: the wait goes on as a :class:`Waiter`.
     """
 
-    __slots__ = ("_box_id", "_client", "_fallback", "_pool", "_read_for", "box")
+    __slots__ = ("_answered", "_box_id", "_client", "_fallback", "_pool", "_read_for", "box")
 
     def __init__(self, client: Any, pool: Any, name: bytes, owner: str, within: float | None):
         super().__init__(None, name, owner, None, None)
@@ -633,6 +633,9 @@ class BoxWaiter(WaiterBase):
         self._box_id = b"L" + secrets.token_hex(8).encode()
         self.box = name + grant_channel_tail(self._box_id)
         self._fallback: Waiter | None = None
+        #: Whether an attempt made after the fallback has been answered (it reached Redis:
+        #: from then on the line names the wait by the fallback's wake id).
+        self._answered = False
         timeout = pool.connection_kwargs.get("socket_timeout")
         #: A read must end before the connection's socket timeout (None: no limit).
         self._read_for = None if timeout is None else timeout - BOX_SOCKET_MARGIN
@@ -653,7 +656,14 @@ class BoxWaiter(WaiterBase):
 
     @property
     def grant_name(self) -> bytes:
-        return self._fallback.grant_name if self._fallback is not None else super().grant_name
+        """How a direct grant to this wait is named in Redis: the box's until an attempt
+        made after a fallback is answered. An attempt that failed may never have reached
+        Redis, whose line still names the box then; leaving, or remembering a failed leave
+        (``AbandonedWaits``), under the fallback's name would not match that grant, and
+        the owner's next acquire would count it as a re-entry on top of it."""
+        if self._fallback is not None and self._answered:
+            return self._fallback.grant_name
+        return super().grant_name
 
     def next_wake_id(self) -> bytes:
         if self._fallback is not None:
@@ -678,6 +688,8 @@ class BoxWaiter(WaiterBase):
         """Block on the box until a grant (True) or ``timeout`` (False); a read that fails
         or is refused sends the rest of the wait to the subscriber (True: retry now)."""
         if self._fallback is not None:
+            # Called after an attempt answered: one made after the fallback, if any.
+            self._answered = self._answered or self._fallback.attempt > 0
             return self._fallback.wait(timeout)
         read_for = timeout if self._read_for is None else min(timeout, self._read_for)
         try:

@@ -272,3 +272,64 @@ def test_a_boxed_waiter_takes_its_grant_without_a_round_trip_whatever_the_decodi
         assert not holder.locked()
     finally:
         client.close()
+
+
+def test_a_wait_cut_by_a_partition_after_its_fallback_leaves_its_box_grant_to_the_next_acquire(
+    redis_server: RedisServer,
+) -> None:
+    """A's box read fails (its client partitioned: connections closed, new ones refused),
+    and so do the retry through the subscriber and the leave: the acquire raises, and the
+    process remembers the wait (``AbandonedWaits``). Its place in line still names the
+    box, so B's release, after the partition, grants the lock to the box. A's next
+    acquire must take that grant as its one hold (not re-enter on top of it): after A's
+    release the lock is free, not held by A's owner for a whole lease."""
+    from celery_redislock.testing import FaultProxy
+
+    admin = redis_server.client()
+    admin.flushall()
+    with FaultProxy(redis_server) as proxy:
+        holder = RedisLock(
+            redis_server.client(socket_timeout=2), "lone:cut", ttl=8, owner="B", auto_renew=False
+        )
+        assert holder.acquire()
+        client = proxy.client(socket_timeout=1.2, socket_connect_timeout=0.3, retry=None)
+        a = RedisLock(client, "lone:cut", ttl=30)
+        outcome: dict[str, Any] = {}
+        again = threading.Event()
+
+        def body() -> None:
+            try:
+                outcome["first"] = a.acquire(timeout=10)
+            except redis.ConnectionError as exc:
+                outcome["first"] = exc
+            again.wait(20)
+            outcome["second"] = a.acquire(timeout=10)
+            outcome["held"] = admin.hgetall(a.keys.lock)
+            a.release()
+
+        thread = threading.Thread(target=body, daemon=True)
+        try:
+            thread.start()
+            wait_until(lambda: blocked_pops(admin) == 1, what="A blocked on its box")
+            # A's next box read (each lasts < 1 s) partitions A's client for 1.5 s.
+            fault = proxy.inject("refuse", "BLPOP", seconds=1.5)
+            assert fault.fired.wait(5)
+            wait_until(lambda: "first" in outcome, what="A's acquire cut")
+            assert isinstance(outcome["first"], redis.ConnectionError)
+            ends_at = fault.ends_at
+            assert ends_at is not None
+            wait_until(lambda: time.monotonic() > ends_at, timeout=5, what="the partition healed")
+            holder.release()  # A's place is kept: granted to the wait it names, A's box
+            assert admin.hget(holder.keys.lock, "__grant__").startswith(b"L")
+            again.set()
+            thread.join(20)
+            assert outcome["second"] is True
+            (count,) = [v for k, v in outcome["held"].items() if not k.startswith(b"__")]
+            assert count == b"1"  # the grant taken as the hold, not re-entered
+            assert not admin.exists(holder.keys.lock)  # released: free, not held on
+        finally:
+            again.set()
+            a.close()
+            holder.close()
+            client.close()
+    admin.close()
