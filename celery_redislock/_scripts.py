@@ -191,6 +191,10 @@ def _run_direct(pool: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
             return connection.read_response()
 
 
+#: A box read shorter than this ends on the client's clock, not the server's tick.
+PRECISE_POP_UNDER = 1.0
+
+
 def pop_box(pool: Any, key: bytes, timeout: float) -> Any:
     """BLPOP ``key`` for at most ``timeout`` seconds (at least a millisecond: 0 would be
     for ever) on one of ``pool``'s connections (:func:`_direct_pool`'s): the reply, a
@@ -198,6 +202,13 @@ def pop_box(pool: Any, key: bytes, timeout: float) -> Any:
     pool's socket timeout must be longer than ``timeout``."""
     with _pooled(pool) as connection:
         connection.send_command("BLPOP", key, f"{max(timeout, 0.001):.3f}")
+        if timeout < PRECISE_POP_UNDER and not connection.can_read(timeout=timeout):
+            # The server ends a timed-out BLPOP on its next tick (every 100 ms at hz 10),
+            # a long time for a short wait: end it here, and with it the connection (the
+            # BLPOP stays pending on it). A grant popped into it meanwhile is lost with
+            # it, but stays the waiter's hold in Redis, for its next attempt.
+            connection.disconnect()
+            return None
         return connection.read_response(disable_decoding=True)
 
 

@@ -15,6 +15,13 @@
 local function grant_lease(value)
   return ms_arg((value ~= '' and value) or '2000', 'grant lease')
 end
+-- A lone waiter's box (a list it blocks on): the message pushed, kept grant_ms. pcall: a key
+-- of another type there (a prefix writer's) costs that waiter its wake-up, not the release.
+local function tell_box(box, message, grant_ms)
+  if type(redis.pcall('rpush', box, message)) == 'number' then
+    redis.call('pexpire', box, grant_ms)
+  end
+end
 local function grant_first(lock, channel, fence, waiters, claims, wake, grant_ms, direct)
   local head = redis.call('lpop', waiters)
   local now = head and now_ms()  -- the clock is read only when someone is in line
@@ -39,9 +46,7 @@ local function grant_first(lock, channel, fence, waiters, claims, wake, grant_ms
         redis.call('hset', lock, head, 1, '__fence__', token, '__grant__', sub .. ':' .. wait)
         redis.call('pexpire', lock, math.min(grant_ms, tonumber(lease)))
         if string.sub(sub, 1, 1) == 'L' then
-          local box = channel .. ':' .. sub
-          redis.call('rpush', box, token .. ':' .. nonce)
-          redis.call('pexpire', box, grant_ms)
+          tell_box(channel .. ':' .. sub, token .. ':' .. nonce, grant_ms)
         else
           redis.call('publish', channel .. ':' .. sub, token .. ':' .. nonce)
         end
@@ -51,9 +56,7 @@ local function grant_first(lock, channel, fence, waiters, claims, wake, grant_ms
         redis.call('publish', channel, head)
         local box = wake_id and string.match(wake_id, '^(L[^:]*):')
         if box then  -- a waiter reading its box hears nothing on channel: wake it there
-          box = channel .. ':' .. box
-          redis.call('rpush', box, head)
-          redis.call('pexpire', box, grant_ms)
+          tell_box(channel .. ':' .. box, head, grant_ms)
         end
       end
       return head

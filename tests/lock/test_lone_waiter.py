@@ -333,3 +333,51 @@ def test_a_wait_cut_by_a_partition_after_its_fallback_leaves_its_box_grant_to_th
             holder.close()
             client.close()
     admin.close()
+
+
+def test_a_box_of_another_type_costs_the_waiter_its_wake_up_not_the_release(
+    redis_client: redis.Redis,
+) -> None:
+    """A prefix writer puts a string where a waiter's box belongs: the release still
+    succeeds (the push is the only thing that fails), and the waiter, not woken, takes
+    the lock granted to it at its own re-check."""
+    holder = RedisLock(redis_client, "lone:wrongtype", ttl=30)
+    assert holder.acquire(lease=1.0)  # the waiter's wait is bounded by this lease
+    thread, result = waiting_thread(holder)
+    wait_until(lambda: blocked_pops(redis_client) == 1, what="the waiter blocked on its box")
+    (wake_id,) = redis_client.hgetall(holder.keys.wake).values()
+    box = holder.keys.channel + b":" + wake_id.split(b":")[0]
+    redis_client.set(box, "not a list")
+    token = holder.token
+    assert token is not None
+    holder.release()  # must not raise
+    thread.join(10)
+    assert result["ok"] and result["token"] == token + 1  # the grant, taken at the re-check
+    assert not holder.locked()
+
+
+def test_a_short_box_wait_ends_on_the_clients_clock_and_leaves_nothing_blocked(
+    redis_client: redis.Redis,
+) -> None:
+    """A box read shorter than a second is ended by the client (the server would end it
+    on its next tick): its connection goes with the pending BLPOP, and the pool serves
+    the next wait."""
+    holder = RedisLock(redis_client, "lone:short", ttl=30)
+    assert holder.acquire()
+    outcome: list[bool] = []
+
+    def body() -> None:
+        waiter = RedisLock(redis_client, holder.name, ttl=30)
+        outcome.extend(waiter.acquire(timeout=t) for t in (0.01, 0.05, 0.3))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(10)
+    assert outcome == [False, False, False]
+    wait_until(lambda: blocked_pops(redis_client) == 0, what="no BLPOP left pending")
+    assert redis_client.llen(holder.keys.waiters) == 0
+    thread, result = waiting_thread(holder)
+    wait_until(lambda: blocked_pops(redis_client) == 1, what="the next waiter on its box")
+    holder.release()
+    thread.join(10)
+    assert result["ok"]
