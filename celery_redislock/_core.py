@@ -273,6 +273,14 @@ def loss_reason_from_renew(code: int) -> str:
 # --------------------------------------------------------------------- deadlines
 
 
+def server_clock_us(clock: Sequence[Any]) -> int:
+    """The Redis server's clock from a ``TIME`` reply (seconds, microseconds), in whole
+    microseconds since the epoch: the one reading of it on this side (the scripts' is
+    ``now_us()`` in ``lua/args.lua``)."""
+    seconds, micros = clock
+    return int(seconds) * 1_000_000 + int(micros)
+
+
 def drift_ms(lease: int) -> float:
     """Clock-drift allowance: 1% of the lease plus 2 ms (the Redlock paper's rule)."""
     return lease * 0.01 + 2.0

@@ -51,7 +51,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore
 
 from .. import signals
-from .._core import MAX_MS, lease_ms
+from .._core import MAX_MS, lease_ms, server_clock_us
 from .._errors import LockConfigurationError
 from .._keyspace import debounce_registry, latest_run_key, parked_under
 from .._replies import DUE_SEND, decode_latest_due
@@ -265,11 +265,11 @@ def serve_debounced(
         pipe = client.pipeline(transaction=False)
         pipe.time()
         pipe.zrange(registry, 0, 0, withscores=True)
-        (seconds, micros), earliest = pipe.execute()
+        clock, earliest = pipe.execute()
         if not earliest:
             break
         member, score = earliest[0]
-        now_ms = seconds * 1000 + micros / 1000
+        now_ms = server_clock_us(clock) / 1000
         if score > now_ms:
             sleep = min(sleep, (score - now_ms) / 1000)
             break

@@ -200,3 +200,42 @@ def test_no_script_reply_is_decoded_outside_the_decoder_module() -> None:
     }
     assert {k: v for k, v in offenders.items() if v} == {}
     assert hand_decoded_replies(PACKAGE / DECODERS)  # the heuristic does see decoding
+
+
+# --------------------------------------------------------------------- the Lua library
+
+LUA = PACKAGE / "lua"
+#: A script's length at most (its contract header included); the shared functions live in
+#: the preludes (``_scripts.PRELUDES``), which may be longer.
+SCRIPT_LINES = 90
+
+
+def _scripts_and_preludes() -> tuple[list[Path], set[str]]:
+    from celery_redislock._scripts import PRELUDES
+
+    preludes = {name for names in PRELUDES.values() for name in names}
+    scripts = [path for path in sorted(LUA.glob("*.lua")) if path.stem not in preludes]
+    return scripts, preludes
+
+
+def test_every_script_is_a_short_contract_on_the_shared_library() -> None:
+    """Each script (not a prelude) opens with its contract, dramatiq-style:
+    ``-- name(keys=[...], args=[...]) -> reply``, and is short: what scripts share is in
+    the preludes prepended to them."""
+    scripts, preludes = _scripts_and_preludes()
+    assert len(scripts) >= 15 and {"args", "lock", "grant", "parked"} <= preludes
+    for path in scripts:
+        text = path.read_text(encoding="utf-8")
+        header = "\n".join(line for line in text.splitlines() if line.startswith("--"))
+        assert text.startswith(f"-- {path.stem}(keys=["), path.name
+        assert "args=[" in header and "->" in header, path.name
+        assert len(text.splitlines()) <= SCRIPT_LINES, path.name
+
+
+def test_the_server_clock_is_read_in_one_place() -> None:
+    """``now_us()``/``now_ms()`` (``args.lua``) are the scripts' only reading of TIME."""
+    reads = {
+        path.name: len(re.findall(r"redis\.p?call\(\s*'time'", path.read_text("utf-8"), re.I))
+        for path in sorted(LUA.glob("*.lua"))
+    }
+    assert {name: n for name, n in reads.items() if n} == {"args.lua": 1}
