@@ -188,30 +188,42 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
 }
 
 
-def check_latest(options: LockOptions, where: str, *, own: Mapping[str, Any] | None = None) -> None:
+def check_latest(
+    options: LockOptions,
+    where: str,
+    *,
+    own: Mapping[str, Any] | None = None,
+    settings: bool = False,
+) -> None:
     """The last-call-wins options agree: ``lock_debounce_max`` needs ``lock_debounce`` and
     is at least it; a debounce goes with ``on_contention`` ``"requeue"`` (the default) or
-    ``"replace"`` only. ``where`` names the task or the settings in the error.
+    ``"replace"`` only. ``where`` names the task or the settings in the error;
+    ``settings``: the errors name the app's settings (``redislock_debounce``...), not the
+    task options.
 
     ``own``: a task's own options, checked at decoration, when the app's settings are not
     known yet: what they may supply is checked at worker start (a task's bound over the
     app's ``redislock_debounce``, say)."""
+    prefix = "redislock_" if settings else "lock_"
+    debounce, bound, policy = f"{prefix}debounce", f"{prefix}debounce_max", "on_contention"
+    if settings:
+        policy = "redislock_on_contention"
     if own is not None and ("debounce" not in own or "debounce_max" not in own):
         options = replace(options, debounce_max=None)  # one of the two may be the app's
     if options.debounce_max is not None and options.debounce <= 0:
         raise LockConfigurationError(
-            f"{where}: lock_debounce_max ({options.debounce_max}s) needs lock_debounce (the "
+            f"{where}: {bound} ({options.debounce_max}s) needs {debounce} (the "
             f"quiet period it bounds)"
         )
     if options.debounce_max is not None and options.debounce_max < options.debounce:
         raise LockConfigurationError(
-            f"{where}: lock_debounce_max ({options.debounce_max}s) must be >= lock_debounce "
+            f"{where}: {bound} ({options.debounce_max}s) must be >= {debounce} "
             f"({options.debounce}s)"
         )
     if options.debounce > 0 and options.on_contention not in ("requeue", "replace"):
         raise LockConfigurationError(
-            f"{where}: lock_debounce goes with on_contention 'replace' (or the default "
-            f"'requeue', which it makes 'replace'), got on_contention="
+            f"{where}: {debounce} goes with {policy} 'replace' (or the default "
+            f"'requeue', which it makes 'replace'), got {policy}="
             f"{options.on_contention!r}"
         )
     if options.latest and not options.locked:
@@ -294,7 +306,7 @@ class LockSettings:
                 "quorum of masters is not built; use one Redis (redislock_url) for "
                 "rate-limited tasks"
             )
-        check_latest(defaults, "redislock settings")
+        check_latest(defaults, "redislock settings", settings=True)
         if urls and defaults.latest:
             raise LockConfigurationError(
                 "redislock_on_contention='replace' and redislock_debounce are not offered with "
