@@ -25,13 +25,20 @@ One module per job:
 * ``signing`` — the MACs of parked messages.
 * ``cli`` — ``celery -A proj redislock``; ``cli_nodes`` the servers it asks (one, or a
   quorum), ``cli_print`` how ``show`` prints what they hold.
+* ``ready`` — ``SKIPPED`` and ``SUPERSEDED`` made Celery ready states (``.get()`` returns).
 * ``configured`` — the ``redislock_tasks`` setting: tasks locked by configuration, their
   classes made LockedTask subclasses of their own at finalization and worker start.
 
 The old homes (``celery_redislock.task``, ``.parking``, ``.signing``, ``.cli``) re-export
-these names. Importing any module here connects the worker signal handlers, once.
+these names. Importing any module here connects the worker signal handlers, once, and makes
+``SKIPPED`` and ``SUPERSEDED`` ready states of Celery in this process (``ready``: Celery's
+``states.READY_STATES``, ``Backend.READY_STATES`` and the ready states its result backends
+captured as default arguments, extended).
 """
 
 from __future__ import annotations
 
 from . import worker as worker  # connects the worker signal handlers (at first import)
+from .ready import install_ready_states
+
+install_ready_states()  # SKIPPED and SUPERSEDED are ready states of Celery (ready.py)

@@ -35,8 +35,9 @@ Everything is decided in one script run per delivery (``latest.lua`` in ``park.l
 ``sem_park.lua``), atomically with the take or the parking. A superseded call is reported
 in the result backend as :data:`SUPERSEDED` (meta ``{"lock": name, "superseded_by": id}``),
 by the worker that superseded it, with :data:`~celery_redislock.signals.task_superseded`.
-``SUPERSEDED`` is not one of Celery's ready states: ``AsyncResult.get()`` on it waits
-like on any unfinished task (give it a ``timeout``); read ``AsyncResult.state``.
+``SUPERSEDED`` is made one of Celery's ready states when this layer is imported
+(:mod:`~celery_redislock.celery.ready`): ``AsyncResult.get()`` on it returns that meta at
+once, ``ready()`` is True; read ``AsyncResult.state`` to tell it from a run's result.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any
 from celery import Task, states
 from celery import signals as celery_signals
 from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore
 
 from .. import signals
@@ -180,8 +182,10 @@ class LastCallWins(Task):  # type: ignore[misc]
         """Record the call ``task_id`` as ``SUPERSEDED`` (unless results are ignored) and
         send :data:`~celery_redislock.signals.task_superseded`; False if the result
         backend could not store it. A call whose result already says how it ended is
-        neither stored nor signalled again (:meth:`_ended`): True."""
-        if not self.ignore_result:
+        neither stored nor signalled again (:meth:`_ended`): True. Not stored with the RPC
+        backend: it sends a state to the caller of the running task (this call's), under
+        this call's id, where it would read as this call's own result."""
+        if not self.ignore_result and not isinstance(self.backend, RPCBackend):
             try:
                 if self._ended(task_id):
                     return True
@@ -221,7 +225,11 @@ class LastCallWins(Task):  # type: ignore[misc]
         if isinstance(self.backend, DisabledBackend):
             return False
         state = self.backend.get_state(task_id)
-        if state in states.READY_STATES:
+        if state == SUPERSEDED:
+            return True
+        # Celery's own ready states: SUPERSEDED and SKIPPED are ready states too (ready.py),
+        # and a SKIPPED record is stored over as before.
+        if state in (states.SUCCESS, states.FAILURE, states.REVOKED):
             log.warning(
                 "redislock: %s[%s] is recorded as superseded, but its result says it "
                 "ended (%s): its state is kept (a record not written by a worker?)",
@@ -230,7 +238,7 @@ class LastCallWins(Task):  # type: ignore[misc]
                 state,
             )
             return True
-        return bool(state == SUPERSEDED)
+        return False
 
 
 # ----------------------------------------------------------------------------- drainer

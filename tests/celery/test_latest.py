@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.result import AsyncResult
+from celery import Celery, group
+from celery.result import AsyncResult, GroupResult
 
 from celery_redislock import LockConfigurationError
 from celery_redislock._keyspace import LockKeys, SemaphoreKeys, debounce_registry
@@ -21,6 +21,7 @@ from celery_redislock.celery.latest import SENT_HEADER, SUPERSEDED
 from celery_redislock.task import LockedTask
 from celery_redislock.testing import RedisServer
 
+from .. import celery_app as ca
 from .. import latest_app as la
 from .._celery import wait_until, worker
 
@@ -172,9 +173,12 @@ def test_a_call_older_than_a_run_that_started_is_superseded_even_on_a_free_key(
         older = la.rebuild.apply_async(("c", "old", 0.0), headers={SENT_HEADER: base - 5000})
         wait_until(lambda: older.state == SUPERSEDED, what="the older call superseded")
         assert older.info["superseded_by"] == newer.id
-        # SUPERSEDED is not a ready state (docs/concepts.md): .get() waits, to its timeout.
-        with pytest.raises(CeleryTimeoutError):
-            older.get(timeout=0.5)
+        # SUPERSEDED is a ready state (docs/concepts.md): .get() returns the stored meta
+        # (from this result's cache, and for a new result of the id, read from the backend).
+        meta = {"lock": "lw:c", "superseded_by": newer.id}
+        assert older.ready() and older.get(timeout=30) == meta
+        again = AsyncResult(older.id, app=la.app)
+        assert again.get(timeout=30) == meta and again.ready() and not again.failed()
         assert older.state == SUPERSEDED
         # A call sent later runs as usual; a copy of the run that ran does not run again.
         later = la.rebuild.delay("c", "later", 0.0)
@@ -209,6 +213,153 @@ def test_replace_with_lock_limit_two_runs_two_and_the_newest(
         runs = _runs(r, "d")
         assert sorted(run[0] for run in runs) == ["10", "r0", "r1"], runs
         _nothing_left(r, "d", limited=True)
+    finally:
+        proc.kill()
+
+
+# -- results: SUPERSEDED and SKIPPED are ready states (celery_redislock.celery.ready) -----
+
+
+def test_get_on_a_pending_call_returns_once_superseded_and_a_group_joins(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    """With the Redis result backend (its pub/sub result consumer): ``.get()`` on a call
+    still pending returns its meta once a newer call supersedes it; a group of calls of
+    one key, all but the newest superseded, joins (``GroupResult.get``, ``join_native``
+    and ``join`` of new results of its ids); a plain task's value and a failure are as
+    ever."""
+    r = broker.client()
+    proc = worker(broker.url, tmp_path / "w.log", concurrency=4, app=APP)
+    try:
+        first = la.rebuild.apply_async(("ra", "0", 0.0), {"gate": True})
+        wait_until(lambda: r.exists(LockKeys.for_name("lw:ra").lock), what="the first run's lock")
+        waiting = la.rebuild.delay("ra", "1", 0.0)
+        latest = LockKeys.for_name("lw:ra").latest
+        wait_until(lambda: r.hget(latest, "pt") == waiting.id.encode(), what="the call pending")
+        assert not waiting.ready() and waiting.state == "PENDING"
+        # The newer call takes its place when its ETA comes, while .get() below waits.
+        newer = la.rebuild.apply_async(("ra", "2", 0.0), countdown=1)
+        assert waiting.get(timeout=60) == {"lock": "lw:ra", "superseded_by": newer.id}
+        assert waiting.ready() and waiting.state == SUPERSEDED
+        r.set(la.gate_key("ra"), 1)
+        assert (first.get(timeout=60), newer.get(timeout=60)) == ("0", "2")
+
+        gated = la.rebuild.apply_async(("rb", "0", 0.0), {"gate": True})
+        wait_until(lambda: r.exists(LockKeys.for_name("lw:rb").lock), what="the gated run's lock")
+        job = group(
+            [la.rebuild.s("rb", str(i), 0.0) for i in (1, 2, 3)] + [ca.biggest.s([1, 5, 3])]
+        )
+        sent: list[Any] = []
+
+        def send() -> list[Any]:
+            sent.append(job.apply_async())
+            return list(sent[0].results[:3])
+
+        burst = _burst_during_the_run(r, "rb", send)
+        ids = [c.id for c in burst]
+        values = sent[0].get(timeout=60)
+        assert [v["lock"] for v in values[:2]] == ["lw:rb", "lw:rb"], values
+        assert values[0]["superseded_by"] in ids[1:] and values[1]["superseded_by"] == ids[2]
+        assert values[2:] == ["3", 5]
+        assert gated.get(timeout=60) == "0"
+        ids.append(sent[0].results[3].id)
+        for join in ("join_native", "join"):
+            fresh = GroupResult(sent[0].id, [AsyncResult(i, app=la.app) for i in ids], app=la.app)
+            assert getattr(fresh, join)(timeout=60) == values, join
+            assert fresh.ready()
+        assert [run[0] for run in _runs(r, "rb")] == ["0", "3"]
+        # A plain task, and a failure: as ever.
+        assert ca.biggest.delay([2, 9]).get(timeout=60) == 9
+        with pytest.raises(RuntimeError, match="failed on purpose"):
+            ca.fail.delay("ra-fail").get(timeout=60)
+        _nothing_left(r, "rb")
+    finally:
+        proc.kill()
+
+
+def test_superseded_and_skipped_calls_are_ready_with_a_polling_result_backend(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    """The same with the filesystem result backend, which Celery polls (``wait_for``;
+    ``join_native`` reads with ``get_many``): ``.get()`` on a superseded and on a skipped
+    call returns its meta, a group with superseded calls joins."""
+    results = tmp_path / "results"
+    results.mkdir()
+    backend = f"file://{results}"
+    client = Celery("redislock_tests", broker=broker.url, backend=backend)
+    r = broker.client()
+    env = {"REDISLOCK_TEST_RESULT_BACKEND": backend}
+    proc = worker(broker.url, tmp_path / "w.log", concurrency=4, app=APP, env=env)
+    try:
+        first = client.send_task(la.rebuild.name, ("fs", "0", 0.0), {"gate": True})
+        wait_until(lambda: r.exists(LockKeys.for_name("lw:fs").lock), what="the first run's lock")
+        job = group([client.signature(la.rebuild.name, ("fs", str(i), 0.0)) for i in (1, 2, 3)])
+        sent: list[Any] = []
+
+        def send() -> list[Any]:
+            sent.append(job.apply_async())
+            return list(sent[0].results)
+
+        ids = [c.id for c in send()]
+
+        def delivered() -> bool:  # as _delivered, the states read from this backend
+            pending = r.hget(LockKeys.for_name("lw:fs").latest, "pt")
+            return pending == ids[-1].encode() and all(
+                AsyncResult(i, app=client).state == SUPERSEDED for i in ids[:-1]
+            )
+
+        wait_until(delivered, timeout=30, what="the burst delivered")
+        assert _runs(r, "fs") == []
+        r.set(la.gate_key("fs"), 1)
+        values = sent[0].get(timeout=60)  # join: each result's get, polled
+        assert values[0]["superseded_by"] in ids[1:] and values[1:] == [
+            {"lock": "lw:fs", "superseded_by": ids[2]},
+            "3",
+        ], values
+        fresh = GroupResult(sent[0].id, [AsyncResult(i, app=client) for i in ids], app=client)
+        assert fresh.join_native(timeout=60) == values and fresh.ready()
+        alone = AsyncResult(ids[1], app=client)
+        assert alone.get(timeout=60) == values[1] and alone.ready()
+        assert alone.state == SUPERSEDED and first.get(timeout=60) == "0"
+        # Skipped: its key held by another task.
+        holder = client.send_task(ca.hold_for.name, ("fs-busy", 3.0))
+        wait_until(lambda: r.llen("started:fs-busy"), what="the holder's run")
+        skipped = client.send_task(ca.skip_if_busy.name, ("fs-busy",))
+        assert skipped.get(timeout=60) == {"lock": "job:fs-busy"}
+        assert skipped.ready() and skipped.state == "SKIPPED"
+        assert holder.get(timeout=60) is not None
+        assert client.send_task(ca.biggest.name, ([4, 1],)).get(timeout=60) == 4
+        _nothing_left(r, "fs")
+    finally:
+        proc.kill()
+
+
+def test_the_rpc_backend_gets_no_superseded_state_under_another_calls_id(
+    broker: RedisServer, tmp_path: Path
+) -> None:
+    """The RPC result backend sends a result to the caller of the task that stores it: the
+    worker of the newer call cannot address the superseded call's caller, and a state it
+    sent would come to the newer call's caller under the newer call's id (read there as
+    that call's, now a ready state). It is not stored: the superseded call stays PENDING
+    (docs/concepts.md), the newer call's result is its own."""
+    client = Celery("redislock_tests", broker=broker.url, backend="rpc://")
+    r = broker.client()
+    env = {"REDISLOCK_TEST_RESULT_BACKEND": "rpc://"}
+    proc = worker(broker.url, tmp_path / "w.log", concurrency=4, app=APP, env=env)
+    try:
+        first = client.send_task(la.rebuild.name, ("rpc", "0", 0.0), {"gate": True})
+        wait_until(lambda: r.exists(LockKeys.for_name("lw:rpc").lock), what="the first run's lock")
+        older = client.send_task(la.rebuild.name, ("rpc", "1", 0.0))
+        latest = LockKeys.for_name("lw:rpc").latest
+        wait_until(lambda: r.hget(latest, "pt") == older.id.encode(), what="the call pending")
+        newer = client.send_task(la.rebuild.name, ("rpc", "2", 0.0))
+        wait_until(lambda: r.hget(latest, "pt") == newer.id.encode(), what="the newer pending")
+        proc.wait_for_log(f"rebuild[{older.id}] superseded")
+        assert newer.state == "PENDING" and not newer.ready()
+        r.set(la.gate_key("rpc"), 1)
+        assert (first.get(timeout=60), newer.get(timeout=60)) == ("0", "2")
+        assert older.state == "PENDING"
+        assert [run[0] for run in _runs(r, "rpc")] == ["0", "2"]
     finally:
         proc.kill()
 
