@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import threading
 import time
 import weakref
@@ -57,6 +56,7 @@ from ._core import (
     wait_event,
 )
 from ._errors import LockReplicationError
+from ._process import ProcessRegistry, current
 from ._replies import renew_outcomes
 from ._scripts import is_cluster, scripts_for
 
@@ -173,7 +173,8 @@ class _SchedulerBase:
         self._holds: dict[int, Hold] = {}
         #: When the watchdog next wakes by itself; an added hold due later needs no wake-up.
         self._wake_at = float("inf")
-        self.pid = os.getpid()
+        #: The process it renews for (:func:`._process.current`).
+        self.pid = current()
         #: Round trips made (one per pipelined renewal pass); read by benchmarks and tests.
         self.round_trips = 0
 
@@ -524,39 +525,27 @@ def _by_slot(client: Any, holds: Sequence[Hold]) -> list[list[Hold]]:
     return list(groups.values())
 
 
-_schedulers: weakref.WeakKeyDictionary[Any, RenewalScheduler] = weakref.WeakKeyDictionary()
-_schedulers_mutex = threading.Lock()
+#: Per connection pool (or cluster client), this process's watchdog (none in a forked child).
+_schedulers: ProcessRegistry[Any, RenewalScheduler] = ProcessRegistry()
 
 
 def scheduler_for(client: Any) -> RenewalScheduler:
     """The watchdog shared by every lock on ``client``'s connection pool in this process."""
-    key = getattr(client, "connection_pool", client)
-    with _schedulers_mutex:
-        found = _schedulers.get(key)
-        if found is None or found.pid != os.getpid():
-            found = _schedulers[key] = RenewalScheduler(client)
-        return found
+    return _schedulers.get(
+        getattr(client, "connection_pool", client), lambda: RenewalScheduler(client)
+    )
 
 
 _PerLoop = weakref.WeakKeyDictionary[Any, AsyncRenewalScheduler]
-_async_schedulers: weakref.WeakKeyDictionary[Any, _PerLoop] = weakref.WeakKeyDictionary()
+#: Event loop -> connection pool -> its watchdog task, in this process.
+_async_schedulers: ProcessRegistry[Any, _PerLoop] = ProcessRegistry()
 
 
 def async_scheduler_for(client: Any, *, create: bool = True) -> AsyncRenewalScheduler | None:
     """The watchdog task shared by every asyncio lock on ``client``'s pool in this loop."""
-    per_loop = _async_schedulers.setdefault(asyncio.get_running_loop(), weakref.WeakKeyDictionary())
+    per_loop = _async_schedulers.get(asyncio.get_running_loop(), weakref.WeakKeyDictionary)
     key = getattr(client, "connection_pool", client)
     found = per_loop.get(key)
     if found is None and create:
         found = per_loop[key] = AsyncRenewalScheduler(client)
     return found
-
-
-def _after_fork_in_child() -> None:
-    global _schedulers_mutex
-    _schedulers_mutex = threading.Lock()
-    _schedulers.clear()
-    _async_schedulers.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
