@@ -36,6 +36,7 @@ from ._core import (
     validate_prefix,
 )
 from ._errors import LockQuorumError
+from ._private_clients import bounded_client
 from ._process import ProcessRegistry
 from ._quorum import (
     Decided,
@@ -54,7 +55,6 @@ from ._quorum_runtime import (
     RETRY_DELAY,
     MultiWaiterBase,
     QuorumBase,
-    bounded_client,
     majority_remaining,
     round_of,
 )
