@@ -202,7 +202,13 @@ class LastCallWins(Task):  # type: ignore[misc]
             name,
             f"the newer call {by}" if by else "a newer call",
         )
-        signals.task_superseded.send(self, name=name, task_id=task_id, superseded_by=by)
+        # The queue of the delivery whose worker records it (the superseded call may be
+        # another delivery's: the metrics count it under this one's queue).
+        info = getattr(self.request, "delivery_info", None)
+        queue = info.get("routing_key") if isinstance(info, dict) else None
+        signals.task_superseded.send(
+            self, name=name, task_id=task_id, superseded_by=by, queue=queue
+        )
         return True
 
     def _ended(self, task_id: str) -> bool:

@@ -202,6 +202,30 @@ def test_no_script_reply_is_decoded_outside_the_decoder_module() -> None:
     assert hand_decoded_replies(PACKAGE / DECODERS)  # the heuristic does see decoding
 
 
+# --------------------------------------------------------------------- module size
+
+#: The most lines (as ``wc -l`` counts them) a module of the package may have: past it, a
+#: module is doing more than one job.
+MODULE_LINES = 600
+#: Modules known to be over, each being split by its own work: remove an entry when its
+#: module is brought under. Only these; a new module over the bound fails the test.
+OVERSIZED: set[str] = set()
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """Every module of the package, the demo app included, is at most ``MODULE_LINES``
+    long, but the known exceptions in ``OVERSIZED``."""
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) >= 40  # the scan saw the package
+    sizes = {str(path.relative_to(PACKAGE)): path.read_bytes().count(b"\n") for path in modules}
+    over = {name: lines for name, lines in sizes.items() if lines > MODULE_LINES}
+    offenders = {name: lines for name, lines in over.items() if name not in OVERSIZED}
+    assert offenders == {}, (
+        f"modules over {MODULE_LINES} lines (split each by job into modules named for "
+        f"them, and add them to docs/architecture.md): {offenders}"
+    )
+
+
 # --------------------------------------------------------------------- the Lua library
 
 LUA = PACKAGE / "lua"
