@@ -43,11 +43,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import secrets
 import threading
 import time
-import weakref
 from collections import deque
 from types import TracebackType
 from typing import Any, Callable
@@ -58,6 +56,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._core import LINE_MARGIN_MS
 from ._keyspace import grant_channel_tail
+from ._process import ProcessRegistry
 from ._scripts import is_cluster
 
 log = logging.getLogger(__name__)
@@ -411,7 +410,6 @@ class Subscriber(SubscriberBase):
         self._channels: dict[bytes, _Channel] = {}
         self._conn: Any = None
         self._thread: threading.Thread | None = None
-        self.pid = os.getpid()
         self._init_grants()
 
     # -- used by waiters -------------------------------------------------------
@@ -550,8 +548,8 @@ class Subscriber(SubscriberBase):
             self._subscribe_locked(idle, unsubscribe=True)
 
 
-_subscribers: weakref.WeakKeyDictionary[Any, Subscriber] = weakref.WeakKeyDictionary()
-_subscribers_mutex = threading.Lock()
+#: Per connection pool, this process's subscriber (a forked child opens its own).
+_subscribers: ProcessRegistry[Any, Subscriber] = ProcessRegistry()
 
 
 def _cluster_pool(client: Any, channel: bytes | None) -> Any:
@@ -568,11 +566,7 @@ def subscriber_for(client: Any, channel: bytes | None = None) -> Subscriber:
     """
     sharded = is_cluster(client)
     pool = _cluster_pool(client, channel) if sharded else client.connection_pool
-    with _subscribers_mutex:
-        found = _subscribers.get(pool)
-        if found is None or found.pid != os.getpid():
-            found = _subscribers[pool] = Subscriber(pool, sharded=sharded)
-        return found
+    return _subscribers.get(pool, lambda: Subscriber(pool, sharded=sharded))
 
 
 def waiter_for(client: Any, channel: bytes, owner: str, within: float | None = None) -> Waiter:
@@ -583,12 +577,3 @@ def waiter_for(client: Any, channel: bytes, owner: str, within: float | None = N
     if within is not None:
         waiter.confirm_wait = max(0.0, min(CONFIRM_WAIT, within))
     return waiter
-
-
-def _after_fork_in_child() -> None:
-    global _subscribers_mutex
-    _subscribers_mutex = threading.Lock()
-    _subscribers.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -60,7 +60,6 @@ from .celery.lookahead import QUEUE_REACH as QUEUE_REACH
 from .celery.lookahead import _lock_key_of as _lock_key_of
 from .celery.lookahead import _lock_of as _lock_of
 from .celery.lookahead import _lookahead_denied as _lookahead_denied
-from .celery.lookahead import _lookahead_mutex as _lookahead_mutex
 from .celery.lookahead import _lookahead_thread as _lookahead_thread
 from .celery.lookahead import _next_queued as _next_queued
 from .celery.lookahead import _Pull as _Pull

@@ -209,9 +209,7 @@ def test_no_script_reply_is_decoded_outside_the_decoder_module() -> None:
 MODULE_LINES = 600
 #: Modules known to be over, each being split by its own work: remove an entry when its
 #: module is brought under. Only these; a new module over the bound fails the test.
-OVERSIZED = {
-    "metrics.py",  # being split on another branch (issue 16's follow-up)
-}
+OVERSIZED: set[str] = set()
 
 
 def test_no_module_is_over_600_lines() -> None:
@@ -265,3 +263,38 @@ def test_the_server_clock_is_read_in_one_place() -> None:
         for path in sorted(LUA.glob("*.lua"))
     }
     assert {name: n for name, n in reads.items() if n} == {"args.lua": 1}
+
+
+# --------------------------------------------------------------------- one fork rule
+
+#: The one module that knows about forks: every per-process value lives in it.
+PROCESS = "_process.py"
+
+
+def fork_mechanisms(path: Path) -> list[str]:
+    """Calls of ``os.register_at_fork`` and ``os.getpid`` in ``path`` (code only)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in {"register_at_fork", "getpid"}
+        ):
+            found.append(f"{node.lineno}: {node.func.attr}")
+    return found
+
+
+def test_per_process_state_follows_one_fork_rule() -> None:
+    """No module but _process hooks forks or stamps objects with a raw pid: per-process
+    state is a ProcessLocal / ProcessRegistry, or an on_fork reset, and a stamp is
+    _process.current()."""
+    modules = package_modules()
+    offenders = {
+        str(path.relative_to(PACKAGE)): found
+        for path in modules
+        if path.name != PROCESS and (found := fork_mechanisms(path))
+    }
+    assert offenders == {}
+    assert [f.split(": ")[1] for f in fork_mechanisms(PACKAGE / PROCESS)].count(
+        "register_at_fork"
+    ) == 1
