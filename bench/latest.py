@@ -57,14 +57,17 @@ def _settle(app: Any, calls: list[Any], timeout: float = 60.0) -> dict[str, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bursts", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--gap", type=float, default=0.01)
-    parser.add_argument("--work", type=float, default=0.5)
-    parser.add_argument("--debounce", type=float, default=0.2)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--log-level", default="info")
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--bursts", type=int, default=5, help="bursts per policy")
+    parser.add_argument("--calls", type=int, default=20, help="calls sent during each first run")
+    parser.add_argument("--gap", type=float, default=0.01, help="seconds between those calls")
+    parser.add_argument("--work", type=float, default=0.5, help="seconds the first call runs")
+    parser.add_argument("--debounce", type=float, default=0.2, help="lock_debounce (seconds)")
+    parser.add_argument("--concurrency", type=int, default=4, help="the worker's pool processes")
+    parser.add_argument("--log-level", default="info", help="the worker's log level")
     args = parser.parse_args(argv)
     failures = 0
     with RedisServer() as server:

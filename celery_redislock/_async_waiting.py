@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import weakref
 from typing import Any, Callable
 
 from redis.exceptions import ResponseError
 
 from ._core import cancel_and_wait, wait_event
+from ._process import ProcessRegistry
 from ._scripts import is_cluster
 from ._waiting import (
     BROKEN,
@@ -195,14 +195,14 @@ class AsyncSubscriber(SubscriberBase):
             await self._subscribe(idle, unsubscribe=True)
 
 
-_async_subscribers: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, AsyncSubscriber]]
-_async_subscribers = weakref.WeakKeyDictionary()
+#: Event loop -> connection pool -> its subscriber, in this process (a forked child starts empty).
+_async_subscribers: ProcessRegistry[Any, weakref.WeakKeyDictionary[Any, AsyncSubscriber]]
+_async_subscribers = ProcessRegistry()
 
 
 _PerClient = weakref.WeakKeyDictionary[Any, dict[str, AsyncSubscriber]]
 #: Cluster clients: event loop -> client -> node name -> that node's sharded subscriber.
-_async_cluster_subscribers: weakref.WeakKeyDictionary[Any, _PerClient]
-_async_cluster_subscribers = weakref.WeakKeyDictionary()
+_async_cluster_subscribers: ProcessRegistry[Any, _PerClient] = ProcessRegistry()
 
 
 def async_subscriber_for(
@@ -218,13 +218,13 @@ def async_subscriber_for(
         if channel is None:
             raise TypeError("a Redis Cluster client's subscriber depends on the channel: pass it")
         node = client.get_node_from_key(channel)
-        per_client = _async_cluster_subscribers.setdefault(loop, weakref.WeakKeyDictionary())
+        per_client = _async_cluster_subscribers.get(loop, weakref.WeakKeyDictionary)
         nodes = per_client.setdefault(client, {})
         found = nodes.get(node.name)
         if found is None and create:
             found = nodes[node.name] = AsyncSubscriber(node, sharded=True)
         return found
-    per_loop = _async_subscribers.setdefault(loop, weakref.WeakKeyDictionary())
+    per_loop = _async_subscribers.get(loop, weakref.WeakKeyDictionary)
     found = per_loop.get(client.connection_pool)
     if found is None and create:
         found = per_loop[client.connection_pool] = AsyncSubscriber(client.connection_pool)
@@ -252,15 +252,7 @@ def async_subscribers_of(client: Any) -> list[AsyncSubscriber]:
     """Every subscriber of ``client`` in the running event loop (for shutdown)."""
     loop = asyncio.get_running_loop()
     if is_cluster(client):
-        per_client = _async_cluster_subscribers.get(loop)
+        per_client = _async_cluster_subscribers.peek(loop)
         return [] if per_client is None else list(per_client.get(client, {}).values())
     found = async_subscriber_for(client, create=False)
     return [] if found is None else [found]
-
-
-def _after_fork_in_child() -> None:
-    _async_subscribers.clear()
-    _async_cluster_subscribers.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

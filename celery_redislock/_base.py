@@ -7,7 +7,6 @@ each script reply live here; the subclasses only send the commands.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from typing import Any, Awaitable, Callable, Coroutine, Generic, Sequence, TypeVar
@@ -39,6 +38,7 @@ from ._errors import (
     LockNotOwnedError,
     LockTimeoutError,
 )
+from ._process import is_current
 
 log = logging.getLogger("celery_redislock")
 
@@ -126,13 +126,13 @@ class LockBase(Generic[Signal]):
 
     def _live_hold(self, owner: str) -> Hold | None:
         hold = self._holds.get(owner)
-        if hold is not None and hold.pid != os.getpid():
+        if hold is not None and not is_current(hold.pid):
             return None
         return hold
 
     def _check_not_inherited(self, owner: str) -> None:
         hold = self._holds.get(owner)
-        if hold is not None and hold.pid != os.getpid():
+        if hold is not None and not is_current(hold.pid):
             raise LockForkedError(
                 f"lock {self.name!r} was acquired by owner {owner!r} in process {hold.pid}, "
                 f"the parent of this one; a forked child neither renews nor releases its "
@@ -328,7 +328,7 @@ class LockBase(Generic[Signal]):
             self._forget(hold)
             hold.mark_lost("expired")
             hold = None
-        if hold is None and (_deferred._deferred is not None or _deferred._async_tasks):
+        if hold is None and (_deferred._deferred.peek() is not None or _deferred._async_tasks):
             _deferred.cancel_deferred(self.keys.lock, owner)  # see DeferredReleases.cancel
         if hold is None:
             signal = self._signal_type()
@@ -432,7 +432,7 @@ class LockBase(Generic[Signal]):
         return (its name, release.lua's ARGV) for a background retry, or None when no
         retry is safe: other lock objects (or processes) hold for this owner too, and a
         retry could not tell this release from theirs (the lease ends what is left)."""
-        if hold is None or hold.pid != os.getpid():
+        if hold is None or not is_current(hold.pid):
             raise exc
         if hold.count > 1:
             self._inner_unconfirmed(hold)

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import itertools
 import math
-import os
 import random
 import secrets
 import threading
@@ -28,6 +27,7 @@ from ._keyspace import DEFAULT_PREFIX as DEFAULT_PREFIX
 from ._keyspace import LockKeys as LockKeys
 from ._keyspace import name_from_lock_key as name_from_lock_key
 from ._keyspace import validate_prefix as validate_prefix
+from ._process import ProcessLocal, current, on_fork
 from ._replies import AcquireReply as AcquireReply
 from ._replies import decode_acquire as decode_acquire
 
@@ -159,14 +159,15 @@ def validate_owner(owner: object) -> str | None:
 
 # --------------------------------------------------------------------- owners
 
-_process_id = secrets.token_hex(16)
+#: 128 random bits naming this process (a forked child draws its own).
+_process_id = ProcessLocal(lambda: secrets.token_hex(16))
 _thread_ids = threading.local()
 _thread_counter = itertools.count(1)
 
 
 def process_id() -> str:
     """128 random bits naming this process; new in every forked child."""
-    return _process_id
+    return _process_id.get()
 
 
 def thread_owner() -> str:
@@ -178,24 +179,11 @@ def thread_owner() -> str:
     serial = getattr(_thread_ids, "serial", None)
     if serial is None:
         serial = _thread_ids.serial = next(_thread_counter)
-    return f"{_process_id}:t{serial}"
+    return f"{_process_id.get()}:t{serial}"
 
 
 def new_owner_suffix() -> int:
     return next(_thread_counter)
-
-
-def _reset_process_id() -> None:
-    global _process_id
-    _process_id = secrets.token_hex(16)
-
-
-def _after_fork_in_child() -> None:
-    _reset_process_id()
-    abandoned_waits.reset()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # --------------------------------------------------------------------- abandoned waits
@@ -240,6 +228,7 @@ class AbandonedWaits:
 
 
 abandoned_waits = AbandonedWaits()
+on_fork(abandoned_waits.reset)  # a forked child's acquires never send its parent's waits
 
 
 # --------------------------------------------------------------------- replies
@@ -271,6 +260,14 @@ def loss_reason_from_renew(code: int) -> str:
 
 
 # --------------------------------------------------------------------- deadlines
+
+
+def server_clock_us(clock: Sequence[Any]) -> int:
+    """The Redis server's clock from a ``TIME`` reply (seconds, microseconds), in whole
+    microseconds since the epoch: the one reading of it on this side (the scripts' is
+    ``now_us()`` in ``lua/args.lua``)."""
+    seconds, micros = clock
+    return int(seconds) * 1_000_000 + int(micros)
 
 
 def drift_ms(lease: int) -> float:
@@ -460,7 +457,9 @@ class Hold:
         self.token = token
         self.lease = lease
         self.renew = renew
-        self.pid = os.getpid()
+        #: The process that took it (:func:`._process.current`, its pid): a forked child
+        #: neither renews nor releases its parent's holds.
+        self.pid = current()
         self.deadline = validity_deadline(sent_at, lease)
         self.next_due = sent_at + self.renew_interval
         self.failures = 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Awaitable
@@ -21,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from redis.exceptions import ConnectionError, TimeoutError
+
+from ._process import ProcessLocal
 
 log = logging.getLogger("celery_redislock")
 
@@ -58,7 +59,6 @@ class DeferredReleases:
     """This process's background retries of unconfirmed releases (sync locks)."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self._cond = threading.Condition()
         self._items: list[_Item] = []
         self._thread: threading.Thread | None = None
@@ -158,14 +158,14 @@ class DeferredReleases:
         return False
 
 
-_deferred: DeferredReleases | None = None
-_mutex = threading.Lock()
+#: This process's retrier (a forked child never retries its parent's releases).
+_deferred = ProcessLocal(DeferredReleases)
 
 
 def cancel_deferred(lock_key: bytes, owner: str) -> None:
     """Drop this process's pending release of ``lock_key`` by ``owner`` (sync or asyncio),
     if any: the owner just acquired it again."""
-    found = _deferred
+    found = _deferred.peek()
     if found is not None and found._items:
         found.cancel(lock_key, owner)
     if _async_tasks:
@@ -174,11 +174,7 @@ def cancel_deferred(lock_key: bytes, owner: str) -> None:
 
 def deferred_releases() -> DeferredReleases:
     """This process's retrier (a new one after a fork: a child never retries its parent's)."""
-    global _deferred
-    with _mutex:
-        if _deferred is None or _deferred.pid != os.getpid():
-            _deferred = DeferredReleases()
-        return _deferred
+    return _deferred.get()
 
 
 _async_tasks: dict[asyncio.Task[None], tuple[bytes, str] | None] = {}

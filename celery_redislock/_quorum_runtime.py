@@ -17,10 +17,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
 from ._core import (
     DEFAULT_PREFIX,
     MAX_MS,
@@ -33,6 +29,7 @@ from ._core import (
 )
 from ._errors import LockConfigurationError
 from ._nodes import check_distinct, node_label
+from ._private_clients import bounded_client
 from ._quorum import (
     HoldGroup,
     NodeHold,
@@ -56,37 +53,6 @@ NODE_TIMEOUT = 0.25
 RETRY_DELAY = 0.1
 #: The jitter of a retried round: a generator of its own (the global one is the app's).
 _rng = random.Random()
-
-
-def bounded_client(client: Any, timeout: float, *, asyncio_client: bool) -> Any:
-    """A client on a private pool whose socket timeouts are ``timeout``: a stalled node
-    costs one attempt ``timeout`` at most, never a hung call."""
-    if isinstance(client, str):
-        if asyncio_client:
-            import redis.asyncio
-
-            return redis.asyncio.Redis.from_url(
-                client,
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-                retry=AsyncRetry(NoBackoff(), 0),
-            )
-        import redis
-
-        return redis.Redis.from_url(
-            client,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-        )
-    pool = client.connection_pool
-    kwargs = dict(pool.connection_kwargs)
-    kwargs["socket_timeout"] = min(kwargs.get("socket_timeout") or timeout, timeout)
-    kwargs["socket_connect_timeout"] = min(kwargs.get("socket_connect_timeout") or timeout, timeout)
-    # One attempt per node per round: a stalled node costs ``timeout`` once, not 3 times.
-    kwargs["retry"] = (AsyncRetry if asyncio_client else Retry)(NoBackoff(), 0)
-    own = type(pool)(connection_class=pool.connection_class, **kwargs)
-    return type(client)(connection_pool=own)
 
 
 class QuorumBase:

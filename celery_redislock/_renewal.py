@@ -31,17 +31,13 @@ deadline), never as a success.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import os
 import threading
 import time
 import weakref
 from typing import Any, Sequence
 
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
-from redis.retry import Retry
 
 from . import signals
 from ._core import (
@@ -57,8 +53,10 @@ from ._core import (
     wait_event,
 )
 from ._errors import LockReplicationError
+from ._private_clients import bounded_client
+from ._process import ProcessRegistry, current
 from ._replies import renew_outcomes
-from ._scripts import is_cluster, scripts_for
+from ._scripts import scripts_for
 
 log = logging.getLogger(__name__)
 
@@ -86,72 +84,6 @@ def require_replicas(hold: Hold, min_replicas: int, timeout_ms: int) -> None:
         _replicated[hold] = (min_replicas, max(1, min(timeout_ms, RENEW_WAIT_CAP_MS)))
 
 
-def _bounded(kwargs: dict[str, Any]) -> dict[str, Any]:
-    kwargs = dict(kwargs)
-    for option in ("socket_timeout", "socket_connect_timeout"):
-        current = kwargs.get(option)
-        kwargs[option] = min(current or RENEW_SOCKET_TIMEOUT, RENEW_SOCKET_TIMEOUT)
-    return kwargs
-
-
-#: Connection options a cluster client sets up for itself (bound to that client).
-_CLUSTER_INTERNAL = ("redis_connect_func", "oss_cluster_maint_notifications_handler")
-
-
-def _own_cluster_client(client: Any) -> Any:
-    """A private cluster client on the same nodes with bounded timeouts (or ``client``)."""
-    node_class = type(client.get_nodes()[0]) if client.get_nodes() else None
-    startup = client.get_nodes() or list(client.nodes_manager.startup_nodes.values())
-    try:
-        kwargs = {
-            k: v for k, v in client.get_connection_kwargs().items() if k not in _CLUSTER_INTERNAL
-        }
-        params = inspect.signature(type(client)).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            # redis.asyncio's cluster takes named options only (SSL as ``ssl=True``).
-            connection_class = kwargs.pop("connection_class", None)
-            if connection_class is not None and "SSL" in connection_class.__name__:
-                kwargs["ssl"] = True
-            kwargs = {k: v for k, v in kwargs.items() if k in params and k != "startup_nodes"}
-        kwargs = _bounded(kwargs)
-        node_class = node_class or type(startup[0])
-        nodes = [node_class(n.host, n.port) for n in startup]
-        return type(client)(startup_nodes=nodes, **kwargs)
-    except Exception as exc:  # an unusual client: renew through it, as before
-        log.debug("redislock: watchdog shares the cluster client (%r)", exc)
-        return client
-
-
-def _own_client(client: Any) -> Any:
-    """A client on a private pool with bounded timeouts, so a user's exhausted or
-    timeout-less pool cannot stall the watchdog."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is None:
-        return _own_cluster_client(client) if is_cluster(client) else client
-    kwargs = _bounded(pool.connection_kwargs)
-    # No retries inside redis-py: one renewal attempt against a stalled server must end
-    # after RENEW_SOCKET_TIMEOUT (the watchdog retries by itself, until the deadline),
-    # not after redis-py's default 3 retries with backoff (4 s and more).
-    kwargs["retry"] = Retry(NoBackoff(), 0)
-    service = getattr(pool, "service_name", None)
-    if service is not None and hasattr(pool, "sentinel_manager"):
-        # A Sentinel-managed pool: same service, same sentinels (the pool's proxy entry
-        # in connection_kwargs belongs to the user's pool).
-        kwargs.pop("connection_pool", None)
-        own_pool = type(pool)(
-            service,
-            pool.sentinel_manager,
-            connection_class=pool.connection_class,
-            max_connections=2,
-            is_master=getattr(pool, "is_master", True),
-            check_connection=getattr(pool, "check_connection", False),
-            **kwargs,
-        )
-    else:
-        own_pool = type(pool)(connection_class=pool.connection_class, max_connections=2, **kwargs)
-    return type(client)(connection_pool=own_pool)
-
-
 def _disconnect(client: Any) -> Any:
     """Close the watchdog's connections (an awaitable for asyncio clients)."""
     pool = getattr(client, "connection_pool", None)
@@ -165,15 +97,24 @@ def _disconnect(client: Any) -> Any:
 class _SchedulerBase:
     """What to renew when, and what each reply means; the twins only do the I/O."""
 
+    #: Whether the watchdog's clients are redis.asyncio's.
+    _asyncio_client = False
+
     def __init__(self, client: Any) -> None:
-        self._client = _own_client(client)
+        # A private pool with bounded timeouts, so a user's exhausted or timeout-less pool
+        # cannot stall the watchdog; one attempt per renewal (it retries by itself, until
+        # the deadline).
+        self._client = bounded_client(
+            client, RENEW_SOCKET_TIMEOUT, asyncio_client=self._asyncio_client, max_connections=2
+        )
         #: Whether the watchdog's client is private (closed when idle) or the user's.
         self._private = self._client is not client
         self._scripts = scripts_for(self._client)
         self._holds: dict[int, Hold] = {}
         #: When the watchdog next wakes by itself; an added hold due later needs no wake-up.
         self._wake_at = float("inf")
-        self.pid = os.getpid()
+        #: The process it renews for (:func:`._process.current`).
+        self.pid = current()
         #: Round trips made (one per pipelined renewal pass); read by benchmarks and tests.
         self.round_trips = 0
 
@@ -425,6 +366,8 @@ class RenewalScheduler(_SchedulerBase):
 class AsyncRenewalScheduler(_SchedulerBase):
     """The watchdog task of one ``redis.asyncio`` connection pool in one event loop."""
 
+    _asyncio_client = True
+
     def __init__(self, client: Any) -> None:
         super().__init__(client)
         self._wake = asyncio.Event()
@@ -524,39 +467,27 @@ def _by_slot(client: Any, holds: Sequence[Hold]) -> list[list[Hold]]:
     return list(groups.values())
 
 
-_schedulers: weakref.WeakKeyDictionary[Any, RenewalScheduler] = weakref.WeakKeyDictionary()
-_schedulers_mutex = threading.Lock()
+#: Per connection pool (or cluster client), this process's watchdog (none in a forked child).
+_schedulers: ProcessRegistry[Any, RenewalScheduler] = ProcessRegistry()
 
 
 def scheduler_for(client: Any) -> RenewalScheduler:
     """The watchdog shared by every lock on ``client``'s connection pool in this process."""
-    key = getattr(client, "connection_pool", client)
-    with _schedulers_mutex:
-        found = _schedulers.get(key)
-        if found is None or found.pid != os.getpid():
-            found = _schedulers[key] = RenewalScheduler(client)
-        return found
+    return _schedulers.get(
+        getattr(client, "connection_pool", client), lambda: RenewalScheduler(client)
+    )
 
 
 _PerLoop = weakref.WeakKeyDictionary[Any, AsyncRenewalScheduler]
-_async_schedulers: weakref.WeakKeyDictionary[Any, _PerLoop] = weakref.WeakKeyDictionary()
+#: Event loop -> connection pool -> its watchdog task, in this process.
+_async_schedulers: ProcessRegistry[Any, _PerLoop] = ProcessRegistry()
 
 
 def async_scheduler_for(client: Any, *, create: bool = True) -> AsyncRenewalScheduler | None:
     """The watchdog task shared by every asyncio lock on ``client``'s pool in this loop."""
-    per_loop = _async_schedulers.setdefault(asyncio.get_running_loop(), weakref.WeakKeyDictionary())
+    per_loop = _async_schedulers.get(asyncio.get_running_loop(), weakref.WeakKeyDictionary)
     key = getattr(client, "connection_pool", client)
     found = per_loop.get(key)
     if found is None and create:
         found = per_loop[key] = AsyncRenewalScheduler(client)
     return found
-
-
-def _after_fork_in_child() -> None:
-    global _schedulers_mutex
-    _schedulers_mutex = threading.Lock()
-    _schedulers.clear()
-    _async_schedulers.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -22,7 +22,7 @@ lease), and a late message from an earlier attempt or wait is ignored.
 **A lone waiter** (sync, a plain client): one blocked acquire per pool in a process at a
 time skips the subscriber: its wake id names a list of its own (its *box*), the release
 pushes the grant there, and it waits in BLPOP on a connection of the lock's pool, so
-the thread that waits is the one that reads the grant (:class:`BoxWaiter`).
+the thread that waits is the one that reads the grant (:mod:`._lone_waiter`).
 
 Subscriptions are reference-counted per channel and dropped a little after their
 last waiter leaves, so a lock contended in bursts is not re-subscribed each time.
@@ -48,23 +48,21 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import secrets
 import threading
 import time
-import weakref
 from collections import deque
 from types import TracebackType
 from typing import Any, Callable
 
-import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._core import LINE_MARGIN_MS
 from ._keyspace import grant_channel_tail
-from ._scripts import _direct_pool, is_cluster, pop_box
+from ._process import ProcessRegistry
+from ._scripts import is_cluster
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +419,6 @@ class Subscriber(SubscriberBase):
         self._channels: dict[bytes, _Channel] = {}
         self._conn: Any = None
         self._thread: threading.Thread | None = None
-        self.pid = os.getpid()
         self._init_grants()
 
     # -- used by waiters -------------------------------------------------------
@@ -560,8 +557,8 @@ class Subscriber(SubscriberBase):
             self._subscribe_locked(idle, unsubscribe=True)
 
 
-_subscribers: weakref.WeakKeyDictionary[Any, Subscriber] = weakref.WeakKeyDictionary()
-_subscribers_mutex = threading.Lock()
+#: Per connection pool, this process's subscriber (a forked child opens its own).
+_subscribers: ProcessRegistry[Any, Subscriber] = ProcessRegistry()
 
 
 def _cluster_pool(client: Any, channel: bytes | None) -> Any:
@@ -578,195 +575,15 @@ def subscriber_for(client: Any, channel: bytes | None = None) -> Subscriber:
     """
     sharded = is_cluster(client)
     pool = _cluster_pool(client, channel) if sharded else client.connection_pool
-    with _subscribers_mutex:
-        found = _subscribers.get(pool)
-        if found is None or found.pid != os.getpid():
-            found = _subscribers[pool] = Subscriber(pool, sharded=sharded)
-        return found
+    return _subscribers.get(pool, lambda: Subscriber(pool, sharded=sharded))
 
 
-def waiter_for(
-    client: Any, channel: bytes, owner: str, within: float | None = None, *, lone: bool = False
-) -> Waiter | BoxWaiter:
+def waiter_for(client: Any, channel: bytes, owner: str, within: float | None = None) -> Waiter:
     """A waiter on ``channel`` for ``owner`` (it follows the channel's slot on a cluster);
     ``within``: the acquire's remaining timeout, which bounds the wait for confirmation.
-    ``lone``: the acquire takes direct grants; it reads its own (:class:`BoxWaiter`) if
-    it is its pool's only such waiter in this process."""
-    if lone:
-        box = _box_waiter(client, channel, owner, within)
-        if box is not None:
-            return box
+    (A lone waiter reading its own grant: :func:`._lone_waiter.waiter_for`.)"""
     relocate = (lambda: subscriber_for(client, channel)) if is_cluster(client) else None
     waiter = subscriber_for(client, channel).waiter(channel, owner, relocate)
     if within is not None:
         waiter.confirm_wait = max(0.0, min(CONFIRM_WAIT, within))
     return waiter
-
-
-# -- a lone waiter reads its own grant ---------------------------------------------------
-
-
-class BoxWaiter(WaiterBase):
-    """A blocked acquire that reads its direct grant itself: the only one of its pool in
-    this process at a time (:func:`waiter_for`).
-
-    Its wake id names a list, its *box* (``<channel>:<box id>``, the box id starting with
-    ``L``), instead of a subscriber: a release that grants it the lock pushes
-    ``<token>:<nonce>`` there (grant.lua), and the waiting thread, blocked on the box
-    (BLPOP on a connection of the lock's own pool), returns with it. No subscriber thread
-    wakes it: one thread switch less between a release and the acquire it ends. A grant
-    to it the usual way (a ``LockedTask``'s release: count 0, its owner id published on
-    the lock's channel) is pushed to its box too, and it retries at once. Other wake-ups
-    (a release with nobody in line, an expired holder) reach it when its wait, bounded
-    by the holder's lease as any waiter's, ends.
-
-    A Redis user that may not BLPOP (``NOPERM``) sends the waiter, and later ones of its
-    pool, back to the subscriber: the wait goes on as a :class:`Waiter`.
-    """
-
-    __slots__ = ("_answered", "_box_id", "_client", "_fallback", "_pool", "_read_for", "box")
-
-    def __init__(self, client: Any, pool: Any, name: bytes, owner: str, within: float | None):
-        super().__init__(None, name, owner, None, None)
-        self._client = client
-        self._pool = pool
-        self._box_id = b"L" + secrets.token_hex(8).encode()
-        self.box = name + grant_channel_tail(self._box_id)
-        self._fallback: Waiter | None = None
-        #: Whether an attempt made after the fallback has been answered (it reached Redis:
-        #: from then on the line names the wait by the fallback's wake id).
-        self._answered = False
-        timeout = pool.connection_kwargs.get("socket_timeout")
-        #: A read must end before the connection's socket timeout (None: no limit).
-        self._read_for = None if timeout is None else timeout - BOX_SOCKET_MARGIN
-        self.confirm_wait = CONFIRM_WAIT if within is None else max(0.0, min(CONFIRM_WAIT, within))
-
-    def _grant_id(self) -> bytes | None:
-        return self._box_id
-
-    def __enter__(self) -> BoxWaiter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if self._fallback is not None:
-                self._fallback.__exit__(None, None, None)
-        finally:
-            _box_done(self._pool)
-
-    @property
-    def grant_name(self) -> bytes:
-        """How a direct grant to this wait is named in Redis: the box's until an attempt
-        made after a fallback is answered. An attempt that failed may never have reached
-        Redis, whose line still names the box then; leaving, or remembering a failed leave
-        (``AbandonedWaits``), under the fallback's name would not match that grant, and
-        the owner's next acquire would count it as a re-entry on top of it."""
-        if self._fallback is not None and self._answered:
-            return self._fallback.grant_name
-        return super().grant_name
-
-    def next_wake_id(self) -> bytes:
-        if self._fallback is not None:
-            return self._fallback.next_wake_id()
-        return super().next_wake_id()
-
-    def take_grant(self) -> int | None:
-        if self._fallback is not None:
-            return self._fallback.take_grant()
-        return super().take_grant()
-
-    def _fall_back(self) -> bool:
-        """The rest of this wait goes through the subscriber: retry at once (True). A grant
-        pushed to the box meanwhile, or lost with a failed read, is still the owner's hold
-        in Redis: the next blocked attempt takes it up (acquire.lua)."""
-        self._fallback = Waiter(subscriber_for(self._client), self._name, self.owner.decode())
-        self._fallback.confirm_wait = self.confirm_wait
-        self._fallback.__enter__()
-        return True
-
-    def wait(self, timeout: float) -> bool:
-        """Block on the box until a grant (True) or ``timeout`` (False); a read that fails
-        or is refused sends the rest of the wait to the subscriber (True: retry now)."""
-        if self._fallback is not None:
-            # Called after an attempt answered: one made after the fallback, if any.
-            self._answered = self._answered or self._fallback.attempt > 0
-            return self._fallback.wait(timeout)
-        read_for = timeout if self._read_for is None else min(timeout, self._read_for)
-        try:
-            reply = pop_box(self._pool, self.box, read_for)
-        except NoPermissionError as exc:
-            _box_refused(self._pool, exc)
-            return self._fall_back()
-        except BROKEN as exc:  # the read failed: its grant, if any, may be lost with it
-            log.debug("redislock: a box read failed (%r); waiting through the subscriber", exc)
-            return self._fall_back()
-        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], bytes):
-            return False
-        token, _, nonce = reply[1].partition(b":")
-        if nonce == self.nonce and token.isdigit():
-            self.granted = (nonce, int(token))
-        return True
-
-
-#: False: every blocked acquire waits through the subscriber (no :class:`BoxWaiter`).
-LONE_WAITERS = True
-#: A pool's lone waiter uses its pool only if the pool may open this many connections (it
-#: keeps one for as long as it waits).
-BOX_MIN_CONNECTIONS = 8
-#: A box read ends this long before the connection's socket timeout; a pool whose socket
-#: timeout is shorter than BOX_MIN_TIMEOUT has no lone waiters.
-BOX_SOCKET_MARGIN = 0.25
-BOX_MIN_TIMEOUT = 1.0
-#: Pools with a lone waiter now in this process.
-_boxes: weakref.WeakSet[Any] = weakref.WeakSet()
-#: Pools whose Redis user may not BLPOP.
-_refused_boxes: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _box_waiter(client: Any, name: bytes, owner: str, within: float | None) -> BoxWaiter | None:
-    """A :class:`BoxWaiter` if ``client``'s pool has no lone waiter in this process now
-    and can have one: a plain client whose scripts run on its pool directly
-    (``_scripts._direct_pool``), enough connections, a socket timeout long enough to
-    wait in, a Redis user allowed BLPOP."""
-    if not LONE_WAITERS:
-        return None
-    pool = _direct_pool(client)
-    if pool is None or not isinstance(client, redis.Redis):
-        return None
-    timeout = pool.connection_kwargs.get("socket_timeout")
-    if (timeout is not None and timeout < BOX_MIN_TIMEOUT) or (
-        getattr(pool, "max_connections", 0) < BOX_MIN_CONNECTIONS
-    ):
-        return None
-    with _subscribers_mutex:
-        if pool in _boxes or pool in _refused_boxes:
-            return None
-        _boxes.add(pool)
-    return BoxWaiter(client, pool, name, owner, within)
-
-
-def _box_done(pool: Any) -> None:
-    with _subscribers_mutex:
-        _boxes.discard(pool)
-
-
-def _box_refused(pool: Any, exc: Exception) -> None:
-    with _subscribers_mutex:
-        known = pool in _refused_boxes
-        _refused_boxes.add(pool)
-    if not known:
-        log.warning(
-            "redislock: Redis refused BLPOP (%s); blocked acquires wait through the "
-            "subscriber only (grant BLPOP on the prefix's keys for the faster wake-up)",
-            exc,
-        )
-
-
-def _after_fork_in_child() -> None:
-    global _subscribers_mutex
-    _subscribers_mutex = threading.Lock()
-    _subscribers.clear()
-    _boxes.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -26,6 +26,7 @@ from ._core import (
     wait_event,
 )
 from ._errors import LockQuorumError
+from ._private_clients import bounded_client
 from ._quorum import (
     Decided,
     QuorumAcquire,
@@ -41,7 +42,6 @@ from ._quorum import (
 from ._quorum_runtime import (
     MultiWaiterBase,
     QuorumBase,
-    bounded_client,
     majority_remaining,
     round_of,
 )

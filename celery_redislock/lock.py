@@ -18,7 +18,6 @@ cannot stop a paused process; use the fencing token for that.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -34,11 +33,12 @@ from ._core import (
     thread_owner,
 )
 from ._deferred import UNREACHABLE, deferred_releases
+from ._lone_waiter import waiter_for
+from ._process import is_current
 from ._renewal import RenewalScheduler, scheduler_for
 from ._replies import decode_release, decode_renew_one
 from ._scripts import run, scripts_for
 from ._single import SingleBase
-from ._waiting import waiter_for
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class SyncSingle(SingleBase[LeaseLost], SyncContext):
     def _scheduler(self) -> RenewalScheduler:
         # Cached per process: a forked child must get (and cache) its own.
         cached = self._cached_scheduler
-        if cached is None or cached.pid != os.getpid():
+        if cached is None or not is_current(cached.pid):
             cached = self._cached_scheduler = scheduler_for(self.client)
         return cached
 

@@ -20,303 +20,42 @@ Limited tasks (``lock_limit``) are counted per task name, never per key (keys ar
 unbounded): ``limit_<what>@<task name>`` fields (:data:`LIMIT_COUNTERS`, a wait-time
 histogram) and the gauge of permits held by this process's runs, which is never written
 to Redis (a process that dies would leave its count there for ever).
+
+Homes: the counts themselves in :mod:`._stats` (``STATS``), the series' per-run counting
+in :mod:`._series_counts`; both re-exported here. This module connects the signals,
+flushes the counts to Redis, reads them back, and exports them to ``prometheus_client``.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import logging
 import math
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from . import series, signals
-from ._keyspace import HANDOFF_QUEUE_SUFFIX, stats_key
+from . import signals
+from ._keyspace import stats_key
+from ._process import on_fork
+from ._series_counts import RECEIVERS as _SERIES_RECEIVERS
+from ._series_counts import _count as _count
+from ._series_counts import _observe as _observe
+from ._series_counts import end_run as end_run
+from ._series_counts import queue_name as queue_name
+from ._series_counts import track_run as track_run
+from ._stats import COUNTERS as COUNTERS
+from ._stats import DEFERRAL_BUCKETS as DEFERRAL_BUCKETS
+from ._stats import LIMIT_COUNTERS as LIMIT_COUNTERS
+from ._stats import STATS as STATS
+from ._stats import TASK_SEPARATOR as TASK_SEPARATOR
+from ._stats import WAIT_BUCKETS as WAIT_BUCKETS
+from ._stats import LockStats as LockStats
+from ._stats import task_field as task_field
+from ._stats import task_name as task_name
 
 log = logging.getLogger(__name__)
-
-#: Upper bounds (seconds) of the wait-time histogram buckets; the last bucket is +inf.
-WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-COUNTERS = (
-    "acquired",
-    "contended",
-    "released",
-    "lost",
-    "renewed",
-    "parked",
-    "requeued",
-    "pulled",
-    "release_failed",
-    "parked_rejected",
-    "rate_admitted",
-    "deferred",
-    "undeferred",
-    "superseded",
-    "debounced",
-)
-
-#: Counters of limited tasks' runs, per task name (fields ``<counter>@<task name>``):
-#: runs that took a permit, and deferrals (parked, or re-queued with a countdown).
-LIMIT_COUNTERS = ("limit_taken", "limit_parked", "limit_requeued")
-#: Between a per-task field's metric and its task name (metric names have none).
-TASK_SEPARATOR = "@"
-
-
-def _bucket(seconds: float) -> str:
-    index = bisect.bisect_left(WAIT_BUCKETS, seconds)
-    return f"wait_le_{WAIT_BUCKETS[index]}" if index < len(WAIT_BUCKETS) else "wait_le_inf"
-
-
-def task_field(metric: str, task: str) -> str:
-    """The stats field of ``metric`` for the limited task ``task``."""
-    return f"{metric}{TASK_SEPARATOR}{task}"
-
-
-class LockStats:
-    """Thread-safe counters and wait-time histograms; ``drain()`` hands out deltas. The
-    gauge of permits held per task name (``permits_held()``) is kept apart: not drained."""
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._counts: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._last_flush = time.monotonic()
-
-    def add(self, field: str, amount: float = 1) -> None:
-        with self._mutex:
-            self._counts[field] = self._counts.get(field, 0) + amount
-
-    def observe_wait(self, seconds: float, task: str | None = None) -> None:
-        """Count a wait; with ``task``, a limited task's wait for its permit."""
-        bucket, total = _bucket(seconds), "wait_sum"
-        if task is not None:
-            bucket, total = task_field("limit_" + bucket, task), task_field("limit_wait_sum", task)
-        with self._mutex:
-            self._counts[bucket] = self._counts.get(bucket, 0) + 1
-            self._counts[total] = self._counts.get(total, 0.0) + float(seconds)
-
-    def hold(self, task: str, step: int, then: Callable[[int], Any] | None = None) -> None:
-        """A run of ``task`` took (``step`` 1) or ended its hold of (-1) a permit; ``then``
-        gets the new count, in order (under the mutex). Never below 0: counting that
-        starts while runs hold permits settles once they end."""
-        with self._mutex:
-            held = max(0, self._held.get(task, 0) + step)
-            if held:
-                self._held[task] = held
-            else:
-                self._held.pop(task, None)
-            if then is not None:
-                then(held)
-
-    def permits_held(self) -> dict[str, int]:
-        """Permits held by this process's runs, per task name (tasks holding none left out)."""
-        with self._mutex:
-            return dict(self._held)
-
-    def snapshot(self) -> dict[str, float]:
-        with self._mutex:
-            return dict(self._counts)
-
-    def drain(self) -> dict[str, float]:
-        with self._mutex:
-            counts, self._counts = self._counts, {}
-            self._last_flush = time.monotonic()
-            return counts
-
-    def due(self, every: float) -> bool:
-        return time.monotonic() - self._last_flush >= every
-
-    def pending(self) -> bool:
-        """Whether any count waits to be flushed."""
-        return bool(self._counts)
-
-    def _forked(self) -> None:
-        """In a forked child: the parent's counts are the parent's to flush (a pool
-        process flushing them too would count them twice), and it holds no permit."""
-        self._mutex = threading.Lock()
-        self._counts = {}
-        self._held = {}
-
-
-STATS = LockStats()
-os.register_at_fork(after_in_child=STATS._forked)
-
-
-# ------------------------------------------------------------------ the series' counts
-
-
-class _Run:
-    """What a run's series are labelled with: its task, queue, and what it holds."""
-
-    __slots__ = ("kind", "name", "queue")
-
-    def __init__(self, name: str, queue: str) -> None:
-        self.name, self.queue, self.kind = name, queue, "lock"
-
-
-#: Runs in progress in this process, by lock owner (:func:`track_run`).
-_runs: dict[str, _Run] = {}
-
-
-def _forget_runs() -> None:
-    _runs.clear()
-
-
-os.register_at_fork(after_in_child=_forget_runs)
-
-
-def queue_name(routing_key: Any) -> str:
-    """The ``queue_name`` label of a delivery's routing key: a hand-over's queue
-    (``<queue>.redislock``) counts as its queue, and so does a Redis transport's list of
-    one priority of it."""
-    if not isinstance(routing_key, str):
-        return ""
-    queue = routing_key.split("\x06\x16", 1)[0]
-    return queue[: -len(HANDOFF_QUEUE_SUFFIX)] if queue.endswith(HANDOFF_QUEUE_SUFFIX) else queue
-
-
-def track_run(owner: str, name: str, routing_key: Any) -> None:
-    """A run of task ``name`` owning locks as ``owner`` starts in this process (delivered
-    with ``routing_key``): its lock signals are counted under its task and queue."""
-    _runs[owner] = _Run(name, queue_name(routing_key))
-
-
-def end_run(owner: str) -> None:
-    """The run ``owner`` ended (:func:`track_run`)."""
-    _runs.pop(owner, None)
-
-
-@functools.lru_cache(maxsize=4096)
-def _field(name: str, labels: tuple[tuple[str, str], ...]) -> str:
-    # (label sets are few: a task's name and queue, a kind; built once each)
-    return series.field(name, dict(labels))
-
-
-def _count(short: str, **labels: str) -> None:
-    STATS.add(_field(series.NAMESPACE + short, tuple(labels.items())))
-
-
-def _observe(short: str, seconds: float, **labels: str) -> None:
-    found = series.series(short)
-    bound = series.bucket_bound(found.buckets, seconds)
-    STATS.add(_field(found.name + "_bucket", (*labels.items(), ("le", bound))))
-    STATS.add(_field(found.name + "_sum", tuple(labels.items())), float(seconds))
-
-
-def _task_of(sender: Any, task_id: Any) -> tuple[str, str]:
-    """A ``task_*`` signal's task name and queue: the queue from the task's current
-    request when it is the run the signal is about (else "")."""
-    request = getattr(sender, "request", None)
-    queue = ""
-    if request is not None and task_id is not None and getattr(request, "id", None) == task_id:
-        info = getattr(request, "delivery_info", None)
-        queue = queue_name(info.get("routing_key") if isinstance(info, dict) else None)
-    return task_name(sender), queue
-
-
-def _is_permit(lock: Any) -> bool:
-    return getattr(lock, "limit", None) is not None
-
-
-def _on_series_acquired(sender: Any = None, owner: str = "", waited: float = 0.0, **_: Any) -> None:
-    run = _runs.get(owner)
-    if run is None:
-        return
-    if _is_permit(sender):  # counted, with its wait over deferrals, by task_permit_taken
-        run.kind = "limit"
-        return
-    run.kind = "lock"
-    _count("task_acquired_total", name=run.name, queue_name=run.queue, kind="lock")
-    _observe("task_wait_seconds", waited, name=run.name, queue_name=run.queue, kind="lock")
-
-
-def _on_series_released(sender: Any = None, owner: str = "", held: float = 0.0, **_: Any) -> None:
-    run = _runs.get(owner)
-    if run is not None:
-        kind = "limit" if _is_permit(sender) else "lock"
-        _observe("task_hold_seconds", held, name=run.name, queue_name=run.queue, kind=kind)
-
-
-def _run_event(short: str, **extra: str) -> Any:
-    """Count ``short`` for the run whose lock (or permit) the signal is about."""
-
-    def receive(sender: Any = None, owner: Any = None, **kwargs: Any) -> None:
-        run = _runs.get(owner) if isinstance(owner, str) else None
-        if run is None:
-            return
-        labels = {"name": run.name, "queue_name": run.queue, "kind": run.kind, **extra}
-        if "reason" in extra:
-            reason = kwargs.get("reason")
-            labels["reason"] = reason if reason in series.REASONS else "other"
-        _count(short, **labels)
-
-    return receive
-
-
-def _task_event(*shorts: str, kind: str | None = None) -> Any:
-    """Count each of ``shorts`` for the task (the sender) of a ``task_*`` signal; with
-    ``kind`` "lock", the kind is "limit" when the signal names a ``limit``."""
-
-    def receive(sender: Any = None, task_id: Any = None, **kwargs: Any) -> None:
-        name, queue = _task_of(sender, task_id)
-        given = kwargs.get("queue")  # (parked at delivery: no current request to ask)
-        labels = {"name": name, "queue_name": queue_name(given) if given else queue}
-        for short in shorts:
-            found = series.series(short)
-            if "kind" in found.labels:
-                what = kind or "lock"
-                if kind == "lock" and kwargs.get("limit") is not None:
-                    what = "limit"
-                _count(short, **labels, kind=what)
-            else:
-                _count(short, **labels)
-
-    return receive
-
-
-def _on_series_permit_taken(
-    sender: Any = None, task_id: Any = None, waited: float = 0.0, **_: Any
-) -> None:
-    name, queue = _task_of(sender, task_id)
-    _count("task_acquired_total", name=name, queue_name=queue, kind="limit")
-    _observe("task_wait_seconds", waited, name=name, queue_name=queue, kind="limit")
-
-
-def _on_series_undeferred(sender: Any = None, name: str = "", delay: float = 0.0, **_: Any) -> None:
-    _count("task_undeferred_total", name=name, queue_name="")
-    _observe("task_wait_seconds", delay, name=name, queue_name="", kind="rate")
-
-
-def _on_series_handed_over(
-    sender: Any = None,
-    name: str = "",
-    via: str = "release",
-    queue: Any = None,
-    owner: Any = None,
-    **_: Any,
-) -> None:
-    via = via if via in series.VIAS else "release"
-    run = _runs.get(owner) if isinstance(owner, str) else None
-    if not name and run is not None:  # pushed back by the releasing run's script
-        name, queue = run.name, run.queue
-    _count("task_handed_over_total", name=name or "?", queue_name=queue_name(queue), via=via)
-
-
-def _on_series_pulled(sender: Any = None, **_: Any) -> None:
-    name, queue = _task_of(sender, None)
-    request = getattr(sender, "request", None)
-    info = getattr(request, "delivery_info", None)
-    if isinstance(info, dict):
-        queue = queue_name(info.get("routing_key"))
-    _count("task_handed_over_total", name=name, queue_name=queue, via="lookahead")
-
-
-def _on_series_rejected(sender: Any = None, **_: Any) -> None:
-    _count("parked_rejected_total")
 
 
 def _on_acquired(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
@@ -329,11 +68,6 @@ def _counter(field: str, amount_key: str | None = None) -> Any:
         STATS.add(field, kwargs.get(amount_key, 1) if amount_key else 1)
 
     return receive
-
-
-def task_name(sender: Any) -> str:
-    """The task name a ``task_*`` signal's sender (the task) is counted under."""
-    return str(getattr(sender, "name", None) or "?")
 
 
 def _deferred(field: str) -> Any:
@@ -381,10 +115,6 @@ def _on_undeferred(sender: Any = None, name: str = "", delay: float = 0.0, **_: 
     STATS.add(f"deferral_sum:{name}", float(delay))
 
 
-#: Upper bounds (seconds) of the deferral-delay histogram buckets; the last is +inf.
-DEFERRAL_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 300.0, 3600.0)
-
-_CONTENDED = "task_contended_total"
 _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.lock_acquired, _on_acquired),
     (signals.lock_contended, _counter("contended")),
@@ -404,30 +134,7 @@ _RECEIVERS: list[tuple[signals.Signal, Any]] = [
     (signals.task_superseded, _per_task("superseded")),
     (signals.task_debounced, _per_task("debounced")),
     # The vocabulary's series (celery_redislock.series), per task name and queue:
-    (signals.lock_acquired, _on_series_acquired),
-    (signals.lock_released, _on_series_released),
-    (signals.lock_lost, _run_event("task_lease_lost_total", reason="")),
-    (signals.lock_renewal_failed, _run_event("task_renewal_failures_total")),
-    (signals.lock_release_failed, _run_event("task_release_failed_total")),
-    (signals.task_permit_taken, _on_series_permit_taken),
-    (signals.task_parked, _task_event("task_parked_total", "task_contended_total", kind="lock")),
-    (
-        signals.task_requeued,
-        _task_event("task_requeued_total", "task_contended_total", kind="lock"),
-    ),
-    (signals.task_rate_admitted, _task_event("task_acquired_total", kind="rate")),
-    (
-        signals.task_deferred,
-        _task_event("task_deferred_total", "task_contended_total", kind="rate"),
-    ),
-    (signals.task_undeferred, _on_series_undeferred),
-    (signals.task_handed_over, _on_series_handed_over),
-    (signals.task_pulled, _on_series_pulled),
-    (signals.task_superseded, _task_event("task_superseded_total")),
-    (signals.task_debounced, _task_event("task_debounced_total")),
-    (signals.task_skipped, _task_event("task_skipped_total", _CONTENDED, kind="lock")),
-    (signals.task_duplicate, _task_event("task_duplicate_ignored_total")),
-    (signals.parked_rejected, _on_series_rejected),
+    *_SERIES_RECEIVERS,
 ]
 _enabled = False
 
@@ -520,7 +227,7 @@ def _forget_flusher() -> None:
     _flusher, _flush_target, _flusher_mutex = None, None, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_flusher)
+on_fork(_forget_flusher)
 
 
 def percentile(buckets: Mapping[str, float], fraction: float) -> float | None:
@@ -648,7 +355,7 @@ def enable_prometheus(registry: Any = None) -> None:
     signals.lock_renewed.connect(lambda sender=None, count=1, **_: counters["renewed"].inc(count))
 
     holding = LockStats()  # the gauge's values, never below 0 (LockStats.hold)
-    os.register_at_fork(after_in_child=holding._forked)
+    on_fork(holding._forked)
 
     def permit_taken(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
         task = task_name(sender)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +36,8 @@ from ._core import (
     validate_prefix,
 )
 from ._errors import LockQuorumError
+from ._private_clients import bounded_client
+from ._process import ProcessRegistry
 from ._quorum import (
     Decided,
     QuorumAcquire,
@@ -54,7 +55,6 @@ from ._quorum_runtime import (
     RETRY_DELAY,
     MultiWaiterBase,
     QuorumBase,
-    bounded_client,
     majority_remaining,
     round_of,
 )
@@ -67,18 +67,18 @@ from .aio_redlock import AsyncRedLock
 __all__ = ["NODE_TIMEOUT", "RETRY_DELAY", "AsyncRedLock", "RedLock"]
 
 
-_executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-_executor_mutex = threading.Lock()
+#: This process's thread pools, by kind (a forked child starts its own).
+_executors: ProcessRegistry[str, concurrent.futures.ThreadPoolExecutor]
+_executors = ProcessRegistry(weak=False)
 
 
 def _threads(kind: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    with _executor_mutex:
-        found = _executors.get(kind)
-        if found is None:
-            found = _executors[kind] = concurrent.futures.ThreadPoolExecutor(
-                max_workers=workers, thread_name_prefix=f"redislock-quorum-{kind}"
-            )
-        return found
+    return _executors.get(
+        kind,
+        lambda: concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=f"redislock-quorum-{kind}"
+        ),
+    )
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -91,15 +91,6 @@ def _subscriptions() -> concurrent.futures.ThreadPoolExecutor:
     subscription to a stalled node may block (connecting under its subscriber's lock)
     until the node answers, and must not take a worker the rounds need."""
     return _threads("subscribe", 8)
-
-
-def _after_fork_in_child() -> None:
-    global _executor_mutex
-    _executors.clear()
-    _executor_mutex = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class RedLock(QuorumBase, LockBase[LeaseLost], SyncContext):

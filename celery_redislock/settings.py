@@ -64,6 +64,10 @@ Settings (task attributes of the same meaning override them per task):
   ``base=LockedTask`` with those options (``lock_key``, ``on_contention``, ``lock_hold``,
   ...), without changing its base (:func:`task_rules`; applied by
   ``celery_redislock.celery.configured``).
+
+Each value is checked by its validator in :mod:`celery_redislock._validators`; this module
+puts them together: ``LockOptions``, ``LockSettings``, the task options and the
+``redislock_tasks`` rules.
 """
 
 from __future__ import annotations
@@ -75,91 +79,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from ._core import DEFAULT_PREFIX, MAX_LIMIT, duration_error, lease_ms, seconds, validate_prefix
+from ._core import DEFAULT_PREFIX, seconds
 from ._errors import LockConfigurationError
 from ._nodes import check_distinct
-from ._rates import Limit, parse_rates
+from ._rates import Limit
+from ._validators import MAX_LOOKAHEAD as MAX_LOOKAHEAD
+from ._validators import (
+    _backoff,
+    _bool,
+    _choice,
+    _count,
+    _hold,
+    _lease,
+    _limit,
+    _lookahead,
+    _prefix,
+    _rate,
+)
 
 CONTENTION_POLICIES = ("requeue", "wait", "skip", "raise", "replace")
 WAIT_FALLBACKS = ("requeue", "raise")
 EXHAUSTED_ACTIONS = ("fail", "drop")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-def _lease(value: object, name: str) -> float:
-    """A duration Redis keeps a key for (``ttl``, ``done_ttl``): 1 ms to 365 days."""
-    lease_ms(value, name)
-    return float(value)  # type: ignore[arg-type]
-
-
-def _hold(value: object, name: str) -> float:
-    """``lock_hold``: 0 (release at once) or a lease."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-        return 0.0
-    try:
-        return _lease(value, name)
-    except LockConfigurationError:
-        raise duration_error(name, value, alternative="0 (release at once)") from None
-
-
-def _choice(value: object, name: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise LockConfigurationError(
-            f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
-        )
-    return str(value)
-
-
-def _bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise LockConfigurationError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _count(value: object, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise LockConfigurationError(f"{name} must be an int >= 0, got {value!r}")
-    return value
-
-
-#: Upper bound of ``redislock_lookahead``: each message searched is decoded at a release.
-MAX_LOOKAHEAD = 1000
-
-
-def _lookahead(value: object, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOOKAHEAD:
-        raise LockConfigurationError(
-            f"{name} must be an int from 0 (off) to {MAX_LOOKAHEAD} (messages searched), "
-            f"got {value!r}"
-        )
-    return value
-
-
-def _limit(value: object, name: str) -> Any:
-    """``lock_limit``: an int from 1 to ``MAX_LIMIT`` (2**31 - 1), or a
-    callable ``(args, kwargs) -> int`` (its value checked at each call)."""
-    if callable(value) and not isinstance(value, type):
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
-        raise LockConfigurationError(
-            f"{name} must be an int from 1 (one at a time) to {MAX_LIMIT}, or a callable "
-            f"(args, kwargs) -> int; got {value!r}"
-        )
-    return value
-
-
-def _rate(value: object, name: str) -> tuple[Limit, ...]:
-    """``lock_rate``: one rate or a list of them (``_rates.RATE_FORMS``), parsed."""
-    return parse_rates(value, name)
-
-
-def _backoff(value: object, name: str) -> tuple[float, float]:
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise LockConfigurationError(f"{name} must be a (base, cap) pair of seconds, got {value!r}")
-    base, cap = seconds(value[0], f"{name}[0]"), seconds(value[1], f"{name}[1]")
-    if cap < base:
-        raise LockConfigurationError(f"{name}: cap ({cap}) must be >= base ({base})")
-    return base, cap
 
 
 @dataclass(frozen=True)
@@ -247,30 +188,42 @@ _FIELDS: dict[str, tuple[str, str, Any]] = {
 }
 
 
-def check_latest(options: LockOptions, where: str, *, own: Mapping[str, Any] | None = None) -> None:
+def check_latest(
+    options: LockOptions,
+    where: str,
+    *,
+    own: Mapping[str, Any] | None = None,
+    settings: bool = False,
+) -> None:
     """The last-call-wins options agree: ``lock_debounce_max`` needs ``lock_debounce`` and
     is at least it; a debounce goes with ``on_contention`` ``"requeue"`` (the default) or
-    ``"replace"`` only. ``where`` names the task or the settings in the error.
+    ``"replace"`` only. ``where`` names the task or the settings in the error;
+    ``settings``: the errors name the app's settings (``redislock_debounce``...), not the
+    task options.
 
     ``own``: a task's own options, checked at decoration, when the app's settings are not
     known yet: what they may supply is checked at worker start (a task's bound over the
     app's ``redislock_debounce``, say)."""
+    prefix = "redislock_" if settings else "lock_"
+    debounce, bound, policy = f"{prefix}debounce", f"{prefix}debounce_max", "on_contention"
+    if settings:
+        policy = "redislock_on_contention"
     if own is not None and ("debounce" not in own or "debounce_max" not in own):
         options = replace(options, debounce_max=None)  # one of the two may be the app's
     if options.debounce_max is not None and options.debounce <= 0:
         raise LockConfigurationError(
-            f"{where}: lock_debounce_max ({options.debounce_max}s) needs lock_debounce (the "
+            f"{where}: {bound} ({options.debounce_max}s) needs {debounce} (the "
             f"quiet period it bounds)"
         )
     if options.debounce_max is not None and options.debounce_max < options.debounce:
         raise LockConfigurationError(
-            f"{where}: lock_debounce_max ({options.debounce_max}s) must be >= lock_debounce "
+            f"{where}: {bound} ({options.debounce_max}s) must be >= {debounce} "
             f"({options.debounce}s)"
         )
     if options.debounce > 0 and options.on_contention not in ("requeue", "replace"):
         raise LockConfigurationError(
-            f"{where}: lock_debounce goes with on_contention 'replace' (or the default "
-            f"'requeue', which it makes 'replace'), got on_contention="
+            f"{where}: {debounce} goes with {policy} 'replace' (or the default "
+            f"'requeue', which it makes 'replace'), got {policy}="
             f"{options.on_contention!r}"
         )
     if options.latest and not options.locked:
@@ -278,13 +231,6 @@ def check_latest(options: LockOptions, where: str, *, own: Mapping[str, Any] | N
             f"{where}: on_contention='replace' and lock_debounce need a lock (lock_limit=None "
             f"takes none)"
         )
-
-
-def _prefix(value: object, name: str) -> str:
-    try:
-        return validate_prefix(value)
-    except LockConfigurationError as exc:
-        raise LockConfigurationError(f"{name}: {exc}") from None
 
 
 def task_overrides(attributes: Mapping[str, Any], task_name: str) -> dict[str, Any]:
@@ -360,7 +306,7 @@ class LockSettings:
                 "quorum of masters is not built; use one Redis (redislock_url) for "
                 "rate-limited tasks"
             )
-        check_latest(defaults, "redislock settings")
+        check_latest(defaults, "redislock settings", settings=True)
         if urls and defaults.latest:
             raise LockConfigurationError(
                 "redislock_on_contention='replace' and redislock_debounce are not offered with "

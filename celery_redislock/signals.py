@@ -38,7 +38,8 @@ signal                 sent when                                keyword argument
                        a newer call of its key took its place   ended), superseded_by (the
                        (``on_contention="replace"``,            newer call's task id, or None
                        ``lock_debounce``)                       when a run already started
-                                                                was newer)
+                                                                was newer), queue (the
+                                                                recording delivery's)
 ``task_debounced``     a debounced LockedTask call became its   name, task_id, due (seconds
                        key's pending call, waiting for quiet    from now)
 ``task_handed_over``   a parked run's message was sent on,     name (the task's), task_id,

@@ -10,7 +10,6 @@ paths (``LockedTask``, ``LockedRequest``, ...) keep working. New code imports
 from __future__ import annotations
 
 from .celery.base import LockedTask as LockedTask
-from .celery.base import _current_execution as _current_execution
 from .celery.clients import _clients as _clients
 from .celery.clients import _quorum_clients as _quorum_clients
 from .celery.clients import _settings as _settings
@@ -23,6 +22,7 @@ from .celery.contention import _Call as _Call
 from .celery.contention import _park_fallback as _park_fallback
 from .celery.contention import _rng as _rng
 from .celery.contention import _visibility_timeout as _visibility_timeout
+from .celery.direct import _current_execution as _current_execution
 from .celery.envelope import _PRIORITY_SEP as _PRIORITY_SEP
 from .celery.envelope import ENVELOPE as ENVELOPE
 from .celery.envelope import TAG_PREFIX as TAG_PREFIX
@@ -60,7 +60,6 @@ from .celery.lookahead import QUEUE_REACH as QUEUE_REACH
 from .celery.lookahead import _lock_key_of as _lock_key_of
 from .celery.lookahead import _lock_of as _lock_of
 from .celery.lookahead import _lookahead_denied as _lookahead_denied
-from .celery.lookahead import _lookahead_mutex as _lookahead_mutex
 from .celery.lookahead import _lookahead_thread as _lookahead_thread
 from .celery.lookahead import _next_queued as _next_queued
 from .celery.lookahead import _Pull as _Pull

@@ -63,6 +63,8 @@ def amqp_queues(specs: list[dict[str, Any]]) -> list[Any]:
 
 if os.environ.get("REDISLOCK_TEST_AMQP_QUEUES"):  # queues of named exchanges, quorum, priority
     app.conf.task_queues = amqp_queues(json.loads(os.environ["REDISLOCK_TEST_AMQP_QUEUES"]))
+if os.environ.get("REDISLOCK_TEST_RESULT_BACKEND"):  # e.g. file://<dir>: a polling backend
+    app.conf.result_backend = os.environ["REDISLOCK_TEST_RESULT_BACKEND"]
 if os.environ.get("REDISLOCK_TEST_NO_FALLBACK"):
     app.conf.redislock_park_fallback = False
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own

@@ -2,8 +2,12 @@
 
 One module per job:
 
-* ``base`` — :class:`LockedTask`, the task base: its options, a call run under its lock
-  (in a worker, or directly and eagerly), look-ahead started, the release at its end.
+* ``base`` — :class:`LockedTask`, the task base: a call run under its lock in a worker,
+  look-ahead started, the release at its end.
+* ``options`` — a task's lock options, read from its class and checked when it is
+  decorated; its key templates built.
+* ``direct`` — calls made outside the worker (directly, eagerly, nested in a running
+  body): they wait for the lock and never re-queue.
 * ``contention`` — what a run does when its lock is held (``on_contention``): wait,
   park behind the holder from the pool process, re-queue, skip, fail.
 * ``finish`` — a run's release (retried in the background when Redis does not answer)
@@ -19,14 +23,22 @@ One module per job:
 * ``worker`` — ``LockedRequest`` (releases for a task whose process died), the settings
   check at worker start, and the worker signal handlers.
 * ``signing`` — the MACs of parked messages.
-* ``cli`` — ``celery -A proj redislock``.
+* ``cli`` — ``celery -A proj redislock``; ``cli_nodes`` the servers it asks (one, or a
+  quorum), ``cli_print`` how ``show`` prints what they hold.
+* ``ready`` — ``SKIPPED`` and ``SUPERSEDED`` made Celery ready states (``.get()`` returns).
 * ``configured`` — the ``redislock_tasks`` setting: tasks locked by configuration, their
   classes made LockedTask subclasses of their own at finalization and worker start.
 
 The old homes (``celery_redislock.task``, ``.parking``, ``.signing``, ``.cli``) re-export
-these names. Importing any module here connects the worker signal handlers, once.
+these names. Importing any module here connects the worker signal handlers, once, and makes
+``SKIPPED`` and ``SUPERSEDED`` ready states of Celery in this process (``ready``: Celery's
+``states.READY_STATES``, ``Backend.READY_STATES`` and the ready states its result backends
+captured as default arguments, extended).
 """
 
 from __future__ import annotations
 
 from . import worker as worker  # connects the worker signal handlers (at first import)
+from .ready import install_ready_states
+
+install_ready_states()  # SKIPPED and SUPERSEDED are ready states of Celery (ready.py)

@@ -91,16 +91,16 @@ Periodic jobs
 ``lock_hold=<seconds>`` keeps the lock for that long after a successful run, so a second
 beat (or a restarted one) firing the same job within the period finds it held and,
 with ``on_contention="skip"``, skips it.
+
+The options are read and checked in :mod:`.options`; calls made outside the worker
+(direct, eager, nested) run in :mod:`.direct`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from celery.exceptions import Ignore, Retry
@@ -110,22 +110,19 @@ from .._core import MAX_SECONDS, OwnerFinished, OwnerRunning, lease_ms
 from .._deferred import UNREACHABLE
 from .._errors import (
     LockConfigurationError,
-    LockContendedError,
     LockLostError,
     LockNotOwnedError,
     LockQuorumError,
 )
 from .._keyspace import run_key
 from ..keys import KeyTemplate
-from ..lock import RedisLock
-from ..ratelimit import RedisRateLimiter
-from ..redlock import RedLock
-from ..semaphore import RedisSemaphore, validate_limit
-from ..settings import APP_SETTING, LockOptions, check_latest, task_overrides
+from ..semaphore import validate_limit
+from ..settings import APP_SETTING, LockOptions
 from . import signing
-from .clients import client_for, quorum_clients_for, settings_for
+from .clients import settings_for
 from .contention import DEAD_LETTER_HEADERS, FIRST_TRY_HEADER, Contention, _Call, first_try
-from .deferral import BOOKED_HEADER, admit_or_defer, rate_pairs
+from .deferral import BOOKED_HEADER, admit_or_defer
+from .direct import DirectCalls, _current_execution, _permit_counted
 from .envelope import TAG_PREFIX, _Handed
 from .finish import _claim_kept_hold, _finish_quietly, _mark_kept_hold
 from .handover import deliver_handed_over
@@ -138,12 +135,13 @@ from .lookahead import (
     _Pull,
     lookahead_chain,
 )
+from .options import configure
 from .tasklock import PARKABLE, AnyTaskLock, TaskLock, TaskSemaphore, request_owner, task_lock
 
 log = logging.getLogger(__name__)
 
 
-class LockedTask(LastCallWins, Contention):
+class LockedTask(LastCallWins, Contention, DirectCalls):
     """Task base that runs each call under a Redis lock keyed on its arguments.
 
     Options (task attributes; ``None`` means the app's ``redislock_*`` setting):
@@ -193,51 +191,7 @@ class LockedTask(LastCallWins, Contention):
         run = cls.__dict__.get("run")
         if run is None:
             return  # an intermediate base class: checked when a task is made from it
-        name = str(cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}")
-        attributes = {
-            attr: getattr(cls, attr, None) for attr in dir(LockedTask) if attr.startswith("lock_")
-        }
-        attributes["on_contention"] = cls.on_contention
-        unlocked = cls.lock_limit is None
-        if cls.lock_limit is APP_SETTING:
-            attributes["lock_limit"] = None
-        overrides = task_overrides(attributes, name)
-        if unlocked:
-            if cls.lock_rate is None:
-                raise LockConfigurationError(
-                    f"task {name!r}: lock_limit=None means no lock (a rate only), but the "
-                    f"task sets no lock_rate: set lock_rate, or lock_limit to an int"
-                )
-            overrides["locked"] = False
-        cls._lock_overrides = overrides
-        check_latest(LockOptions().merged(overrides), f"task {name!r}", own=overrides)
-        if not isinstance(cls.lock_key_hash, bool):
-            raise LockConfigurationError(
-                f"task {name!r}: lock_key_hash must be True or False, got {cls.lock_key_hash!r}"
-            )
-        if isinstance(run, staticmethod):
-            signature_of: Any = run.__func__
-        else:  # bind=True: the first parameter is the task itself
-            signature_of = functools.partial(run, None)
-        cls._lock_template = KeyTemplate(
-            cls.lock_key, signature_of, owner_name=name, option="lock_key", hashed=cls.lock_key_hash
-        )
-        if cls.lock_rate_key is None:
-            cls._rate_template = cls._lock_template
-        elif not isinstance(cls.lock_rate_key, str) and not callable(cls.lock_rate_key):
-            raise LockConfigurationError(
-                f"task {name!r}: lock_rate_key must be None (the lock_key), a template str "
-                f"such as 'merchant:{{merchant_id}}', or a callable (args, kwargs) -> str; "
-                f"got {cls.lock_rate_key!r}"
-            )
-        else:
-            cls._rate_template = KeyTemplate(
-                cls.lock_rate_key,
-                signature_of,
-                owner_name=name,
-                option="lock_rate_key",
-                hashed=cls.lock_key_hash,
-            )
+        configure(cls, run, [attr for attr in dir(LockedTask) if attr.startswith("lock_")])
 
     @property
     def lock(self) -> Any:
@@ -542,127 +496,9 @@ class LockedTask(LastCallWins, Contention):
         except Exception:  # the sweeper (or its fallback copy) still runs it
             log.exception("redislock: could not publish the task the lock was handed to")
 
-    def _call_locally(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], enclosing: str | None = None
-    ) -> Any:
-        """A direct or eager call: wait up to ``lock_wait`` (never re-queue). Its owner is
-        ``enclosing`` (the owner of the LockedTask body this call is nested in), else the
-        eager request's task id, else the calling thread."""
-        options = self.lock_options()
-        if options.rate is not None:
-            self._admit_locally(args, kwargs, options)
-        if not options.locked:
-            return self._run_unlocked_locally(args, kwargs, enclosing)
-        name = self.lock_name(args, kwargs)
-        request_id = self.request.id
-        owner = enclosing or request_id or None
-        settings = settings_for(self.app)
-        limit = self.lock_limit_for(args, kwargs, options)
-        lock: RedisLock | RedLock | RedisSemaphore
-        if limit is not None:
-            if settings.urls:  # (task_lock's error, for a direct call)
-                task_lock(self.app, name, task_id=owner or "", options=options, limit=limit)
-            lock = RedisSemaphore(
-                client_for(self.app),
-                name,
-                limit,
-                ttl=options.ttl,
-                owner=owner,
-                prefix=options.prefix,
-            )
-        elif settings.urls:
-            lock = RedLock(
-                quorum_clients_for(self.app),
-                name,
-                ttl=options.ttl,
-                owner=owner,
-                prefix=options.prefix,
-                node_timeout=settings.node_timeout,
-            )
-        else:
-            lock = RedisLock(
-                client_for(self.app), name, ttl=options.ttl, owner=owner, prefix=options.prefix
-            )
-        wait = 0.0 if options.on_contention in ("skip", "raise") else options.wait
-        asked = time.monotonic()
-        if not lock.acquire(timeout=wait):
-            if options.on_contention == "skip":
-                return None
-            raise LockContendedError(
-                f"{self.name} called directly/eagerly: lock {name!r} is held (waited {wait}s; "
-                f"direct and eager calls never re-queue)",
-                name=name,
-                owner=request_id,
-            )
-        previous = getattr(self.request, "redislock", None)
-        self.request.redislock = lock
-        # A call nested in a running task's body is part of that run: counted with it.
-        counted = limit is not None and enclosing is None
-        with (
-            _permit_counted(self, name, request_id, limit, time.monotonic() - asked)
-            if counted
-            else contextlib.nullcontext()
-        ):
-            try:
-                return self._run_body(lock, args, kwargs)
-            finally:
-                self.request.redislock = previous
-                lock.release()
-
-    def _admit_locally(self, args: Any, kwargs: Any, options: LockOptions) -> None:
-        """A direct or eager call of a rate-limited task waits up to ``lock_wait`` for its
-        slot (never deferred), else raises :class:`LockContendedError`."""
-        name = self.rate_name(args, kwargs)
-        assert options.rate is not None
-        limiter = RedisRateLimiter(
-            client_for(self.app), name, rate_pairs(options.rate), prefix=options.prefix
-        )
-        wait = 0.0 if options.on_contention in ("skip", "raise") else options.wait
-        if not limiter.acquire(timeout=wait):
-            raise LockContendedError(
-                f"{self.name} called directly/eagerly: rate key {name!r} is over its rate "
-                f"(waited {wait}s; direct and eager calls are never deferred)",
-                name=name,
-                owner=self.request.id,
-            )
-
-    def _run_unlocked_locally(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], enclosing: str | None
-    ) -> Any:
-        owner = enclosing or self.request.id or f"direct:{id(self)}"
-        token = _current_execution.set((owner, self, None))
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            _current_execution.reset(token)
-
 
 def _header(request: Any, name: str) -> Any:
     """A custom header of the request's message (Celery gives them as attributes too)."""
     headers = getattr(request, "headers", None)
     found = headers.get(name) if isinstance(headers, dict) else None
     return found if found is not None else getattr(request, name, None)
-
-
-@contextlib.contextmanager
-def _permit_counted(
-    task: LockedTask, name: str, task_id: str | None, limit: int | None, waited: float
-) -> Iterator[None]:
-    """A limited run's hold of its permit, as the metrics see it: ``task_permit_taken``
-    now, ``task_permit_ended`` when the block ends, however it ends (success, exception,
-    retry, a lost lease; a killed process sends nothing, and its counts die with it)."""
-    signals.task_permit_taken.send(task, name=name, task_id=task_id, limit=limit, waited=waited)
-    since = time.monotonic()
-    try:
-        yield
-    finally:
-        held = time.monotonic() - since
-        signals.task_permit_ended.send(task, name=name, task_id=task_id, held=held)
-
-
-#: The LockedTask execution whose body runs in this context (thread, or asyncio task):
-#: (its lock owner, the task, its lock). A LockedTask called inside it is a plain function
-#: call under that owner (LockedTask.__call__).
-_current_execution: contextvars.ContextVar[tuple[str, Any, Any] | None] = contextvars.ContextVar(
-    "celery_redislock_task_execution", default=None
-)

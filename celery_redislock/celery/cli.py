@@ -26,6 +26,9 @@ cannot be reached is named, and the command exits 1; a bad NAME, PATTERN or
 ``--prefix`` is a usage error (exit 2). Everything read from Redis is taken as it
 comes: names and owners are printed escaped, and fields that are not what the package
 writes are left out.
+
+The servers asked are :mod:`.cli_nodes`'s, the printing of ``show`` is :mod:`.cli_print`'s,
+and the live views (``exporter``, ``top``) are in :mod:`.cli_ops`.
 """
 
 from __future__ import annotations
@@ -34,9 +37,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
@@ -46,10 +47,10 @@ from .. import metrics
 from .._core import MAX_LIMIT, LockKeys, lease_ms, validate_prefix
 from .._errors import LockConfigurationError
 from .._keyspace import SemaphoreKeys, lock_key_pattern, stats_key
-from .._nodes import node_label
-from .._quorum import quorum_of
 from ..lock import RedisLock
-from .clients import client_for, quorum_clients_for, settings_for
+from .cli_nodes import _merged, _Nodes
+from .cli_print import _due, _owner_text, _print_lock, _print_rate, _print_semaphore, _shown
+from .clients import settings_for
 from .handover import send_handed_over
 from .inspection import (
     describe_latest,
@@ -67,16 +68,6 @@ from .inspection import (
 from .tasklock import TaskSemaphore
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def _shown(value: bytes | str) -> str:
-    """``value`` for a terminal: control characters (an escape sequence in a lock name
-    or owner read from Redis) are printed escaped, never sent as they are."""
-    as_text = text(value)
-    if as_text.isprintable():
-        return as_text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in as_text)
 
 
 # ------------------------------------------------------------------ arguments
@@ -118,82 +109,6 @@ prefix_option = click.option(
     callback=_prefix,
     help="Key prefix (default: the app's redislock_prefix).",
 )
-
-
-# ------------------------------------------------------------------ nodes
-
-
-class _Nodes:
-    """The Redis servers holding the app's locks: one, or the ``redislock_urls`` quorum."""
-
-    def __init__(self, app: Any, prefix: str | None) -> None:
-        try:
-            settings = settings_for(app)
-            clients = quorum_clients_for(app) if settings.urls else [client_for(app)]
-        except LockConfigurationError as exc:
-            raise click.ClickException(str(exc)) from None
-        self.prefix: str = settings.defaults.prefix if prefix is None else prefix
-        self.is_quorum = bool(settings.urls)
-        self.clients = clients
-        self.labels = [node_label(c) for c in clients]
-        self.quorum = quorum_of(len(clients))
-
-    def each(self, call: Callable[[Any], T]) -> list[T | RedisError]:
-        """``call(client)`` on every node at once: its result, or the Redis error it raised."""
-
-        def one(client: Any) -> T | RedisError:
-            try:
-                return call(client)
-            except RedisError as exc:
-                return exc
-
-        if len(self.clients) == 1:
-            return [one(self.clients[0])]
-        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            return list(pool.map(one, self.clients))
-
-    def failed(self, ctx: click.Context, results: list[Any]) -> bool:
-        """Say which nodes could not be reached (on stderr); True if any."""
-        failures = [
-            (label, r) for label, r in zip(self.labels, results) if isinstance(r, RedisError)
-        ]
-        for label, exc in failures:
-            ctx.obj.error(f"{label}: unreachable ({type(exc).__name__}: {exc})")
-        return bool(failures)
-
-
-def _merged(rows: list[dict[str, Any] | None], labels: list[str], quorum: int) -> dict[str, Any]:
-    """One lock as the quorum sees it, from each node's view (None: not held there).
-
-    ``ttl`` is how long a majority of the nodes still holds it (as ``RedLock.remaining``),
-    or, held on fewer, how long the longest-lived of them does; ``owners`` lists everyone
-    holding it on some node, with their largest hold count.
-    """
-    held = [row for row in rows if row is not None]
-    owners: dict[str, int] = {}
-    for row in held:
-        for owner, holds in row["owners"].items():
-            owners[owner] = max(owners.get(owner, 0), holds)
-    ttls = sorted((float("inf") if r["ttl"] is None else r["ttl"] for r in held), reverse=True)
-    ttl = ttls[min(quorum, len(ttls)) - 1]
-    return {
-        "kind": "lock",
-        "name": held[0]["name"],
-        "owners": owners,
-        "holds": sum(owners.values()),
-        "ttl": None if ttl == float("inf") else ttl,
-        "token": max(row["token"] for row in held),
-        "parked": max(row["parked"] for row in held),
-        "held_on": [label for label, row in zip(labels, rows) if row is not None],
-        "quorum": quorum,
-    }
-
-
-def _owner_text(owner: str) -> str:
-    # Thread/task owners are "<process id>:t<n>" / ":a<n>"; a Celery task's owner is its id.
-    if ":" in owner and len(owner.split(":")[0]) == 32:
-        return f"process {owner.split(':')[0][:8]}… {_shown(owner.split(':')[1])}"
-    return f"task {_shown(owner)}"
 
 
 # ------------------------------------------------------------------ commands
@@ -370,109 +285,6 @@ def show(ctx: click.Context, prefix: str | None, name: bytes, as_json: bool) -> 
         each and nodes.failed(ctx, each) for each in (limited, rated)
     ):
         ctx.exit(1)
-
-
-def _print_lock(
-    ctx: click.Context, name: bytes, found: dict[str, Any], nodes: _Nodes, *, headed: bool
-) -> None:
-    if nodes.is_quorum:
-        ctx.obj.echo(
-            f"{_shown(name)}: held on {len(found['held_on'])} of {len(nodes.clients)} nodes "
-            f"(a majority is {nodes.quorum}): {'locked' if found['locked'] else 'not locked'}"
-        )
-    elif not found["owners"]:
-        ctx.obj.echo(
-            f"{_shown(name)} (lock): not locked" if headed else f"{_shown(name)}: not locked"
-        )
-    elif headed:
-        ctx.obj.echo(f"{_shown(name)} (lock): locked")
-    for owner, holds in found["owners"].items():
-        ctx.obj.echo(f"{'owner':>18}: {_owner_text(owner)} ({holds} hold(s))")
-    for field in ("ttl", "token", "parked", "waiting_processes"):
-        if field in found:
-            ctx.obj.echo(f"{field:>18}: {found[field]}")
-    for task_id in found["parked_tasks"]:
-        ctx.obj.echo(f"{'parked':>18}: task {_shown(task_id)}")
-    _print_latest(ctx, found)
-    for label, view in found.get("nodes", {}).items():
-        if "error" in view:
-            state = "unreachable"
-        elif view["owners"]:
-            owners = ", ".join(_owner_text(o) for o in view["owners"])
-            ttl = "none" if view["ttl"] is None else f"{view['ttl']:.1f}s"
-            state = f"held by {owners}, ttl {ttl}, token {view['token']}"
-        else:
-            state = "not locked"
-        ctx.obj.echo(f"{'node ' + label:>18}: {state}")
-
-
-def _print_semaphore(ctx: click.Context, name: bytes, found: dict[str, Any]) -> None:
-    limit = found["limit"]
-    ctx.obj.echo(
-        f"{_shown(name)} (limited key): {found['holders']} of {limit or '?'} permit(s) held"
-    )
-    for permit in found["permits"]:
-        ttl = "no expiry" if permit["ttl"] is None else f"lease left {permit['ttl']:.1f}s"
-        holds = f"{permit['holds']} hold(s)"
-        if not permit["holds"]:
-            holds += ": handed over, not taken up yet"
-        token = "-" if permit["token"] is None else permit["token"]
-        ctx.obj.echo(f"{'holder':>18}: {_shown(permit['owner'])} ({holds}), {ttl}, token {token}")
-    ctx.obj.echo(f"{'limit':>18}: {limit or 'unknown'}")
-    ctx.obj.echo(f"{'parked':>18}: {found['parked']}")
-    for task in found["parked_tasks"]:
-        ctx.obj.echo(f"{'parked':>18}: task {_shown(task['task'])} (limit {task['limit'] or '?'})")
-    ctx.obj.echo(f"{'waiting':>18}: {found['waiting']}")
-    for owner in found["waiters"]:
-        ctx.obj.echo(f"{'waiter':>18}: {_shown(owner)}")
-    ctx.obj.echo(f"{'waiting_processes':>18}: {found['waiting_processes']}")
-    _print_latest(ctx, found)
-
-
-def _print_latest(ctx: click.Context, found: dict[str, Any]) -> None:
-    """A last-call-wins key's pending call and newest started call, if any."""
-    latest = found.get("latest") or {}
-    pending = latest.get("pending")
-    if pending:
-        due = pending["due_in"]
-        when = "waits for the lock" if due is None else f"due in {due:.3f}s (debounce)"
-        ctx.obj.echo(f"{'pending call':>18}: task {_shown(pending['task'])}, {when}")
-    started = latest.get("newest_started")
-    if started:
-        ctx.obj.echo(f"{'newest started':>18}: task {_shown(started['task'])}")
-
-
-def _due(seconds: float | None) -> str:
-    """When a deferred head is due, for a table cell."""
-    if seconds is None:
-        return "?"
-    return "due" if seconds <= 0 else f"{seconds:.1f}s"
-
-
-def _print_rate(ctx: click.Context, name: bytes, found: dict[str, Any]) -> None:
-    ctx.obj.echo(f"{_shown(name)} (rate key): {found['deferred']} run(s) deferred")
-    for limit in found["limits"]:
-        period = f"{limit['period']:g}s"
-        rate = f"{limit['count']}/{period}" if limit["count"] else f"?/{period}"
-        if limit["next_free"] is None:
-            slot = "unreadable (read as full: the burst just spent)"
-        elif limit["next_free"] == 0:
-            slot = "now"
-        else:
-            slot = f"in {limit['next_free']:.3f}s"
-        ctx.obj.echo(f"{'limit ' + rate:>18}: next free slot {slot}")
-    ctx.obj.echo(f"{'deferred':>18}: {found['deferred']}")
-    if found["deferred"] or found["head_due"] is not None:
-        due = found["head_due"]
-        if due is None:
-            when = "not scheduled (the drainers' registry does not list it)"
-        else:
-            when = f"due in {due:.3f}s" if due > 0 else f"due now (overdue {-due:.3f}s)"
-        task = found["head_task"]
-        named = f"task {_shown(task)}" if task else "unreadable entry"
-        if found["head_task_name"]:
-            named += f" ({_shown(found['head_task_name'])})"
-        ctx.obj.echo(f"{'head':>18}: {named}, {when}")
 
 
 def _owner_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> bytes | None:

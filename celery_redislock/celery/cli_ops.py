@@ -23,7 +23,8 @@ import click
 from celery.bin.base import CeleryCommand
 from redis.exceptions import RedisError
 
-from .cli import _Nodes, prefix_option, redislock
+from .cli import prefix_option, redislock
+from .cli_nodes import _Nodes
 from .exporter import DEFAULT_PORT, RedisLockCollector, exposition, serve
 from .survey import survey
 from .top import snapshot, table

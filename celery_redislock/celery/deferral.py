@@ -41,7 +41,7 @@ from typing import Any
 from celery.exceptions import Ignore
 
 from .. import signals
-from .._core import lease_ms
+from .._core import lease_ms, server_clock_us
 from .._keyspace import RateKeys, deferred_registry, deferred_sending
 from .._rates import LONGEST_WAIT_US, Limit, script_args
 from .._replies import (
@@ -256,11 +256,11 @@ class Drainer(threading.Thread):
                 pipe.time()
                 pipe.zrange(registry, 0, 0, withscores=True)
                 pipe.zrange(registry, -1, -1, withscores=True)
-                (seconds, micros), earliest, latest = pipe.execute()
+                clock, earliest, latest = pipe.execute()
                 if not earliest:
                     break
                 member, score = earliest[0]
-                now_ms = seconds * 1000 + micros / 1000
+                now_ms = server_clock_us(clock) / 1000
                 if latest and latest[0][1] > now_ms + LONGEST_WAIT_US / 1000:
                     # A score no head can be due at (junk: whoever may write the prefix
                     # wrote it): served now, the drain script reschedules it as it is.
@@ -370,8 +370,7 @@ class Drainer(threading.Thread):
     def _resend_stale(self, client: Any, prefix: str) -> int:
         """Send again the calls taken for sending whose drainer never confirmed them."""
         sending = deferred_sending(prefix)
-        seconds, micros = client.time()
-        before = seconds * 1000 + micros // 1000 - self.stale_ms
+        before = server_clock_us(client.time()) // 1000 - self.stale_ms
         sent = 0
         for member in client.zrangebyscore(sending, "-inf", before, start=0, num=10):
             if not decode_rate_resend(

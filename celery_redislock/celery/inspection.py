@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
-from .._core import CHAIN_FIELD, FENCE_FIELD, GRANT_FIELD, LIMIT_FIELD, LockKeys
+from .._core import CHAIN_FIELD, FENCE_FIELD, GRANT_FIELD, LIMIT_FIELD, LockKeys, server_clock_us
 from .._keyspace import (
     RateKeys,
     SemaphoreKeys,
@@ -321,8 +321,7 @@ def describe_rated(
     backlog = count(backlog)
     if not backlog and due is None and not schedules:
         return None
-    seconds, micros = clock
-    now_us = int(seconds) * 1_000_000 + int(micros)
+    now_us = server_clock_us(clock)
     task_id, task, counts = deferred_call(head) if isinstance(head, bytes) else (None, None, {})
     row: dict[str, Any] = {
         "kind": "rate",
@@ -366,13 +365,11 @@ def describe_latest(client: Any, key: bytes) -> dict[str, Any] | None:
     the newest call that started (task id, sent time); None when it holds neither. Junk
     fields (anyone who may write the prefix) read as missing."""
     try:
-        fields, (seconds, micros) = read(
-            client, ("hmget", key, "pt", "ps", "pd", "st", "s"), ("time",)
-        )
+        fields, clock = read(client, ("hmget", key, "pt", "ps", "pd", "st", "s"), ("time",))
     except Exception:  # not a hash: nothing to show
         return None
     pending, sent, due, started, started_sent = (fields or [None] * 5)[:5]
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    now_ms = server_clock_us(clock) // 1000
     due_ms = whole(due)
     row: dict[str, Any] = {}
 

@@ -35,8 +35,9 @@ Everything is decided in one script run per delivery (``latest.lua`` in ``park.l
 ``sem_park.lua``), atomically with the take or the parking. A superseded call is reported
 in the result backend as :data:`SUPERSEDED` (meta ``{"lock": name, "superseded_by": id}``),
 by the worker that superseded it, with :data:`~celery_redislock.signals.task_superseded`.
-``SUPERSEDED`` is not one of Celery's ready states: ``AsyncResult.get()`` on it waits
-like on any unfinished task (give it a ``timeout``); read ``AsyncResult.state``.
+``SUPERSEDED`` is made one of Celery's ready states when this layer is imported
+(:mod:`~celery_redislock.celery.ready`): ``AsyncResult.get()`` on it returns that meta at
+once, ``ready()`` is True; read ``AsyncResult.state`` to tell it from a run's result.
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ from typing import Any
 from celery import Task, states
 from celery import signals as celery_signals
 from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore
 
 from .. import signals
-from .._core import MAX_MS, lease_ms
+from .._core import MAX_MS, lease_ms, server_clock_us
 from .._errors import LockConfigurationError
 from .._keyspace import debounce_registry, latest_run_key, parked_under
 from .._replies import DUE_SEND, decode_latest_due
@@ -180,8 +182,10 @@ class LastCallWins(Task):  # type: ignore[misc]
         """Record the call ``task_id`` as ``SUPERSEDED`` (unless results are ignored) and
         send :data:`~celery_redislock.signals.task_superseded`; False if the result
         backend could not store it. A call whose result already says how it ended is
-        neither stored nor signalled again (:meth:`_ended`): True."""
-        if not self.ignore_result:
+        neither stored nor signalled again (:meth:`_ended`): True. Not stored with the RPC
+        backend: it sends a state to the caller of the running task (this call's), under
+        this call's id, where it would read as this call's own result."""
+        if not self.ignore_result and not isinstance(self.backend, RPCBackend):
             try:
                 if self._ended(task_id):
                     return True
@@ -202,7 +206,13 @@ class LastCallWins(Task):  # type: ignore[misc]
             name,
             f"the newer call {by}" if by else "a newer call",
         )
-        signals.task_superseded.send(self, name=name, task_id=task_id, superseded_by=by)
+        # The queue of the delivery whose worker records it (the superseded call may be
+        # another delivery's: the metrics count it under this one's queue).
+        info = getattr(self.request, "delivery_info", None)
+        queue = info.get("routing_key") if isinstance(info, dict) else None
+        signals.task_superseded.send(
+            self, name=name, task_id=task_id, superseded_by=by, queue=queue
+        )
         return True
 
     def _ended(self, task_id: str) -> bool:
@@ -215,7 +225,11 @@ class LastCallWins(Task):  # type: ignore[misc]
         if isinstance(self.backend, DisabledBackend):
             return False
         state = self.backend.get_state(task_id)
-        if state in states.READY_STATES:
+        if state == SUPERSEDED:
+            return True
+        # Celery's own ready states: SUPERSEDED and SKIPPED are ready states too (ready.py),
+        # and a SKIPPED record is stored over as before.
+        if state in (states.SUCCESS, states.FAILURE, states.REVOKED):
             log.warning(
                 "redislock: %s[%s] is recorded as superseded, but its result says it "
                 "ended (%s): its state is kept (a record not written by a worker?)",
@@ -224,7 +238,7 @@ class LastCallWins(Task):  # type: ignore[misc]
                 state,
             )
             return True
-        return bool(state == SUPERSEDED)
+        return False
 
 
 # ----------------------------------------------------------------------------- drainer
@@ -265,11 +279,11 @@ def serve_debounced(
         pipe = client.pipeline(transaction=False)
         pipe.time()
         pipe.zrange(registry, 0, 0, withscores=True)
-        (seconds, micros), earliest = pipe.execute()
+        clock, earliest = pipe.execute()
         if not earliest:
             break
         member, score = earliest[0]
-        now_ms = seconds * 1000 + micros / 1000
+        now_ms = server_clock_us(clock) / 1000
         if score > now_ms:
             sleep = min(sleep, (score - now_ms) / 1000)
             break

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -18,6 +16,7 @@ from kombu.utils import json as kombu_json
 
 from .._core import lease_ms
 from .._keyspace import lookahead_chain as lookahead_chain
+from .._process import ProcessLocal
 from .clients import settings_for
 from .envelope import _bytes, envelope_entry, envelope_lock_key
 from .tasklock import TaskLock, request_owner
@@ -48,20 +47,15 @@ LOOKAHEAD_CHUNK = 16
 #: Bytes of messages one look-ahead search reads at most (it stops after the read that
 #: reaches this).
 LOOKAHEAD_BYTES = 1 << 20
-_lookahead_executor: tuple[int, ThreadPoolExecutor] | None = None
-_lookahead_mutex = threading.Lock()
+#: This process's one look-ahead thread (a new one after a fork).
+_lookahead_executor = ProcessLocal(
+    lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="redislock-lookahead")
+)
 
 
 def _lookahead_thread() -> ThreadPoolExecutor:
     """This process's one look-ahead thread (a new one after a fork)."""
-    global _lookahead_executor
-    with _lookahead_mutex:
-        if _lookahead_executor is None or _lookahead_executor[0] != os.getpid():
-            _lookahead_executor = (
-                os.getpid(),
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="redislock-lookahead"),
-            )
-        return _lookahead_executor[1]
+    return _lookahead_executor.get()
 
 
 def _next_queued(

@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from .._core import LockKeys
+from .._core import LockKeys, server_clock_us
 from .._keyspace import (
     RateKeys,
     SemaphoreKeys,
@@ -167,8 +167,7 @@ def _deferred_at(entry: Any) -> float | None:
 def survey(client: Any, prefix: str) -> Survey:
     """Every busy key under ``prefix`` now (see the module docstring). Redis errors
     propagate; what is not as the package writes it is left out."""
-    seconds, micros = client.time()
-    now = int(seconds) + int(micros) / 1_000_000
+    now = server_clock_us(client.time()) / 1_000_000
     keys: dict[tuple[str, str], KeyState] = {}
     locks: set[bytes] = set(
         k

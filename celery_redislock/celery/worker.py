@@ -7,7 +7,6 @@ connected once, when this module is imported.
 from __future__ import annotations
 
 import logging
-import os
 import urllib.parse
 from typing import Any
 
@@ -245,12 +244,11 @@ def _stop_drainer(sender: Any = None, **_: Any) -> None:
 
 
 def _flush_stats_at_exit(**_: Any) -> None:
-    for app, (pid, client) in list(_clients.items()):
-        if pid == os.getpid():
-            try:
-                metrics.flush_to_redis(client, settings_for(app).defaults.prefix, force=True)
-            except Exception:
-                log.debug("redislock: could not flush stats at exit", exc_info=True)
+    for app, client in _clients.items():  # this process's clients only
+        try:
+            metrics.flush_to_redis(client, settings_for(app).defaults.prefix, force=True)
+        except Exception:
+            log.debug("redislock: could not flush stats at exit", exc_info=True)
 
 
 def _flush_stats_after_a_run(sender: Any = None, **_: Any) -> None:

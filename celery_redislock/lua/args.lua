@@ -1,6 +1,7 @@
--- Prepended to every script that takes a number (see _scripts.PRELUDES). Each script checks
--- all of its numeric arguments with these before its first write: a bad one fails the
--- script with an error reply, and nothing is written.
+-- Prepended to every script that takes a number or reads the clock (see _scripts.PRELUDES).
+-- Each script checks all of its numeric arguments with these before its first write: a bad
+-- one fails the script with an error reply, and nothing is written.
+-- now_us(), now_ms()                 the server's clock (TIME): the only place it is read
 -- whole_arg(value, what, low, high)  the number: a plain decimal integer from low to high
 -- ms_arg(value, what, low)           a duration in milliseconds, from low (1 unless given)
 --                                    to the package's longest duration (_core.MAX_SECONDS
@@ -21,4 +22,11 @@ local function ms_arg(value, what, low)
 end
 local function us_arg(value, what, low)
   return whole_arg(value, what .. ' (us)', low or 1, MAX_US)
+end
+local function now_us()
+  local t = redis.call('time')
+  return t[1] * 1000000 + t[2]
+end
+local function now_ms()
+  return math.floor(now_us() / 1000)
 end

@@ -1,9 +1,9 @@
+-- fence(keys=[highest, target?], args=[token, value?]) -> 1 | 0
 -- Admit a fencing token at a protected resource, rejecting stale holders.
--- KEYS[1]  the resource's highest admitted token (never expires)
--- KEYS[2]  optional: a key to SET to ARGV[2] atomically when the token is admitted
--- ARGV[1]  fencing token (a positive integer)
--- ARGV[2]  optional: value for KEYS[2]
--- returns  1 admitted (token >= highest seen; highest updated), 0 rejected as stale
+--   highest  the resource's highest admitted token (never expires)
+--   target   optional: a key to SET to value atomically when the token is admitted
+--   token    fencing token (a positive integer)
+-- 1: admitted (token >= highest seen; highest updated); 0: rejected as stale.
 local token = tonumber(ARGV[1])
 if not token or token < 1 then
   return redis.error_reply('ERR redislock: fencing token must be a positive integer')

@@ -28,8 +28,7 @@ end
 
 local function gcra(schedules, args, from, max_wait)
   local increments, tolerances = gcra_limits(schedules, args, from)
-  local clock = redis.call('time')
-  local now = clock[1] * 1000000 + clock[2]
+  local now = now_us()
   local tats, wait = {}, 0
   for i = 1, #schedules do
     local value = redis.pcall('get', schedules[i])

@@ -1,5 +1,4 @@
--- Prepended to the scripts that take a lock or read the clock (see _scripts.PRELUDES).
--- now_ms()                             the server's time in milliseconds
+-- Prepended to the scripts that take a lock (see _scripts.PRELUDES), after args.lua.
 -- take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token, present)
 --   -> {1, token, count}  taken (a free lock: count 1, a fresh token) or re-entered (one more
 --                         hold of owner: its token, or a fresh one with new_token; the lease
@@ -14,10 +13,6 @@
 --   A refused blocked attempt's place in line (joined at the back, or kept where it is),
 --   kept keep_ms from now; wake_id: the waiter's, for a direct grant (kept as
 --   "<wake_id>:<lease>"), else none.
-local function now_ms()
-  local t = redis.call('time')
-  return t[1] * 1000 + math.floor(t[2] / 1000)
-end
 local function enter_line(waiters, claims, wake, owner, keep_ms, wake_id, lease)
   if redis.call('zadd', claims, now_ms() + keep_ms, owner) == 1 then
     redis.call('rpush', waiters, owner)

@@ -44,14 +44,12 @@ local function reschedule(at_us)
 end
 if mode == 'drop' then
   redis.call('lpop', KEYS[1])
-  local clock = redis.call('time')
-  reschedule(clock[1] * 1000000 + clock[2])
+  reschedule(now_us())
   return {3}
 end
 local admitted, wait, now
 if mode == 'pass' then
-  local clock = redis.call('time')
-  now = clock[1] * 1000000 + clock[2]
+  now = now_us()
 else
   admitted, wait, now = gcra(schedules, ARGV, 3, 0)
   if not admitted then

@@ -7,8 +7,7 @@ local score = redis.pcall('zscore', KEYS[1], ARGV[1])
 if type(score) ~= 'string' then
   return 0
 end
-local clock = redis.call('time')
-local now = clock[1] * 1000 + math.floor(clock[2] / 1000)
+local now = now_ms()
 if tonumber(score) > now - stale then
   return 0
 end

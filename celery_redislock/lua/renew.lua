@@ -1,13 +1,12 @@
+-- renew(keys=[lock of each hold], args=[owner, lease_ms, token per hold]) -> {1 | 0 | -1, ...}
 -- Replace the lease of many holds at once (the watchdog's batch, and extend()).
 -- Owner-checked; never resurrects a missing key. All keys must share one cluster slot.
--- KEYS[i]      lock hash of hold i
--- ARGV[3i-2]   owner id of hold i
--- ARGV[3i-1]   new lease of hold i in milliseconds (a whole number from 1 to the longest
---              duration: args.lua); all are checked before any lease is touched
--- ARGV[3i]     the holding's fencing token ("": any): a hash of this owner with another
---              token is a later holding of the same owner (its own lease lapsed meanwhile)
--- returns      array, one per key: 1 renewed, 0 lock key gone (expired), -1 held by another
---              owner or another holding of this owner
+--   lease_ms  a whole number from 1 to the longest duration (args.lua); all are checked
+--             before any lease is touched
+--   token     the holding's fencing token ("": any): a hash of this owner with another
+--             token is a later holding of the same owner (its own lease lapsed meanwhile)
+-- One reply per key: 1 renewed, 0 lock key gone (expired), -1 held by another owner or
+-- another holding of this owner.
 if #ARGV ~= 3 * #KEYS then
   return redis.error_reply('ERR redislock: renew takes an owner, a lease and a token per key')
 end

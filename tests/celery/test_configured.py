@@ -137,7 +137,8 @@ def test_skip_when_held(r: redis.Redis, configured_worker: CeleryProcess) -> Non
     assert holder.acquire(blocking=False)
     try:
         result = cfg.skip_work.delay("skipped")
-        wait_until(lambda: result.state == "SKIPPED", timeout=30)
+        assert result.get(timeout=30) == {"lock": "job:skipped"}  # a ready state
+        assert result.state == "SKIPPED" and result.ready()
     finally:
         holder.release()
     assert cfg.skip_work.delay("skipped").get(timeout=30) == "ran"
@@ -151,6 +152,7 @@ def test_replace_by_configuration_runs_the_first_and_the_newest(
     burst = [cfg.newest_work.delay("newest", str(i)) for i in range(1, 11)]
     assert first.get(timeout=30) == "0" and burst[-1].get(timeout=30) == "10"
     wait_until(lambda: all(c.state == "SUPERSEDED" for c in burst[:-1]), what="superseded")
+    assert burst[0].get(timeout=30)["superseded_by"] in {c.id for c in burst[1:]}
     assert r.lrange("newest:newest", 0, -1) == [b"0", b"10"]
     wait_until(lambda: not r.exists("redislock:{job:newest}"), what="the lock released")
 

@@ -1,4 +1,4 @@
-"""A lone blocked acquire reads its own grant: BLPOP on its box (``_waiting.BoxWaiter``).
+"""A lone blocked acquire reads its own grant: BLPOP on its box (``_lone_waiter.BoxWaiter``).
 
 Real redis-server processes (the session's, flushed, and private ones for ACL users).
 """
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import RedisLock, _waiting
+from celery_redislock import RedisLock, _lone_waiter, _waiting
 from celery_redislock.testing import RedisServer
 
 from .._support import wait_until
@@ -67,7 +67,7 @@ def test_a_lone_waiter_reads_its_grant_from_its_box_without_a_subscriber(
     assert not holder.locked()
     # The grant was popped: no box left behind; the pool's box is free for the next wait.
     assert redis_client.keys("*:released:L*") == []
-    assert redis_client.connection_pool not in _waiting._boxes
+    assert not _lone_waiter._pool_box(redis_client.connection_pool).busy
 
 
 def test_two_waiters_in_a_process_one_boxed_one_subscribed_both_served_in_order(
@@ -102,7 +102,7 @@ def test_a_boxed_waiter_that_times_out_leaves_the_line_and_frees_the_box(
     thread.join(10)
     assert outcome == [False] and time.monotonic() - started < 5
     assert redis_client.llen(holder.keys.waiters) == 0
-    assert redis_client.connection_pool not in _waiting._boxes
+    assert not _lone_waiter._pool_box(redis_client.connection_pool).busy
     holder.release()
     assert not holder.locked()  # nobody in line: released, not granted
 

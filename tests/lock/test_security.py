@@ -45,6 +45,7 @@ from celery_redislock import (
     RedisLock,
     RedisRateLimiter,
     RedisSemaphore,
+    _lone_waiter,
     _waiting,
 )
 from celery_redislock._keyspace import SemaphoreKeys, parked_registry
@@ -88,7 +89,7 @@ LOCK_COMMANDS = (
     "zscore",
     "zrem",
     "time",
-    # a lone blocked acquire's own grant box (_waiting.BoxWaiter)
+    # a lone blocked acquire's own grant box (_lone_waiter.BoxWaiter)
     "blpop",
 )
 #: RedisSemaphore / AsyncRedisSemaphore add the holders set (SADD/SREM/SMEMBERS) and the
@@ -176,7 +177,7 @@ def denials(admin: redis.Redis, user: str | None = None) -> list[dict[str, Any]]
 def subscriber_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every blocked acquire waits through the subscriber (none reads its own grant box):
     for the tests of the subscriber's connection."""
-    monkeypatch.setattr(_waiting, "LONE_WAITERS", False)
+    monkeypatch.setattr(_lone_waiter, "LONE_WAITERS", False)
 
 
 def numsub(admin: redis.Redis, channel: bytes) -> int:
@@ -222,15 +223,15 @@ def exercise_lock(client: redis.Redis, admin: redis.Redis, tag: str) -> None:
         held.keys.channel: threading.Thread(target=wait_for, args=(held.name,), daemon=True)
         for held in (lock, other)
     }
-    lone = _waiting.LONE_WAITERS
-    _waiting.LONE_WAITERS = False  # both through the subscriber (the box comes below)
+    lone = _lone_waiter.LONE_WAITERS
+    _lone_waiter.LONE_WAITERS = False  # both through the subscriber (the box comes below)
     try:
         for thread in threads.values():
             thread.start()
         for channel in threads:
             wait_until(lambda ch=channel: numsub(admin, ch) == 1, what=f"{channel!r} subscribed")
     finally:
-        _waiting.LONE_WAITERS = lone
+        _lone_waiter.LONE_WAITERS = lone
 
     # Both holders have 20-30 s leases: only the release's publish can wake a waiter now.
     lock.release()

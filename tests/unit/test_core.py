@@ -144,3 +144,13 @@ def test_errors_survive_pickling_and_rebuilding_from_their_message() -> None:
         "stolen",
     )
     assert str(LockContendedError("held")) == "held"  # a backend rebuilds it from the message
+
+
+def test_server_clock_us_reads_a_time_reply() -> None:
+    """A ``TIME`` reply (seconds, microseconds; bytes or ints as the client decodes them)
+    in whole microseconds: the one reading of the server's clock outside the scripts."""
+    from celery_redislock._core import server_clock_us
+
+    assert server_clock_us((b"1700000000", b"000123")) == 1_700_000_000_000_123
+    assert server_clock_us([1_700_000_000, 999_999]) == 1_700_000_000_999_999
+    assert server_clock_us((1_700_000_000, 999_999)) // 1000 == 1_700_000_000_999

@@ -103,23 +103,26 @@ def test_lock_key_error_pickles_with_its_attributes() -> None:
 
 
 def test_core_module_imports_only_stdlib_and_errors() -> None:
+    import celery_redislock._keyvalues as values
     import celery_redislock.keys as module
 
-    tree = ast.parse(Path(module.__file__ or "").read_text(encoding="utf-8"))
-    imported: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                assert node.module == "_errors"
-            else:
-                imported.add((node.module or "").split(".")[0])
-    assert "celery" not in imported
-    assert "kombu" not in imported
-    stdlib = getattr(sys, "stdlib_module_names", None)
-    if stdlib is not None:
-        assert imported <= set(stdlib) | {"__future__"}
+    # The template language (keys.py) and its values' written forms (_keyvalues.py).
+    for checked, allowed in ((module, {"_errors", "_keyvalues"}), (values, set())):
+        tree = ast.parse(Path(checked.__file__ or "").read_text(encoding="utf-8"))
+        imported: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    assert node.module in allowed, (checked.__name__, node.module)
+                else:
+                    imported.add((node.module or "").split(".")[0])
+        assert "celery" not in imported
+        assert "kombu" not in imported
+        stdlib = getattr(sys, "stdlib_module_names", None)
+        if stdlib is not None:
+            assert imported <= set(stdlib) | {"__future__"}, checked.__name__
 
 
 # --------------------------------------------------------------------- rendering

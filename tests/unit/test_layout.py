@@ -200,3 +200,101 @@ def test_no_script_reply_is_decoded_outside_the_decoder_module() -> None:
     }
     assert {k: v for k, v in offenders.items() if v} == {}
     assert hand_decoded_replies(PACKAGE / DECODERS)  # the heuristic does see decoding
+
+
+# --------------------------------------------------------------------- module size
+
+#: The most lines (as ``wc -l`` counts them) a module of the package may have: past it, a
+#: module is doing more than one job.
+MODULE_LINES = 600
+#: Modules known to be over, each being split by its own work: remove an entry when its
+#: module is brought under. Only these; a new module over the bound fails the test.
+OVERSIZED: set[str] = set()
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """Every module of the package, the demo app included, is at most ``MODULE_LINES``
+    long, but the known exceptions in ``OVERSIZED``."""
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) >= 40  # the scan saw the package
+    sizes = {str(path.relative_to(PACKAGE)): path.read_bytes().count(b"\n") for path in modules}
+    over = {name: lines for name, lines in sizes.items() if lines > MODULE_LINES}
+    offenders = {name: lines for name, lines in over.items() if name not in OVERSIZED}
+    assert offenders == {}, (
+        f"modules over {MODULE_LINES} lines (split each by job into modules named for "
+        f"them, and add them to docs/architecture.md): {offenders}"
+    )
+
+
+# --------------------------------------------------------------------- the Lua library
+
+LUA = PACKAGE / "lua"
+#: A script's length at most (its contract header included); the shared functions live in
+#: the preludes (``_scripts.PRELUDES``), which may be longer.
+SCRIPT_LINES = 90
+
+
+def _scripts_and_preludes() -> tuple[list[Path], set[str]]:
+    from celery_redislock._scripts import PRELUDES
+
+    preludes = {name for names in PRELUDES.values() for name in names}
+    scripts = [path for path in sorted(LUA.glob("*.lua")) if path.stem not in preludes]
+    return scripts, preludes
+
+
+def test_every_script_is_a_short_contract_on_the_shared_library() -> None:
+    """Each script (not a prelude) opens with its contract, dramatiq-style:
+    ``-- name(keys=[...], args=[...]) -> reply``, and is short: what scripts share is in
+    the preludes prepended to them."""
+    scripts, preludes = _scripts_and_preludes()
+    assert len(scripts) >= 15 and {"args", "lock", "grant", "parked"} <= preludes
+    for path in scripts:
+        text = path.read_text(encoding="utf-8")
+        header = "\n".join(line for line in text.splitlines() if line.startswith("--"))
+        assert text.startswith(f"-- {path.stem}(keys=["), path.name
+        assert "args=[" in header and "->" in header, path.name
+        assert len(text.splitlines()) <= SCRIPT_LINES, path.name
+
+
+def test_the_server_clock_is_read_in_one_place() -> None:
+    """``now_us()``/``now_ms()`` (``args.lua``) are the scripts' only reading of TIME."""
+    reads = {
+        path.name: len(re.findall(r"redis\.p?call\(\s*'time'", path.read_text("utf-8"), re.I))
+        for path in sorted(LUA.glob("*.lua"))
+    }
+    assert {name: n for name, n in reads.items() if n} == {"args.lua": 1}
+
+
+# --------------------------------------------------------------------- one fork rule
+
+#: The one module that knows about forks: every per-process value lives in it.
+PROCESS = "_process.py"
+
+
+def fork_mechanisms(path: Path) -> list[str]:
+    """Calls of ``os.register_at_fork`` and ``os.getpid`` in ``path`` (code only)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in {"register_at_fork", "getpid"}
+        ):
+            found.append(f"{node.lineno}: {node.func.attr}")
+    return found
+
+
+def test_per_process_state_follows_one_fork_rule() -> None:
+    """No module but _process hooks forks or stamps objects with a raw pid: per-process
+    state is a ProcessLocal / ProcessRegistry, or an on_fork reset, and a stamp is
+    _process.current()."""
+    modules = package_modules()
+    offenders = {
+        str(path.relative_to(PACKAGE)): found
+        for path in modules
+        if path.name != PROCESS and (found := fork_mechanisms(path))
+    }
+    assert offenders == {}
+    assert [f.split(": ")[1] for f in fork_mechanisms(PACKAGE / PROCESS)].count(
+        "register_at_fork"
+    ) == 1

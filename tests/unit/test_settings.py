@@ -51,12 +51,37 @@ def test_missing_url_with_a_non_redis_broker_is_a_clear_error() -> None:
         ("redislock_lookahead", -1),
         ("redislock_lookahead", 1001),
         ("redislock_lookahead", True),
+        ("redislock_debounce", 0),
+        ("redislock_debounce", -1),
+        ("redislock_debounce", math.inf),
+        ("redislock_debounce", math.nan),
+        ("redislock_debounce", "2"),
+        ("redislock_debounce", 4e7),
+        ("redislock_debounce_max", 0),
+        ("redislock_debounce_max", math.inf),
+        ("redislock_debounce_max", 1.0),  # with no redislock_debounce to bound
     ],
 )
 def test_each_bad_setting_is_named(setting: str, value: object) -> None:
     conf = {"broker_url": "redis://localhost", setting: value}
     with pytest.raises(LockConfigurationError, match=setting):
         LockSettings.from_conf(conf)
+
+
+@pytest.mark.parametrize(
+    ("conf", "match"),
+    [
+        ({"redislock_debounce": 2.0, "redislock_debounce_max": 1.0}, "redislock_debounce_max"),
+        ({"redislock_debounce": 2.0, "redislock_on_contention": "skip"}, "redislock_debounce"),
+    ],
+)
+def test_last_call_wins_settings_are_checked_together(conf: dict[str, object], match: str) -> None:
+    """redislock_debounce_max is at least redislock_debounce; a debounce goes with
+    "replace" (or the default "requeue"): the error names the settings."""
+    with pytest.raises(LockConfigurationError, match=match):
+        LockSettings.from_conf({"broker_url": "redis://localhost", **conf})
+    ok = {"broker_url": "redis://localhost", "redislock_debounce": 2.0}
+    assert LockSettings.from_conf({**ok, "redislock_debounce_max": 2.0}).defaults.debounce_max == 2
 
 
 def test_task_overrides_name_the_task_and_option() -> None:
