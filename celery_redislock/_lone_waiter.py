@@ -25,6 +25,7 @@ from redis.exceptions import NoPermissionError
 
 from ._keyspace import grant_channel_tail
 from ._process import ProcessRegistry
+from ._replies import decode_box
 from ._scripts import _direct_pool, pop_box
 from ._waiting import BROKEN, CONFIRM_WAIT, Waiter, WaiterBase, subscriber_for
 from ._waiting import waiter_for as subscriber_waiter_for
@@ -149,11 +150,12 @@ class BoxWaiter(WaiterBase):
         except BROKEN as exc:  # the read failed: its grant, if any, may be lost with it
             log.debug("redislock: a box read failed (%r); waiting through the subscriber", exc)
             return self._fall_back()
-        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], bytes):
+        popped = decode_box(reply)
+        if popped is None:
             return False
-        token, _, nonce = reply[1].partition(b":")
-        if nonce == self.nonce and token.isdigit():
-            self.granted = (nonce, int(token))
+        nonce, token = popped
+        if nonce == self.nonce and token is not None:
+            self.granted = (nonce, token)
         return True
 
 

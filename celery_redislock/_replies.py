@@ -401,3 +401,14 @@ def decode_sweep(reply: Any) -> SweepReply:
     message = _string(table[1], "sweep", reply, "the message")
     task_id = _string(table[2], "sweep", reply, "the task id")
     return SweepReply(1, Handed(task_id, message, _tag(table[3], "sweep", reply)))
+
+
+def decode_box(reply: Any) -> tuple[bytes, int | None] | None:
+    """A lone waiter's box read (BLPOP ``<box>``, ``_lone_waiter``): None if it timed out;
+    else (nonce, token) of the direct grant ``<token>:<nonce>`` pushed there, the token
+    None for anything else (a grant the usual way pushes the owner id; a prefix writer
+    can push anything). Never raises: what a box holds only ever makes its waiter retry."""
+    if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], bytes):
+        return None
+    token, _, nonce = reply[1].partition(b":")
+    return nonce, (int(token) if token.isdigit() else None)
