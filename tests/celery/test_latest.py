@@ -43,6 +43,18 @@ def _settled(ids: list[str], ran: set[str]) -> bool:
     return all(states[i] == ("SUCCESS" if i in ran else SUPERSEDED) for i in ids)
 
 
+def _wait_settled(r: Any, key: str, ids: list[str], ran: set[str], timeout: float) -> None:
+    """``_settled`` within ``timeout`` seconds, or fail naming the calls left unsettled
+    (their states), the key's runs and its ``latest`` hash."""
+    try:
+        wait_until(lambda: _settled(ids, ran), timeout=timeout, what="states")
+    except AssertionError as exc:
+        states = _states(ids)
+        left = {i: s for i, s in states.items() if s != ("SUCCESS" if i in ran else SUPERSEDED)}
+        latest = r.hgetall(LockKeys.for_name(f"lw:{key}").latest)
+        raise AssertionError(f"{exc}; left {left}; runs {_runs(r, key)}; latest {latest}") from None
+
+
 def _nothing_left(r: Any, key: str, limited: bool = False) -> None:
     keys = SemaphoreKeys.for_name(f"lw:{key}").line if limited else LockKeys.for_name(f"lw:{key}")
     assert not r.exists(keys.lock), "the lock is still held"
@@ -172,7 +184,8 @@ def test_debounce_runs_a_burst_once_with_the_last_arguments_after_the_quiet_peri
             time.sleep(0.01)
         last_sent = time.time()
         ids = [c.id for c in calls]
-        wait_until(lambda: _settled(ids, {calls[-1].id}), timeout=20, what="states")
+        # Settled in about DEBOUNCE (0.5-0.7 s here, loaded or not); CI once took over 20 s.
+        _wait_settled(r, "e", ids, {calls[-1].id}, timeout=60)
         runs = _runs(r, "e")
         assert [run[0] for run in runs] == ["19"], runs
         assert runs[0][2] >= last_sent + la.DEBOUNCE - 0.05, (runs, last_sent)
