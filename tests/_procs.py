@@ -11,6 +11,8 @@ import redis
 
 from celery_redislock import RedisLock
 
+from ._support import blpop_within
+
 
 def hammer(port: int, name: str, iterations: int, log_key: str) -> None:
     """Take the lock ``iterations`` times; inside, a non-atomic read-modify-write.
@@ -182,7 +184,7 @@ def sem_sections(
     sem = RedisSemaphore(client, name, limit=limit, ttl=10)
     pid = os.getpid()
     witness.rpush(f"{prefix}:ready", pid)
-    assert witness.blpop([f"{prefix}:go"], timeout=120) is not None
+    assert blpop_within(witness, [f"{prefix}:go"], 120) is not None
     done = 0
     for _ in range(iterations):
         assert sem.acquire(timeout=120)
@@ -244,7 +246,7 @@ def rate_hammer(port: int, name: str, rate: str, burst: int, go_key: str, log_ke
     client = redis.Redis(port=port, socket_timeout=10)
     limiter = RedisRateLimiter(client, name, rate, burst=burst)
     client.rpush(f"{log_key}:ready", os.getpid())
-    popped = client.blpop([go_key], timeout=60)
+    popped = blpop_within(client, [go_key], 60)
     assert popped is not None
     end_us = int(popped[1])
     admitted = 0

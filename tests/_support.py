@@ -28,3 +28,15 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"condition not met within {timeout}s: {what or predicate}")
         time.sleep(interval)
+
+
+def blpop_within(client: Any, keys: list[str], timeout: float) -> Any:
+    """BLPOP ``keys`` for up to ``timeout`` seconds (the reply, or None), in BLPOPs of 1 s:
+    one BLPOP as long as ``timeout`` would need a socket timeout longer than it, and the
+    tests' clients give up on a socket read after a few seconds (redis-py raises
+    TimeoutError then, however long the BLPOP was meant to wait)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = client.blpop(keys, timeout=1)
+        if reply is not None or time.monotonic() >= deadline:
+            return reply

@@ -47,6 +47,7 @@ from celery_redislock.testing import RedisServer
 
 from .. import _chaos
 from .._chaos import Fault, Swarm
+from .._support import wait_until
 from .test_chaos import assert_safe_and_live, fault_counts, run_swarm, summary
 
 TTL = 2.0
@@ -327,6 +328,13 @@ def probe_quorum_error(nodes: Nodes, stopped: Sequence[int]) -> tuple[float, Loc
     raise AssertionError(f"acquire with nodes {list(stopped)} stopped did not raise")
 
 
+def all_started(swarm: Swarm) -> bool:
+    """Whether every worker of ``swarm`` has logged its start."""
+    return all(
+        any(r.get("ev") == "start" for r in _chaos._read_log(path)) for path in swarm.log_paths()
+    )
+
+
 def scenario_majority_down(
     start_nodes: Callable[[int], Nodes], tmp_path: Path, seed: int, *, outages: int,
     slots: int, items: int, bound: float, label: str,
@@ -338,6 +346,10 @@ def scenario_majority_down(
     outage = TTL + 0.5  # longer than a lease: holders lose it, every waiter meets it
 
     def inject(swarm: Swarm, deadline: float) -> None:
+        # The workers are spawned: on a loaded machine that takes seconds, and an outage
+        # over before a worker's first attempt meets no worker. Outages begin once every
+        # worker has started (it tries the lock from then on until its work is done).
+        wait_until(lambda: all_started(swarm), timeout=60, what="every worker started")
         for _ in range(outages):
             time.sleep(rng.uniform(0.5, 1.0))
             if not swarm.alive():

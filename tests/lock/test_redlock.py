@@ -30,6 +30,7 @@ from celery_redislock._scripts import scripts_for
 from celery_redislock.testing import RedisServer
 
 from .. import _procs
+from .._support import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +284,11 @@ def test_urls_are_accepted(nodes: list[RedisServer], three: list[redis.Redis]) -
 def test_force_release_clears_every_node(three: list[redis.Redis]) -> None:
     lock = RedLock(three, "stuck", ttl=30, owner="gone", node_timeout=1.0)
     assert lock.acquire(blocking=False)
+    # The acquire returned once a majority granted it; the third node's request finishes
+    # in the background and, landing after force_release, would take the lock there again.
+    wait_until(
+        lambda: all(c.exists(lock.keys.lock) for c in three), timeout=10, what="held on all three"
+    )
     assert RedLock.force_release(three, "stuck")
     assert held_on(three, lock) == [False, False, False]
 

@@ -57,6 +57,15 @@ from .._support import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
+#: A lease only the watchdog can keep over TLS (renewed every third of it). Its first
+#: renewal opens the watchdog's own TLS connection, which must land within the other two
+#: thirds: redis-py builds a new SSL context per connection (the system CA bundle is
+#: parsed each time, some 60 ms of CPU on a quiet machine), and 0.3 s leases (0.2 s for
+#: that) expired on a loaded CI machine.
+TLS_LEASE = 1.5
+#: How long a test holds a TLS_LEASE lock to show the watchdog kept it: past the lease.
+PAST_TLS_LEASE = 2.0
+
 # ------------------------------------------------------------------ the minimal ACL
 
 #: What RedisLock / AsyncRedisLock need: the scripts (EVALSHA, and SCRIPT LOAD when the
@@ -905,9 +914,9 @@ def test_rediss_url_with_ca_in_the_query(tls_server: TLSRedisServer) -> None:
     client = redis.Redis.from_url(url, socket_timeout=5)
     try:
         assert client.connection_pool.connection_class is SSLConnection
-        lock = RedisLock(client, "tls:url", ttl=0.3)
+        lock = RedisLock(client, "tls:url", ttl=TLS_LEASE)
         with lock:
-            time.sleep(0.5)  # past the lease: only the watchdog (over TLS) keeps it
+            time.sleep(PAST_TLS_LEASE)  # past the lease: only the watchdog (over TLS) keeps it
             assert lock.owned()
             lock.ensure_held()
         assert not lock.locked()
@@ -942,7 +951,7 @@ def test_waiter_is_woken_by_release_through_the_tls_subscriber(
 
 
 def test_watchdog_renews_over_tls(tls_client: redis.Redis) -> None:
-    lock = RedisLock(tls_client, "tls:renew", ttl=0.3)
+    lock = RedisLock(tls_client, "tls:renew", ttl=TLS_LEASE)
     assert lock.acquire()
     try:
         own = scheduler_for(tls_client)._client  # the watchdog's private client
@@ -951,7 +960,7 @@ def test_watchdog_renews_over_tls(tls_client: redis.Redis) -> None:
         assert own.connection_pool.connection_kwargs["ssl_ca_certs"] == str(
             tls_client.connection_pool.connection_kwargs["ssl_ca_certs"]
         )
-        time.sleep(1.0)  # > 3 leases
+        time.sleep(PAST_TLS_LEASE)
         assert lock.owned() and not lock.lost.is_set()
         lock.ensure_held()
     finally:
@@ -974,10 +983,10 @@ async def tls_aclient(tls_server: TLSRedisServer) -> AsyncIterator[aioredis.Redi
 
 
 async def test_async_lock_over_tls(tls_aclient: aioredis.Redis) -> None:
-    lock = AsyncRedisLock(tls_aclient, "tls:async", ttl=0.3)
+    lock = AsyncRedisLock(tls_aclient, "tls:async", ttl=TLS_LEASE)
     assert await lock.acquire() and await lock.acquire()
     assert lock.hold_count == 2
-    await asyncio.sleep(1.0)  # the asyncio watchdog's own client renews over TLS
+    await asyncio.sleep(PAST_TLS_LEASE)  # the asyncio watchdog's own client renews over TLS
     assert await lock.owned() and not lock.lost.is_set()
 
     async def wait() -> float:
@@ -1021,9 +1030,9 @@ def test_celery_client_for_a_rediss_url(tls_server: TLSRedisServer) -> None:
         app.finalize()
         client = client_for(app)
         assert client.connection_pool.connection_class is SSLConnection
-        lock = RedisLock(client, "tls:celery", ttl=0.3)
+        lock = RedisLock(client, "tls:celery", ttl=TLS_LEASE)
         with lock:
-            time.sleep(1.0)
+            time.sleep(PAST_TLS_LEASE)
             assert lock.owned() and not lock.lost.is_set()
         assert settle.apply(args=(7,)).get() >= 1  # eager run under a lock via client_for
     finally:
@@ -1055,9 +1064,9 @@ def test_mutual_tls_client_certificate_through_redis_options(mtls_server: TLSRed
     admin = mtls_server.client()
     try:
         client = client_for(app)
-        holder = RedisLock(client, "mtls:job", ttl=0.3)
+        holder = RedisLock(client, "mtls:job", ttl=TLS_LEASE)
         assert holder.acquire()
-        time.sleep(1.0)  # the watchdog's client presents the client certificate too
+        time.sleep(PAST_TLS_LEASE)  # the watchdog's client presents the client certificate too
         assert holder.owned() and not holder.lost.is_set()
         got: list[bool] = []
 

@@ -30,6 +30,7 @@ from celery_redislock import FencedResource, RedisSemaphore
 from celery_redislock.testing import RedisServer
 
 from .. import _procs
+from .._support import blpop_within
 
 NAME = "tenant"
 LIMIT = 3
@@ -138,7 +139,7 @@ def hammer(
     ]
     try:
         for i in range(PROCESSES):  # all ready before any starts: they contend from the first
-            assert witness.blpop([f"{prefix}:ready"], timeout=60) is not None, f"{i} ready"
+            assert blpop_within(witness, [f"{prefix}:ready"], 60) is not None, f"{i} ready"
         witness.rpush(f"{prefix}:go", *["go"] * PROCESSES)
         for process in processes:
             process.join(300)
@@ -203,7 +204,7 @@ def kill_and_pause_round(
     paused_permit = permit_key(lock_client, f"paused{round_}")
     killed_permit = permit_key(lock_client, f"killed{round_}")
     try:
-        ready = {o: json.loads(witness.blpop([report[o]], 60)[1]) for o in owners}
+        ready = {o: json.loads(blpop_within(witness, [report[o]], 60)[1]) for o in owners}
         held_tokens = [r["token"] for r in ready.values()]
         assert len(set(held_tokens)) == 3 and min(held_tokens) > newer_than
         probe = RedisSemaphore(lock_client, NAME, limit=LIMIT, owner=f"probe{round_}")
@@ -236,14 +237,14 @@ def kill_and_pause_round(
 
         os.kill(holders["paused"].pid, signal.SIGCONT)
         witness.rpush(f"{report['paused']}:go", "write")
-        stale = json.loads(witness.blpop([report["paused"]], 60)[1])
+        stale = json.loads(blpop_within(witness, [report["paused"]], 60)[1])
         assert stale["wrote"] is False  # refused: a newer token wrote
         assert stale["held"].startswith("lost") and stale["lost"] is True
         assert witness.get("ledger:value") == f"second{round_}".encode()
         assert ledger.highest() == second.token
 
         witness.rpush(f"{report['alive']}:go", "check")  # renewed all along: still holds
-        alive = json.loads(witness.blpop([report["alive"]], 60)[1])
+        alive = json.loads(blpop_within(witness, [report["alive"]], 60)[1])
         assert alive["held"] == "held" and alive["lost"] is False
         first.release()
         second.release()
