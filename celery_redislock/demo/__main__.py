@@ -1,7 +1,8 @@
-"""Two scenes with a real Celery worker, each without and with ``LockedTask``, side by side.
+"""Four scenes with a real Celery worker, each without and with ``LockedTask``, side by side.
 
     python -m celery_redislock.demo                      # own redis-server, stopped after
-    python -m celery_redislock.demo --scene tenants      # one scene: payments or tenants
+    python -m celery_redislock.demo --scene tenants      # one scene (payments, tenants,
+                                                         # merchants or reindex)
     python -m celery_redislock.demo --redis-url redis://host:6379/0 --broker-url amqp://...
 
 The demo starts a real prefork worker and runs its scenes on it, showing live progress:
@@ -15,10 +16,22 @@ tenants    a hot tenant floods the pool and small tenants send a few jobs just a
            it, first as a plain task, then under LockedTask(lock_key="tenant:{tenant}",
            lock_limit=2, or --limit); the table shows each tenant's wait (median and
            max) and the most of its jobs seen running at once.
+merchants  a partner API allows N calls a second per merchant (--rate, 10/s); a hot
+           merchant sends a burst and small merchants a few calls, first as a plain
+           task, then under LockedTask(lock_key="merchant:{merchant}", lock_limit=None,
+           lock_rate=...); the table shows each merchant's busiest second, the calls the
+           partner would refuse, the longest wait and how many calls were deferred to
+           their slot (none dropped).
+reindex    "rebuild the search index for a user": each user sends a rebuild and, while it
+           is taken up, a burst of newer ones, as a plain task, with
+           on_contention="replace" and with lock_debounce (--debounce, 0.5 s); the table
+           shows the versions each user's rebuilds ran (replace: the first and the
+           newest; debounce: the newest) and the version its index ends at.
 
 Everything it writes lives under one random key prefix and its own queue, and is deleted
 at the end; it stops every process it started. With ``--external-worker`` the prefix is
-the worker's (``DEMO_PREFIX``), and the counts the worker adds to ``<prefix>stats`` stay:
+the worker's (``DEMO_PREFIX``), and the counts the worker adds to ``<prefix>lock:stats``
+(the stats hash under the demo app's lock prefix) stay:
 an exporter watching the worker (docker compose) serves them, and they only go up.
 """
 
@@ -39,9 +52,14 @@ from typing import Any
 import redis
 
 from .._keyspace import stats_key
-from . import payments, tenants
+from . import merchants, payments, reindex, tenants
 
-SCENES = {"payments": payments.run, "tenants": tenants.run}
+SCENES = {
+    "payments": payments.run,
+    "tenants": tenants.run,
+    "merchants": merchants.run,
+    "reindex": reindex.run,
+}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -68,6 +86,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--tenant-work", type=float, default=0.2, help="tenants: seconds per job (0.2)"
     )
     parser.add_argument(
+        "--rate", default="10/s", help="merchants: lock_rate per merchant, N/s, N/m ... (10/s)"
+    )
+    parser.add_argument("--hot-calls", type=int, default=30, help="merchants: the hot one's (30)")
+    parser.add_argument("--small-merchants", type=int, default=2, help="merchants: small ones (2)")
+    parser.add_argument("--small-calls", type=int, default=3, help="merchants: per small one (3)")
+    parser.add_argument(
+        "--call-work", type=float, default=0.05, help="merchants: seconds per call (0.05)"
+    )
+    parser.add_argument("--users", type=int, default=2, help="reindex: users (2)")
+    parser.add_argument(
+        "--rebuilds", type=int, default=6, help="reindex: rebuild calls per user (6)"
+    )
+    parser.add_argument(
+        "--rebuild-work", type=float, default=0.5, help="reindex: seconds per rebuild (0.5)"
+    )
+    parser.add_argument(
+        "--debounce", type=float, default=0.5, help="reindex: lock_debounce in seconds (0.5)"
+    )
+    parser.add_argument(
         "--external-worker",
         action="store_true",
         help="do not start a worker: one runs elsewhere (docker compose)",
@@ -75,13 +112,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")
     args = parser.parse_args(argv)
     for name in (
-        "payments", "accounts", "concurrency", "limit", "hot_jobs", "small_tenants", "small_jobs"
+        "payments", "accounts", "concurrency", "limit", "hot_jobs", "small_tenants", "small_jobs",
+        "hot_calls", "small_merchants", "small_calls", "users",
     ):  # fmt: skip
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("work", "tenant_work"):
+    if args.rebuilds < 2:
+        parser.error("--rebuilds must be at least 2 (a first call and a newer one)")
+    for name in ("work", "tenant_work", "call_work", "rebuild_work", "debounce"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    from celery_redislock import LockConfigurationError
+    from celery_redislock._rates import parse_rates
+
+    try:
+        if len(parse_rates(args.rate, "--rate")) != 1:
+            parser.error("--rate must be one rate, such as 10/s")
+    except LockConfigurationError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -107,7 +155,7 @@ def start_worker(
         "--without-gossip", "--without-mingle", "--without-heartbeat",
     ]  # fmt: skip
     return subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        command, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
     )
 
 
@@ -168,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         queue = os.environ.get("DEMO_QUEUE", "redislock-demo")
         args.work = float(os.environ.get("DEMO_WORK", args.work))
         args.limit = int(os.environ.get("DEMO_LIMIT", args.limit))
+        args.rate = os.environ.get("DEMO_RATE", args.rate)
+        args.debounce = float(os.environ.get("DEMO_DEBOUNCE", args.debounce))
     else:
         prefix = f"redislock-demo:{run_id}:"
         queue = f"redislock-demo-{run_id}"
@@ -183,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             "DEMO_QUEUE": queue,
             "DEMO_WORK": str(args.work),
             "DEMO_LIMIT": str(args.limit),
+            "DEMO_RATE": args.rate,
+            "DEMO_DEBOUNCE": str(args.debounce),
         }
         os.environ.update({k: v for k, v in env.items() if k.startswith("DEMO_")})
         from celery_redislock.demo import app as demo
@@ -203,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(log.read().decode(errors="replace"))
             log.close()
             demo.app.close()
-            # A worker elsewhere keeps counting into <prefix>stats for its exporter:
+            # A worker elsewhere keeps counting into <lock prefix>stats for its exporter:
             # deleting it would reset the counters Prometheus scrapes after every run.
-            keep = (stats_key(prefix),) if args.external_worker else ()
+            lock_stats = stats_key(demo.app.conf.redislock_prefix)  # <prefix>lock:stats
+            keep = (lock_stats,) if args.external_worker else ()
             removed = cleanup(store, prefix, queue, broker_url == redis_url, keep)
             store.close()
 

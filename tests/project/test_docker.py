@@ -33,6 +33,7 @@ CELERY_SERVICES = (
     "demo",
     "exporter",
     "demo-exporter",
+    "nightly-exporter",
 )
 MONITORING = ROOT / "monitoring"
 PROMETHEUS_CONFIG = DOCKER / "prometheus" / "prometheus.yml"
@@ -46,6 +47,8 @@ DEMO_COMMAND = [
     "--broker-url",
     "redis://redis:6379/0",
     "--external-worker",
+    "--hot-calls",
+    "120",
 ]
 
 
@@ -188,6 +191,29 @@ def test_compose_demo_is_in_a_profile(compose: dict[str, Any]) -> None:
     assert demo["environment"]["DEMO_BROKER_URL"] == broker_url
 
 
+def test_compose_demo_runs_every_scene_and_keeps_the_rate_backlog_up_for_a_scrape(
+    compose: dict[str, Any],
+) -> None:
+    """The dashboard's rate and last-call-wins panels fill from the merchants and reindex
+    scenes: the demo runs them all (no --scene), with the settings its worker has, and the
+    merchants scene's deferred backlog outlasts two scrapes (the *Deferred now* gauge)."""
+    yaml = pytest.importorskip("yaml")
+    from celery_redislock._rates import parse_rates
+    from celery_redislock.demo.__main__ import SCENES, parse
+
+    demo = compose["services"]["demo"]
+    args = parse(DEMO_COMMAND[3:])
+    assert args.scene == "all" and {"merchants", "reindex"} <= set(SCENES)
+    env = demo["environment"]
+    assert {"DEMO_RATE", "DEMO_DEBOUNCE", "DEMO_LIMIT"} <= set(env)
+    limit = parse_rates(env["DEMO_RATE"])[0]
+    assert float(env["DEMO_DEBOUNCE"]) > 0
+    backlog = (args.hot_calls - 1) * limit.period_us / limit.count / 1_000_000
+    scrape = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["global"]["scrape_interval"]
+    assert scrape.endswith("s")
+    assert backlog >= 2 * float(scrape[:-1]), (backlog, scrape)
+
+
 def _mounts(service: dict[str, Any]) -> dict[str, Path]:
     """A service's bind mounts: where in the container -> the host path (resolved)."""
     found = {}
@@ -200,7 +226,7 @@ def _mounts(service: dict[str, Any]) -> dict[str, Path]:
 def test_compose_exporters_serve_each_apps_series(compose: dict[str, Any]) -> None:
     services = compose["services"]
     apps = {}
-    for name in ("exporter", "demo-exporter"):
+    for name in ("exporter", "demo-exporter", "nightly-exporter"):
         service = services[name]
         command = service["command"]
         assert command[:2] == ["celery", "-A"] and command[3:5] == ["redislock", "exporter"]
@@ -210,6 +236,7 @@ def test_compose_exporters_serve_each_apps_series(compose: dict[str, Any]) -> No
     # The same apps, configured as their workers are.
     assert apps["examples.payments"] == services["worker"]["environment"]
     assert apps["celery_redislock.demo.app"] == services["demo-worker"]["environment"]
+    assert apps["examples.nightly"] == services["nightly-worker"]["environment"]
 
 
 def test_compose_prometheus_scrapes_the_exporters_with_the_alert_rules(
@@ -229,8 +256,9 @@ def test_compose_prometheus_scrapes_the_exporters_with_the_alert_rules(
         for static in job["static_configs"]
         for target in static["targets"]
     }
-    assert targets == {"exporter:9818", "demo-exporter:9818"}
-    assert {"exporter", "demo-exporter"} <= set(prometheus["depends_on"])
+    exporters = {"exporter", "demo-exporter", "nightly-exporter"}
+    assert targets == {f"{name}:9818" for name in exporters}
+    assert exporters <= set(prometheus["depends_on"])
 
 
 def test_compose_grafana_provisions_the_dashboard_and_prometheus(compose: dict[str, Any]) -> None:
