@@ -103,11 +103,27 @@ def describe_lock(client: Any, prefix: str, key: bytes) -> dict[str, Any] | None
 
 
 def lock_line(client: Any, keys: LockKeys) -> tuple[int, list[str]]:
-    """How many processes wait on the lock (subscribed to its release channel), and the
-    first :data:`SHOWN` parked task ids."""
+    """How many processes wait on the lock, and the first :data:`SHOWN` parked task ids.
+
+    A process's waiters subscribe to the lock's release channel, except its lone waiter
+    (``_lone_waiter``: one per connection pool), which blocks on its box and subscribes to
+    nothing: counted by its wake id (a box's, ``L...``) while its place in line is kept. A
+    process with both on one lock counts twice."""
     numsub = dict(client.pubsub_numsub(keys.channel))
-    (parked,) = read(client, ("lrange", keys.parked, 0, SHOWN - 1))
-    return count(numsub.get(keys.channel)), [text(t) for t in _ids(parked)]
+    parked, clock, wake = read(
+        client, ("lrange", keys.parked, 0, SHOWN - 1), ("time",), ("hgetall", keys.wake)
+    )
+    boxed = [
+        owner
+        for owner, wake_id in (wake or {}).items()
+        if isinstance(wake_id, bytes) and wake_id.startswith(b"L")
+    ]
+    lone = 0
+    if boxed and clock:
+        now_ms = server_clock_us(clock) // 1000
+        kept = read(client, *(("zscore", keys.claims, owner) for owner in boxed))
+        lone = sum(1 for until in kept if isinstance(until, float) and until >= now_ms)
+    return count(numsub.get(keys.channel)) + lone, [text(t) for t in _ids(parked)]
 
 
 # ------------------------------------------------------------------ limited keys

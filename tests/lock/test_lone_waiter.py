@@ -381,3 +381,34 @@ def test_a_short_box_wait_ends_on_the_clients_clock_and_leaves_nothing_blocked(
     holder.release()
     thread.join(10)
     assert result["ok"]
+
+
+def test_show_counts_a_process_whose_lone_waiter_waits_on_its_box(
+    redis_client: redis.Redis,
+) -> None:
+    """``redislock show``'s ``waiting_processes`` (processes with a blocked acquire on the
+    lock) counts a process whose only waiter reads its box: it subscribes to nothing."""
+    from celery_redislock.celery.inspection import lock_line
+
+    holder = RedisLock(redis_client, "lone:shown", ttl=30)
+    assert holder.acquire()
+    assert lock_line(redis_client, holder.keys)[0] == 0
+    thread, result = waiting_thread(holder)
+    wait_until(lambda: blocked_pops(redis_client) == 1, what="the waiter blocked on its box")
+    assert numsub(redis_client, holder.keys.channel) == 0
+    assert lock_line(redis_client, holder.keys)[0] == 1
+    second, second_result = waiting_thread(holder)  # (another process's, as Redis sees it)
+    wait_until(lambda: numsub(redis_client, holder.keys.channel) == 1, what="second subscribed")
+    wait_until(lambda: redis_client.llen(holder.keys.waiters) == 2, what="both in line")
+    assert lock_line(redis_client, holder.keys)[0] == 2
+    holder.release()
+    thread.join(10)
+    second.join(10)
+    assert result["ok"] and second_result["ok"]
+    # A box wake id left behind by a waiter whose place lapsed (it died in line) counts
+    # no more: only places still kept do (the subscription lingers a while: counted).
+    before = lock_line(redis_client, holder.keys)[0]
+    redis_client.hset(holder.keys.wake, "dead-owner", b"L0123456789abcdef:1.1:30000")
+    assert lock_line(redis_client, holder.keys)[0] == before
+    redis_client.zadd(holder.keys.claims, {"dead-owner": 1})  # lapsed long ago
+    assert lock_line(redis_client, holder.keys)[0] == before
