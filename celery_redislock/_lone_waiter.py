@@ -38,9 +38,11 @@ LONE_WAITERS = True
 #: keeps one for as long as it waits).
 BOX_MIN_CONNECTIONS = 8
 #: A box read ends this long before the connection's socket timeout; a pool whose socket
-#: timeout is shorter than BOX_MIN_TIMEOUT has no lone waiters.
+#: timeout is shorter than BOX_MIN_TIMEOUT has no lone waiters (its reads would all be
+#: shorter than ``_scripts.PRECISE_POP_UNDER``: each one that times out drops its
+#: connection).
 BOX_SOCKET_MARGIN = 0.25
-BOX_MIN_TIMEOUT = 1.0
+BOX_MIN_TIMEOUT = 1.5
 
 
 def waiter_for(

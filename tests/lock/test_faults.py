@@ -641,8 +641,8 @@ BOX_CASES = [
     case("box", "stall"),
 ]
 #: A's socket timeout in the box cases: long enough for a lone waiter to read its own
-#: grant (``_waiting.BOX_MIN_TIMEOUT``); a box read lasts at most 0.25 s less.
-BOX_SOCKET_TIMEOUT = 1.2
+#: grant (``_lone_waiter.BOX_MIN_TIMEOUT``); a box read lasts at most 0.25 s less.
+BOX_SOCKET_TIMEOUT = 1.6
 
 
 @pytest.mark.parametrize(("step", "action", "retry"), BOX_CASES)

@@ -292,7 +292,7 @@ def test_a_wait_cut_by_a_partition_after_its_fallback_leaves_its_box_grant_to_th
             redis_server.client(socket_timeout=2), "lone:cut", ttl=8, owner="B", auto_renew=False
         )
         assert holder.acquire()
-        client = proxy.client(socket_timeout=1.2, socket_connect_timeout=0.3, retry=None)
+        client = proxy.client(socket_timeout=1.6, socket_connect_timeout=0.3, retry=None)
         a = RedisLock(client, "lone:cut", ttl=30)
         outcome: dict[str, Any] = {}
         again = threading.Event()
