@@ -13,7 +13,8 @@ fencing token) does::
     admit(token) at the fenced resource; GET counter -> "enter" (token, value read)
     sleep a random hold time (the read-modify-write is deliberately not atomic)
     FencedResource.write(token, counter, value + 1) -> "write" (admitted: true/false/null)
-    release -> "release" (ok, or the LockLostError reason)
+    release -> "release" (ok true; false with the LockLostError reason; null "unconfirmed":
+    Redis could not be reached, the release goes on in the background)
 
 Admitting before reading makes the read-modify-write safe under fencing: once a newer
 holder has admitted its token, an older holder's write is refused, and any older write
@@ -52,6 +53,7 @@ from celery_redislock import (
     RedisLock,
     RedisLockError,
     RedLock,
+    signals,
 )
 
 COUNTER = "chaos:counter"
@@ -244,12 +246,33 @@ def _section(
 
 
 def _release(lock: RedisLock | RedLock, log: EventLog, owner: str, token: int) -> None:
+    deferred: list[object] = []
+
+    def on_failed(sender: object, **kwargs: object) -> None:
+        deferred.append(kwargs.get("error"))
+
+    # A last hold's release that cannot reach Redis does not raise: the hold stops being
+    # renewed and the release goes on in the background (lock_release_failed is sent).
+    # Whether Redis still had the hold is then unknown ("ok": None), not confirmed.
+    signals.lock_release_failed.connect(on_failed, sender=lock)
+    try:
+        _release_once(lock, log, owner, token, deferred)
+    finally:
+        signals.lock_release_failed.disconnect(on_failed, sender=lock)
+
+
+def _release_once(
+    lock: RedisLock | RedLock, log: EventLog, owner: str, token: int, deferred: list[object]
+) -> None:
     failed = False
     deadline = _now() + 10
     while True:
         try:
             lock.release()
-            log(ev="release", owner=owner, token=token, ok=True, t=_now())
+            if deferred:
+                log(ev="release", owner=owner, token=token, ok=None, reason="unconfirmed", t=_now())
+            else:
+                log(ev="release", owner=owner, token=token, ok=True, t=_now())
             return
         except LockLostError as exc:
             # After a failed attempt the first one may have released (reply lost): unknown.
