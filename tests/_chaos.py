@@ -59,6 +59,7 @@ from celery_redislock import (
 COUNTER = "chaos:counter"
 RESOURCE = "chaos"
 FAKE_TOKENS = "chaos:fake-token"  # only when the lock is deliberately defeated
+BARRIER = "chaos:started"  # workers that started (``together``)
 #: Faults that may end any holder's lease early (so a killed holder's interval is unproven):
 #: a stalled server, killed connections, every connection dropped by a proxy, a restart.
 SERVER_FAULTS = ("debug-sleep", "client-kill", "proxy-drop", "redis-restart")
@@ -117,6 +118,7 @@ def worker(
     quorum_ports: tuple[int, ...] = (),
     node_timeout: float = 0.5,
     lifetime: float = 300.0,
+    together: int = 0,
 ) -> None:
     """Complete items ``first..end-1`` in order, one critical section per attempt.
 
@@ -130,6 +132,10 @@ def worker(
     instead of a :class:`RedisLock` on ``port``, which then only holds the resource.
 
     ``lifetime``: give up (log "gave-up") after this many seconds.
+
+    ``together``: start the work only once this many workers have started (a barrier in
+    Redis, for at most 60 s): the self-test's few short sections must run side by side,
+    not one worker after another as they are spawned.
     """
     rng = random.Random(seed)
     log = EventLog(log_path)
@@ -140,6 +146,11 @@ def worker(
         redis.Redis(host="127.0.0.1", port=p, socket_timeout=2, socket_connect_timeout=1)
         for p in quorum_ports
     ]
+    if together:
+        client.incr(BARRIER)
+        ready_by = _now() + 60
+        while int(client.get(BARRIER) or 0) < together and _now() < ready_by:
+            time.sleep(0.005)
     log(ev="start", first=first, end=end, t=_now())
     item, seq = first, 0
     deadline = _now() + lifetime
@@ -335,7 +346,10 @@ class Swarm:
         quorum_ports: tuple[int, ...] = (),
         node_timeout: float = 0.5,
         lifetime: float = 300.0,
+        together: bool = False,
     ) -> None:
+        #: The first workers start their work together (:func:`worker`'s ``together``).
+        self.together = together
         self.port = port
         self.name = name
         self.log_dir = log_dir
@@ -369,6 +383,8 @@ class Swarm:
         return list(range(self.slots * self.items))
 
     def start(self) -> None:
+        if self.together:
+            self.admin.delete(BARRIER)
         for slot in range(self.slots):
             self._spawn(slot, slot * self.items)
 
@@ -384,7 +400,9 @@ class Swarm:
             if self.defeat == "split-nodes":  # self-test: each slot its own one-node "quorum"
                 ports = (ports[slot % len(ports)],)
             args += (ports, self.node_timeout)  # type: ignore[assignment]
-        kwargs = {"lifetime": self.lifetime}
+        kwargs: dict[str, Any] = {"lifetime": self.lifetime}
+        if self.together and gen == 1:
+            kwargs["together"] = self.slots
         process = self._ctx.Process(target=worker, args=args, kwargs=kwargs, daemon=True)
         process.start()
         assert process.pid is not None

@@ -383,7 +383,20 @@ def _kill_during_the_drain(
 
         charge_runs = _runs(r, "kill")
         ids = [task_id for _, task_id in charge_runs]
-        assert set(ids) == set(charged)  # none lost (and none made up)
+        assert set(ids) <= set(charged)  # none made up
+        # None lost, but for kombu's Redis transport: a message its consumer popped (BRPOP)
+        # and had not yet recorded as unacknowledged when SIGKILLed is gone with it (the
+        # worker logs "received" only after that record). At most one per kill, and only
+        # a run every received delivery of which was deferred (its due copy, sent by a
+        # drainer, never reached a worker).
+        missing = set(charged) - set(ids)
+        logs = "".join(p.text() for p in procs)
+        lost_by_us = [
+            m
+            for m in missing
+            if logs.count(f"[{m}] received") != logs.count(f"[{m}] deferred to its slot")
+        ]
+        assert len(missing) <= kills and not lost_by_us, f"runs lost: {sorted(missing)}"
         duplicates = len(ids) - len(set(ids))
         # Settled runs: each completed exactly once (a copy of a done run is stopped by
         # its done marker); a start with no section is a run the kill cut short.

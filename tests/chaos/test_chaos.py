@@ -121,7 +121,7 @@ def test_the_checks_catch_a_defeated_lock(
     same analysis must find violations: overlaps, lost updates or fenced-off holders."""
     swarm = Swarm(
         server.port, "defeated", tmp_path, slots=3, items=6, ttl=1.0,
-        hold_max=0.03, pause_max=0.005, seed=seed, defeat=defeat,
+        hold_max=0.03, pause_max=0.005, seed=seed, defeat=defeat, together=True,
     )  # fmt: skip
     report, finished, elapsed = run_swarm(swarm, seed, bound=40)
     summary(f"self-test defeat={defeat}", seed, report, "none", elapsed)
