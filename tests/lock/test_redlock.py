@@ -468,7 +468,7 @@ def test_tokens_stay_monotonic_when_a_node_is_re_entered(
     raw = clients()
     y.kill()  # three acquisitions while y is down: counters x, z run ahead of y
     for _ in range(3):
-        c = RedLock(clients(), "ledger", owner="C", ttl=5, auto_renew=False, node_timeout=0.2)
+        c = RedLock(clients(), "ledger", owner="C", ttl=5, auto_renew=False, node_timeout=1.0)
         assert c.acquire(blocking=False)
         c.release()
     y.start(y.port)
@@ -476,7 +476,7 @@ def test_tokens_stay_monotonic_when_a_node_is_re_entered(
     # A late grant of an earlier attempt of B's, left on x.
     args = [keys.lock, keys.fence, keys.waiters, keys.claims, keys.wake]
     scripts_for(raw[0]).acquire(keys=args, args=["B", 20000])
-    a = RedLock(clients(), "ledger", owner="A", ttl=5, auto_renew=False, node_timeout=0.2)
+    a = RedLock(clients(), "ledger", owner="A", ttl=5, auto_renew=False, node_timeout=1.0)
     write_back = a._write_back
 
     def y_dies_before_the_write_back(token: int) -> bool:
@@ -489,7 +489,7 @@ def test_tokens_stay_monotonic_when_a_node_is_re_entered(
     y.start(y.port)
     a.release()
     with stopped(z):
-        b = RedLock(clients(), "ledger", owner="B", ttl=5, auto_renew=False, node_timeout=0.2)
+        b = RedLock(clients(), "ledger", owner="B", ttl=5, auto_renew=False, node_timeout=1.0)
         assert b.acquire(blocking=False)  # majority {x (re-entered), y}
     assert token_a is not None and b.token is not None
     assert b.token > token_a
