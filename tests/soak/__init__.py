@@ -1,6 +1,6 @@
 """Soak: long runs of the lock and of LockedTask under faults, with counts and a verdict.
 
-    ./dev soak                     # the full run (10-25 minutes on 2 cores)
+    ./dev soak                     # the full run (10-35 minutes on 2 cores)
     ./dev soak --quick             # the smoke preset the default suite runs (< 30 s)
     ./dev soak --parts b --seed 7  # one part, a replayable seed
 

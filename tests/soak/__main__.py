@@ -24,7 +24,7 @@ FULL = {
     "accounts": 20,
     "workers": 2,
     "concurrency": 3,
-    "minutes": 25.0,
+    "minutes": 45.0,
 }
 QUICK = {
     "acquisitions": 150,
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--accounts", type=int, help="part B: accounts (20)")
     ap.add_argument("--workers", type=int, help="part B: prefork celery workers (2)")
     ap.add_argument("--concurrency", type=int, help="part B: pool processes per worker (3)")
-    ap.add_argument("--minutes", type=float, help="time bound of each part (25)")
+    ap.add_argument("--minutes", type=float, help="time bound of each part (45)")
     ap.add_argument("--seed", type=int, help="random seed (drawn and printed when not given)")
     ap.add_argument(
         "--defeat",
