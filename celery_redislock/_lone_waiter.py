@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 import redis
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from ._keyspace import grant_channel_tail
 from ._process import ProcessRegistry
@@ -149,7 +149,9 @@ class BoxWaiter(WaiterBase):
         except NoPermissionError as exc:
             _pool_box(self._pool).refuse(exc)
             return self._fall_back()
-        except BROKEN as exc:  # the read failed: its grant, if any, may be lost with it
+        except (*BROKEN, ResponseError) as exc:
+            # The read failed (its grant, if any, may be lost with it), or Redis refused it
+            # (WRONGTYPE: a key of another type put at the box by a prefix writer).
             log.debug("redislock: a box read failed (%r); waiting through the subscriber", exc)
             return self._fall_back()
         popped = decode_box(reply)

@@ -412,3 +412,21 @@ def test_show_counts_a_process_whose_lone_waiter_waits_on_its_box(
     assert lock_line(redis_client, holder.keys)[0] == before
     redis_client.zadd(holder.keys.claims, {"dead-owner": 1})  # lapsed long ago
     assert lock_line(redis_client, holder.keys)[0] == before
+
+
+def test_a_box_of_another_type_at_the_read_sends_the_wait_to_the_subscriber(
+    redis_client: redis.Redis,
+) -> None:
+    """A prefix writer puts a string where the waiter's box is (its name is in the line's
+    wake ids): the BLPOP is refused (WRONGTYPE), and the wait goes on through the
+    subscriber instead of raising out of acquire."""
+    channel = RedisLock(redis_client, "lone:wrong-at-read").keys.channel
+    waiter = _lone_waiter.waiter_for(redis_client, channel, "me", 5.0, lone=True)
+    assert isinstance(waiter, _lone_waiter.BoxWaiter)
+    with waiter:
+        redis_client.set(waiter.box, "not a list")
+        waiter.next_wake_id()
+        assert waiter.wait(0.5) is True  # retry now, as a waiter of the subscriber
+        assert waiter._fallback is not None
+        assert waiter.next_wake_id().startswith(b"g")  # the subscriber's grant id
+    assert not _lone_waiter._pool_box(redis_client.connection_pool).busy
