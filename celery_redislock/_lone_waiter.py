@@ -27,7 +27,7 @@ from ._keyspace import grant_channel_tail
 from ._process import ProcessRegistry
 from ._replies import decode_box
 from ._scripts import _direct_pool, pop_box
-from ._waiting import BROKEN, CONFIRM_WAIT, Waiter, WaiterBase, subscriber_for
+from ._waiting import BROKEN, Waiter, WaiterBase
 from ._waiting import waiter_for as subscriber_waiter_for
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,9 @@ class BoxWaiter(WaiterBase):
     pool, back to the subscriber: the wait goes on as a :class:`Waiter`.
     """
 
-    __slots__ = ("_answered", "_box_id", "_client", "_fallback", "_pool", "_read_for", "box")
+    __slots__ = (
+        "_answered", "_box_id", "_client", "_fallback", "_pool", "_read_for", "_within", "box"
+    )  # fmt: skip
 
     def __init__(self, client: Any, pool: Any, name: bytes, owner: str, within: float | None):
         super().__init__(None, name, owner, None, None)
@@ -91,7 +93,8 @@ class BoxWaiter(WaiterBase):
         timeout = pool.connection_kwargs.get("socket_timeout")
         #: A read must end before the connection's socket timeout (None: no limit).
         self._read_for = None if timeout is None else timeout - BOX_SOCKET_MARGIN
-        self.confirm_wait = CONFIRM_WAIT if within is None else max(0.0, min(CONFIRM_WAIT, within))
+        #: The acquire's timeout: bounds a fallback's wait for its subscription.
+        self._within = within
 
     def _grant_id(self) -> bytes | None:
         return self._box_id
@@ -131,8 +134,9 @@ class BoxWaiter(WaiterBase):
         """The rest of this wait goes through the subscriber: retry at once (True). A grant
         pushed to the box meanwhile, or lost with a failed read, is still the owner's hold
         in Redis: the next blocked attempt takes it up (acquire.lua)."""
-        self._fallback = Waiter(subscriber_for(self._client), self._name, self.owner.decode())
-        self._fallback.confirm_wait = self.confirm_wait
+        self._fallback = subscriber_waiter_for(
+            self._client, self._name, self.owner.decode(), self._within
+        )
         self._fallback.__enter__()
         return True
 
