@@ -11,7 +11,9 @@ only in how (whether) they lock the account:
   ``acquire(blocking=False)``, ``self.retry(countdown=1, max_retries=None)`` when held;
 * ``settle.redispy``  a blocking redis-py lock inside the task;
 * ``settle.prl``      a blocking python-redis-lock inside the task;
-* ``settle.locked``   ``LockedTask`` in its default requeue mode.
+* ``settle.locked``   ``LockedTask`` in its default requeue mode;
+* ``settle.runon``    the same with ``lock_run_on`` (``SETTLE_RUN_ON`` seconds, default 5): a
+  releasing process runs the account's next parked task itself.
 
 Configured from the environment (set by the benchmark): ``SETTLE_URL`` (locks and data:
 one private redis-server), ``SETTLE_BROKER`` (the broker; default ``SETTLE_URL``),
@@ -37,7 +39,9 @@ URL = os.environ.get("SETTLE_URL", "redis://127.0.0.1:1/0")  # never the default
 PREFIX = os.environ.get("SETTLE_PREFIX", "settle:")
 WORK = float(os.environ.get("SETTLE_WORK", "0.02"))
 LOCK_TTL = 30
-VARIANTS = ("nolock", "recipe", "redispy", "prl", "locked")
+VARIANTS = ("nolock", "recipe", "redispy", "prl", "locked", "runon")
+#: ``lock_run_on`` of ``settle.runon`` (seconds a worker process runs parked tasks on).
+RUN_ON = float(os.environ.get("SETTLE_RUN_ON") or 5.0)
 REGISTER = {v.strip() for v in os.environ.get("SETTLE_TASKS", ",".join(VARIANTS)).split(",")}
 
 app = Celery("bench._settlement_app")
@@ -149,6 +153,12 @@ if "locked" in REGISTER:
     TASKS["locked"] = app.task(name="settle.locked", base=LockedTask, lock_key="account:{account}")(
         _settle_locked
     )
+
+
+if "runon" in REGISTER:
+    TASKS["runon"] = app.task(
+        name="settle.runon", base=LockedTask, lock_key="account:{account}", lock_run_on=RUN_ON
+    )(_settle_locked)
 
 
 def _count_parked(sender: Any = None, **_: Any) -> None:

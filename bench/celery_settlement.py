@@ -50,13 +50,14 @@ from celery_redislock.testing import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = ("nolock", "recipe", "redispy", "prl", "locked")
+VARIANTS = ("nolock", "recipe", "redispy", "prl", "locked", "runon")
 LABELS = {
     "nolock": "a. no lock",
     "recipe": "b. recipe",
     "redispy": "c. redis-py",
     "prl": "d. prl",
     "locked": "e. LockedTask",
+    "runon": "f. run on",
 }
 #: Every workload this benchmark knows; ``--workloads`` picks (``WORKLOADS``: this run's).
 ALL_WORKLOADS = ("W1", "W2", "W3")
@@ -298,11 +299,13 @@ def analyse(
 ) -> dict[str, Any]:
     sections: dict[str, list[tuple[float, float]]] = defaultdict(list)
     by_pid: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    pid_of: dict[tuple[str, float], str] = {}
     for raw in store.lrange(sa.log_key(run), 0, -1):
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         name, entered, left, pid = text.split("|")
         sections[name.split(":", 1)[1]].append((float(entered), float(left)))
         by_pid[pid].append((float(entered), float(left)))
+        pid_of[(name.split(":", 1)[1], float(entered))] = pid
     # A pool process's time between its sections: Celery's per-task cost, plus any wait
     # for a task it could run (and, with a lock, the lock's own cost).
     slot_gaps = [
@@ -332,6 +335,7 @@ def analyse(
     unrelated = [leave for a, secs in sections.items() if a.startswith("own") for _e, leave in secs]
     hot = max(expected, key=lambda a: expected[a])
     hot_secs = sections.get(hot, [])
+    hot_pids = [pid_of[(hot, enter)] for enter, _leave in sorted(hot_secs)]
     makespan = (max(leaves) - t0) if complete and leaves else None
     ideal = ideal_of(accounts, work, concurrency)
     return {
@@ -357,6 +361,13 @@ def analyse(
             else None
         ),
         "unrelated_done": (max(unrelated) - t0) if unrelated and complete else None,
+        # of the hot account's hand-overs, the share whose next section ran in the same
+        # pool process (run on, or that process's next task by chance)
+        "hot_same_process": (
+            100.0 * sum(a == b for a, b in zip(hot_pids, hot_pids[1:])) / (len(hot_pids) - 1)
+            if len(hot_pids) > 1
+            else None
+        ),
         # the hot account's sections, from its first one's start (s): the timeline plot
         HOT_SECTIONS: [(e - hot_secs[0][0], leave - hot_secs[0][0]) for e, leave in hot_secs],
     }
@@ -428,7 +439,8 @@ def run_variant(
             keep = Path(args.keep_logs) / f"{variant}-r{repeat + 1}.log"
         worker.stop(keep)
         names = [queue, f"{queue}.redislock"]
-        if variant == "locked" and broker.startswith("amqp"):  # its fallback copies' queue
+        # (LockedTask's fallback copies' queue)
+        if variant in ("locked", "runon") and broker.startswith("amqp"):
             from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX, _delay_ms
 
             delay = _delay_ms(task._fallback_delay(task.lock_options()))
@@ -482,6 +494,7 @@ def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) 
         if wl == "W2":
             wl_rows.append(("last unrelated task done (s)", "unrelated_done", ".2f", ""))
             wl_rows.append(("hot key: 50 x work / its span", "hot_efficiency", ".2f", ""))
+            wl_rows.append(("hot key: next in the same process %", "hot_same_process", ".0f", ""))
         for label, key, spec, suffix in wl_rows:
             cells = []
             for v in variants:
@@ -491,7 +504,11 @@ def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) 
                     continue
                 if key is None:
                     value = (
-                        m["parked"] if v == "locked" else m["retries"] if v == "recipe" else None
+                        m["parked"]
+                        if v in ("locked", "runon")
+                        else m["retries"]
+                        if v == "recipe"
+                        else None
                     )
                     cells.append(fmt(value, spec))
                 elif key in ("makespan", "ratio") and not m["complete"]:
@@ -528,18 +545,19 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
         "floor (no lock; Celery's own per-task overhead here): "
         + ", ".join(f"{wl} {ratio('nolock', wl)}" for wl in WORKLOADS)
     )
-    against = []
-    for wl in WORKLOADS:
-        locked = med.get("locked", {}).get(wl, {}).get("makespan")
-        plain = med.get("nolock", {}).get(wl, {}).get("makespan")
-        if locked and plain:
-            against.append(f"{wl} {locked / plain:.2f}x")
-    if against:
-        lines.append(
-            "LockedTask makespan / the same workload without a lock: "
-            + ", ".join(against)
-            + "   (W3 target <= 1.05x)"
-        )
+    for variant, label in (("locked", "LockedTask"), ("runon", "LockedTask run on")):
+        against = []
+        for wl in WORKLOADS:
+            locked = med.get(variant, {}).get(wl, {}).get("makespan")
+            plain = med.get("nolock", {}).get(wl, {}).get("makespan")
+            if locked and plain:
+                against.append(f"{wl} {locked / plain:.2f}x")
+        if against:
+            lines.append(
+                f"{label} makespan / the same workload without a lock: "
+                + ", ".join(against)
+                + "   (W3 target <= 1.05x)"
+            )
     bounds, ahead = [], []
     lookahead = 64 if args.lookahead is None else args.lookahead
     for wl in WORKLOADS:
@@ -749,6 +767,11 @@ def main(argv: list[str] | None = None) -> int:
         ]
     effs = [
         f"{broker} {fmt(m.get('locked', {}).get('W2', {}).get('hot_efficiency'), '.2f')}"
+        + (
+            f" (run on {fmt(m['runon']['W2'].get('hot_efficiency'), '.2f')})"
+            if "W2" in m.get("runon", {})
+            else ""
+        )
         for broker, m in meds.items()
     ]
     floors = []

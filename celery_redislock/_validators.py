@@ -63,6 +63,23 @@ def _lookahead(value: object, name: str) -> int:
     return value
 
 
+#: Upper bound of ``redislock_run_on``: a worker process runs parked tasks after its own
+#: for at most this long before it hands the rest over through the broker.
+MAX_RUN_ON = 3600.0
+
+
+def _run_on(value: object, name: str) -> float:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not 0 <= value <= MAX_RUN_ON
+    ):
+        raise LockConfigurationError(
+            f"{name} must be a number of seconds from 0 (off) to {MAX_RUN_ON:g}, got {value!r}"
+        )
+    return float(value)
+
+
 def _limit(value: object, name: str) -> Any:
     """``lock_limit``: an int from 1 to ``MAX_LIMIT`` (2**31 - 1), or a
     callable ``(args, kwargs) -> int`` (its value checked at each call)."""

@@ -98,6 +98,7 @@ The options are read and checked in :mod:`.options`; calls made outside the work
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -118,7 +119,7 @@ from .._keyspace import run_key
 from ..keys import KeyTemplate
 from ..semaphore import validate_limit
 from ..settings import APP_SETTING, LockOptions
-from . import signing
+from . import runon, signing
 from .clients import settings_for
 from .contention import DEAD_LETTER_HEADERS, FIRST_TRY_HEADER, Contention, _Call, first_try
 from .deferral import BOOKED_HEADER, admit_or_defer
@@ -149,8 +150,9 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
     ``lock_ttl``, ``lock_prefix``, ``on_contention``, ``lock_wait``,
     ``lock_wait_fallback``, ``lock_max_requeues``, ``lock_requeue_backoff``,
     ``lock_requeue_exhausted``, ``lock_release_on_retry``, ``lock_done_ttl``,
-    ``lock_hold``, ``lock_lookahead``, ``lock_limit``, ``lock_rate``, ``lock_rate_key``,
-    ``lock_debounce``, ``lock_debounce_max``. See the module docstring for what each does.
+    ``lock_hold``, ``lock_lookahead``, ``lock_run_on``, ``lock_limit``, ``lock_rate``,
+    ``lock_rate_key``, ``lock_debounce``, ``lock_debounce_max``. See the module docstring
+    for what each does.
     """
 
     abstract = True
@@ -171,6 +173,7 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
     lock_done_ttl: ClassVar[float | None] = None
     lock_hold: ClassVar[float | None] = None
     lock_lookahead: ClassVar[int | None] = None
+    lock_run_on: ClassVar[float | None] = None
     #: ``APP_SETTING`` (the default): the app's ``redislock_limit``; None: no lock at all
     #: (a rate only: ``lock_rate`` must be set).
     lock_limit: ClassVar[Any] = APP_SETTING
@@ -486,13 +489,27 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
             "redislock: %s[%s] keeps %r across its retry", self.name, self.request.id, lock.name
         )
 
-    def publish_handed_over(self, handed: _Handed | None) -> None:
+    def publish_handed_over(
+        self, handed: _Handed | None, *, run_on: bool = False, sent_at: float = 0.0
+    ) -> None:
         """Send the message of the parked task the lock was just handed to, if it verifies
-        (:func:`deliver_handed_over`); never raises."""
+        (:func:`deliver_handed_over`), or with ``run_on`` keep it for this process to run
+        after this task (``runon``) when it may; never raises."""
         if handed is None:
             return
         try:
-            deliver_handed_over(self.app, handed, lease_ms(self.lock_options().ttl, "lock_ttl"))
+            options = self.lock_options()
+            run_here = None
+            if run_on:
+                run_here = functools.partial(
+                    runon.take,
+                    self.app,
+                    options=options,
+                    hostname=self.request.hostname,
+                    sent_at=sent_at,
+                )
+            lease = lease_ms(options.ttl, "lock_ttl")
+            deliver_handed_over(self.app, handed, lease, run_here=run_here)
         except Exception:  # the sweeper (or its fallback copy) still runs it
             log.exception("redislock: could not publish the task the lock was handed to")
 

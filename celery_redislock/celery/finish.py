@@ -18,7 +18,8 @@ from .._deferred import UNREACHABLE, deferred_releases
 from .._errors import LockNotOwnedError
 from ..redlock import RedLock
 from ..settings import LockOptions
-from .tasklock import AnyTaskLock, run_owner
+from . import runon
+from .tasklock import AnyTaskLock, TaskLock, run_owner
 
 if TYPE_CHECKING:
     from .lookahead import _Pull
@@ -75,8 +76,13 @@ def _finish_quietly(
     the release, off the next task's critical path."""
     keep = options.hold if hold is None else hold
     done_ttl = options.done_ttl if done else None
+    run_on = keep <= 0 and done and runon.allowed(task, lock, options)
+    sent_at = time.monotonic()
     try:
-        task.publish_handed_over(lock.finish(hold=keep, done_ttl=done_ttl, lookahead=lookahead))
+        if isinstance(lock, TaskLock):
+            lock.run_on = run_on
+        handed = lock.finish(hold=keep, done_ttl=done_ttl, lookahead=lookahead)
+        task.publish_handed_over(handed, run_on=run_on, sent_at=sent_at)
         if lock.pulled is not None:
             signals.task_pulled.send(task, name=lock.name, task_id=lock.pulled)
             log.info(
@@ -87,7 +93,7 @@ def _finish_quietly(
                 lock.pulled,
             )
     except LockNotOwnedError as exc:  # includes LockLostError: reported by the caller
-        task.publish_handed_over(getattr(exc, "handed_to", None))
+        task.publish_handed_over(getattr(exc, "handed_to", None), run_on=run_on, sent_at=sent_at)
         log.warning(
             "redislock: %s[%s] could not release %r: %s", task.name, task.request.id, lock.name, exc
         )
@@ -133,6 +139,9 @@ def _finish_later(
         signals.lock_release_failed.send(lock, name=lock.name, owner=owner, error=exc)
     else:
         what = lock._unconfirmed(held, exc)
+
+    if isinstance(lock, TaskLock):
+        lock.run_on = False  # a late release hands over through the broker
 
     def again() -> None:
         try:

@@ -23,7 +23,7 @@ from .._keyspace import SemaphoreKeys, parked_under
 from .._keyspace import handoff_queue as handoff_queue
 from .._replies import decode_handoff
 from .._scripts import scripts_for
-from . import signing
+from . import runon, signing
 from .clients import client_for, settings_for
 from .envelope import (
     ENVELOPE,
@@ -44,15 +44,33 @@ log = logging.getLogger(__name__)
 MAX_REFUSALS = 100
 
 
+#: How a releasing process may take a checked parked message to run itself
+#: (``runon.take``: handed; for an envelope its queue list and the envelope as kombu
+#: decodes it, with its delivery tag as sent, for a signature b"" and the signature; how
+#: to send it instead) -> taken.
+RunHere = Callable[[_Handed, bytes, dict[str, Any], Callable[[], Any]], bool]
+
+
 def deliver_handed_over(
-    app: Any, handed: _Handed | None, lease: int, *, via: str = "release"
+    app: Any,
+    handed: _Handed | None,
+    lease: int,
+    *,
+    via: str = "release",
+    run_here: RunHere | None = None,
 ) -> int:
-    """:func:`send_handed_over`: 1 if a message was sent, else 0."""
-    return 0 if send_handed_over(app, handed, lease, via=via) is None else 1
+    """:func:`send_handed_over`: 1 if a message was sent (or kept to run here), else 0."""
+    found = send_handed_over(app, handed, lease, via=via, run_here=run_here)
+    return 0 if found is None else 1
 
 
 def send_handed_over(
-    app: Any, handed: _Handed | None, lease: int, *, via: str = "release"
+    app: Any,
+    handed: _Handed | None,
+    lease: int,
+    *,
+    via: str = "release",
+    run_here: RunHere | None = None,
 ) -> _Handed | None:
     """Check the message of the parked task a lock was handed to, then send it; returns
     the hand-over whose message was sent (``handed``, or a later parked task's after
@@ -68,16 +86,23 @@ def send_handed_over(
     message is checked in turn. Redis and publishing errors propagate.
 
     A message sent is announced with ``task_handed_over`` (``via``: who handed it on:
-    ``release``, ``sweeper``, ``worker``, ``cli``).
+    ``release``, ``sweeper``, ``worker``, ``cli``). ``run_here`` may take a checked parked
+    envelope instead, for the releasing process to run itself (``runon``; announced when
+    it runs, with ``via`` ``run_on``).
     """
     for _ in range(MAX_REFUSALS):
         if handed is None:
             return None
         try:
-            send = _checked(app, handed)
+            send, envelope = _checked(app, handed)
         except signing.Refused as exc:
+            if run_here is not None:  # a run-on hand-over (count 1): a usual one first
+                runon.unrun(app, handed, lease)
+                run_here = None  # the hand-overs of a refusal are usual ones
             handed = refuse_handed_over(app, handed.lock_key, handed.task_id, str(exc), lease)
             continue
+        if run_here is not None and run_here(handed, *envelope, send):
+            return handed
         send()
         if signals.task_handed_over.receivers:
             task, queue = _named(handed.message)
@@ -94,8 +119,10 @@ def send_handed_over(
     return None
 
 
-def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
-    """How to send a handed-over task's message, once it is checked; raises Refused."""
+def _checked(app: Any, handed: _Handed) -> tuple[Callable[[], Any], tuple[bytes, dict[str, Any]]]:
+    """How to send a handed-over task's message, once it is checked, and the message: for
+    a parked envelope its queue list and the envelope (decoded; its delivery tag as sent),
+    for a parked signature b"" and the signature; raises Refused."""
     key = settings_for(app).signing_key
     message = handed.message
     try:
@@ -110,10 +137,11 @@ def _checked(app: Any, handed: _Handed) -> Callable[[], Any]:
             if run != handed.task_id.decode():
                 raise signing.Refused("its run is not the one it was parked as")
             _check_parked_under(app, signature.get("task"), handed.lock_key, signature)
-            return functools.partial(publish_to_handoff_queue, app, signature)
+            return functools.partial(publish_to_handoff_queue, app, signature), (b"", signature)
         if message[:1] == ENVELOPE.encode():
-            queue_list, pushed = _checked_envelope(app, key, handed)
-            return functools.partial(client_for(app).rpush, queue_list, pushed)
+            queue_list, pushed, envelope = _checked_envelope(app, key, handed)
+            push = functools.partial(client_for(app).rpush, queue_list, pushed)
+            return push, (queue_list, envelope)
     except signing.Refused:
         raise
     except Exception as exc:  # undecodable: no worker parked it
@@ -137,7 +165,7 @@ def _named(message: bytes) -> tuple[str, str]:
     return (task if isinstance(task, str) else "", queue if isinstance(queue, str) else "")
 
 
-def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes]:
+def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, bytes, dict[str, Any]]:
     head, placeholder, text = handed.message[1:].split(b"\n", 2)
     envelope = kombu_json.loads(text)  # type: ignore[no-untyped-call]
     if not isinstance(envelope, dict):
@@ -154,7 +182,9 @@ def _checked_envelope(app: Any, key: bytes, handed: _Handed) -> tuple[bytes, byt
     if tag != placeholder.decode() or not tag.startswith(TAG_PREFIX) or not once:
         raise signing.Refused("its delivery tag is not its placeholder")
     _check_parked_under(app, envelope["headers"].get("task"), handed.lock_key, envelope)
-    return head, text.replace(placeholder, placeholder + b"h" + handed.tag, 1)
+    sent_tag = placeholder + b"h" + handed.tag
+    envelope["properties"]["delivery_tag"] = sent_tag.decode()
+    return head, text.replace(placeholder, sent_tag, 1), envelope
 
 
 def _check_parked_under(app: Any, name: Any, lock_key: bytes, message: dict[str, Any]) -> None:

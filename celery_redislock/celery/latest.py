@@ -299,7 +299,7 @@ def serve_debounced(
             continue
         handed = _Handed(run_key, owner, message)
         try:
-            send = _checked(app, handed)
+            send, _envelope = _checked(app, handed)
         except signing.Refused as exc:
             client.hdel(member, "p", "pt", "ps", "pf", "pd", "pm", "pq")
             _report_refused(app, run_key, owner, f"a debounced call: {exc}")

@@ -83,6 +83,10 @@ class Sweeper(threading.Thread):
 
     def _sweep_lock(self, client: Any, scripts: Any, registry: str, lock_key: bytes) -> int:
         keys, args = LockKeys.for_lock(lock_key).sweep_keys(registry), self._sweep_args()
+        # A run-on task whose hold is gone without its run's end goes back to the line this
+        # long after the sweeper first sees it (sweep.lua): the background retries of a
+        # release that could not reach Redis (max(60 s, 2 x lock_ttl)) land first.
+        args.append(lease_ms(max(RUN_ON_GRACE, 2 * self.ttl), "run-on grace"))
         handed = decode_sweep(scripts.sweep(keys=keys, args=args)).handed
         return self._send(_handed(lock_key, handed), args[0])
 
@@ -112,6 +116,9 @@ class Sweeper(threading.Thread):
         )
         return deliver_handed_over(self.app, handed, lease, via="sweeper")
 
+
+#: The least time (s) a run-on task's hold is seen gone before it is parked again.
+RUN_ON_GRACE = 60.0
 
 #: Hand-overs one pass makes per semaphore at most (the next pass goes on).
 MAX_HANDED_PER_PASS = 100

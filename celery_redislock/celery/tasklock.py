@@ -97,6 +97,8 @@ class _ParkedRun(SyncSingle):
     ``_keep``); ``self._scripts`` names them alike (``park``, ``handoff``)."""
 
     pulled: str | None = None  # the queued task the last finish() handed the lock to
+    #: A release may hand a parked task to this process to run itself (``runon``; a mutex's).
+    run_on = False
     #: The queue lists a hand-over may push a parked envelope to itself, and the task names
     #: it may be for, one a line (the hand-over scripts' ``lists``, ``tasks``): ``task_lock``
     #: sets the app's. Other envelopes come back to the worker, which checks them first.
@@ -159,9 +161,14 @@ class _ParkedRun(SyncSingle):
         ``adopt``: the owner of an earlier run of this task that kept the lock (permit)
         across ``self.retry()``; its hold, if still there, becomes this run's.
         """
+        from .runon import took_handed  # (runon imports this module)
+
+        owner = self._current_owner()
+        if isinstance(self, TaskLock) and took_handed(self, owner):
+            return True  # run on: the release wrote the hold as this run's, taken
         self._adopt = adopt
         try:
-            return self._try(self._current_owner(), self._lease, True) is True
+            return self._try(owner, self._lease, True) is True
         finally:
             self._adopt = None
 
@@ -367,7 +374,10 @@ class TaskLock(_ParkedRun, RedisLock):
             args += [pull.task_id, pull.raw, pull.entry, pull.keep_ms, pull.reach]
         else:
             args += ["", "", "", "", ""]
-        return keys, [*args, *self.push_to, "" if token is None else token]
+        fence = "" if token is None else token
+        if self.run_on:  # every parked envelope comes back (handoff.lua's run_on)
+            return keys, [*args, "", "", fence, "", "1"]
+        return keys, [*args, *self.push_to, fence]
 
     def _keep(self, owner: str, hold: float, done_ttl: float | None, token: int | None) -> int:
         """Keep the hold ``hold`` seconds more, unrenewed (release.lua "hold")."""

@@ -1,17 +1,22 @@
 -- handoff(keys=[lock, channel, fence, parked, messages, done, dispatched, waiters, claims, wake,
 --               queue_list?, registry?, chain?, next_done?],
 --         args=[owner, mode, lease_ms, done_ms, next_id, next_raw, next_entry, keep_ms, reach,
---               lists, tasks, token?, grant_ms?]) -> {code, message?, task id?, token or 1?}
+--               lists, tasks, token?, grant_ms?, run_on?]) -> {code, message?, task id?, token or 1?}
 -- A task's release: the lock goes to the first parked task, else the first waiter in line, else
 -- the lock's next queued task (look-ahead), else nobody (docs/concepts.md, "Parking and
 -- hand-over"). Keys as park.lua's and release.lua's; done: the owner's done marker. Look-ahead
 -- (next_id not ""): queue_list holds next_id's message next_raw; registry: the sweeper's;
 -- chain: the list's chain (hash "lock" -> the lock served ahead); next_done: next_id's marker.
 -- owner: the releasing task id; mode: "one" one hold, "all" every hold, "unstarted" only a
--- hand-over to it (count 0); lease_ms: the next task's lease; done_ms: the marker's lifetime
+-- hand-over to it (count 0), "unrun" a run-on hand-over to it (count 1, token) turned into a
+-- usual one (count 0); lease_ms: the next task's lease; done_ms: the marker's lifetime
 -- (0: none); next_entry: next_raw as a parked envelope; keep_ms: the parking lifetime; reach:
 -- how far from the read end to look for next_raw; lists, tasks: where a parked envelope may be
--- pushed (envelope.lua); token: only the holding with this fencing token; grant_ms: release.lua's.
+-- pushed (envelope.lua); token: only the holding with this fencing token; grant_ms: release.lua's;
+-- run_on "1": a parked (or looked-ahead) task handed the lock may be run by the releasing worker
+-- process itself (its record kept until its run's end: parked.lua's hand_to); lists "" then, so
+-- it comes back, and a looked-ahead task's message is returned as a parked one's (moved out of
+-- its queue list, not pushed back).
 -- Replies: {n} holds left (n > 0), or -1 lease expired, -2 another owner's or holding's, -3 not
 -- handed to it ("unstarted"); {0} released; {0, message, task id, token} handed over: check and
 -- send the message (an envelope with tag "<placeholder>h<token>"); {0, nil, task id} handed
@@ -36,6 +41,16 @@ end
 if ARGV[2] == 'unstarted' and count ~= '0' then
   return {-3}
 end
+if ARGV[2] == 'unrun' then
+  -- A run-on hand-over (count 1, token ARGV[12]) the releasing process does not run after all:
+  -- handed over as usual instead (count 0, a plain hand-over record), to be sent.
+  if count ~= '1' or fence ~= ARGV[12] then
+    return {-2}
+  end
+  redis.call('hset', KEYS[1], ARGV[1], 0)
+  redis.call('hset', KEYS[7], ARGV[1], now_ms())
+  return {0}
+end
 local exists = #fields > 0
 if exists and not count then
   return {-2}
@@ -50,7 +65,7 @@ end
 run_over(KEYS[6], done_ms, KEYS[5], KEYS[7], ARGV[1])
 redis.call('del', KEYS[1])
 local message, next_id, token = serve_parked(KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[7], lease,
-  KEYS[1], ARGV[10] or '', ARGV[11] or '')
+  KEYS[1], ARGV[10] or '', ARGV[11] or '', ARGV[14] == '1')
 if next_id then
   return {code, message, next_id, token}
 end
@@ -67,13 +82,17 @@ elseif pulled and redis.call('exists', KEYS[14]) == 0
     and redis.call('lrem', KEYS[11], -1, ARGV[6]) == 1 then
   redis.call('hset', KEYS[13], 'lock', KEYS[1])
   redis.call('pexpire', KEYS[13], lease)
-  local token = hand_to(KEYS[1], KEYS[3], KEYS[7], ARGV[5], lease)
+  local run_on = ARGV[14] == '1'
+  local token = hand_to(KEYS[1], KEYS[3], KEYS[7], ARGV[5], lease, run_on)
   redis.call('hset', KEYS[1], '__chain__', KEYS[11])
   redis.call('hset', KEYS[5], ARGV[5], ARGV[7])  -- the sweeper's copy, as for a parked task
   for _, key in ipairs({KEYS[5], KEYS[7]}) do  -- kept as long as parked records, at least
     if redis.call('pttl', key) < keep_ms then redis.call('pexpire', key, keep_ms) end
   end
   redis.call('zadd', KEYS[12], math.floor(now_ms() / 1000), KEYS[1])
+  if run_on then  -- as a parked task's hand-over: the worker checks it, and runs or sends it
+    return {code, ARGV[7], ARGV[5], token}
+  end
   local queue_list, envelope = pushed_envelope(ARGV[7], token)
   redis.call('rpush', queue_list, envelope)
   return {code, false, ARGV[5], 1}

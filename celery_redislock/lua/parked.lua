@@ -2,12 +2,16 @@
 -- docs/concepts.md, "Parking and hand-over"), after envelope.lua.
 -- pop_parked(parked, messages) -> task id, message: the first parked task whose message is
 --                                 still kept (popped; ids without one are dropped); nil: none
--- hand_to(lock, fence, dispatched, task_id, lease) -> token: the hold written for task_id,
---   count 0 (handed over, not started: its own acquire takes it up) with a fresh token and
---   `lease`; the hand-over's time recorded in dispatched (task id -> ms) for the sweeper.
+-- hand_to(lock, fence, dispatched, task_id, lease, inline?) -> token: the hold written for
+--   task_id, count 0 (handed over, not started: its own acquire takes it up) with a fresh token
+--   and `lease`; the hand-over's time recorded in dispatched (task id -> ms) for the sweeper.
+--   With `inline` (a mutex's run-on: the releasing worker process runs the task itself) the
+--   hold is written taken (count 1: that process records it without a round trip) and the
+--   time as "i<ms>": no broker message of the task exists, so its record stays until its
+--   run's end (run_over), or until that process gives it back ("unrun": handoff.lua).
 --   lock: the lock's key, or a function of the task id writing the hold (a semaphore's
 --   permit) and returning its key.
--- serve_parked(lock, fence, parked, messages, dispatched, lease, lock_key, lists, tasks)
+-- serve_parked(lock, fence, parked, messages, dispatched, lease, lock_key, lists, tasks, inline?)
 --   -> nil (nobody parked) | false, task id (its envelope pushed back to its queue list) |
 --      message, task id, token (the worker checks and sends the message)
 --   The first parked task, handed the hold (hand_to); lock_key: the key parked envelopes
@@ -17,11 +21,16 @@
 --   one handed over and not started, in dispatched, parks again)
 -- run_over(done, done_ms, messages, dispatched, task_id): the end of task_id's run: its done
 --   marker set for done_ms (0: none), its parked and hand-over records gone
--- resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now)
+-- resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now, parked, grace_ms)
 --   -> nil | message, task id, tag: a handed-over task not started stale_ms after its
 --   hand-over whose envelope no longer waits in its queue list, to send again (its hold's
 --   lease renewed; tag "<token>s<now>"). hold_of(task id): the key its hold is in. A task id
---   whose hold was taken up (or is gone) leaves dispatched.
+--   whose hold was taken up (or is gone) leaves dispatched, but for a run-on task ("i<ms>"):
+--   while its hold is there it stays; once its hold is gone without its run's end (its process
+--   died, its lease ran out) it is marked "x<now>", and grace_ms later, if its run's end has
+--   still not removed it, it goes back to the head of the parked line (the lock's next holder
+--   is then it: a late release of a run that did end, retried in the background, has had
+--   that long to say so).
 local function pop_parked(parked, messages)
   while true do
     local task_id = redis.call('lpop', parked)
@@ -47,23 +56,34 @@ local function run_over(done, done_ms, messages, dispatched, task_id)
   redis.call('hdel', messages, task_id)
   redis.call('hdel', dispatched, task_id)
 end
-local function hand_to(lock, fence, dispatched, task_id, lease)
-  redis.call('hset', dispatched, task_id, now_ms())
+local function hand_to(lock, fence, dispatched, task_id, lease, inline)
+  redis.call('hset', dispatched, task_id, (inline and 'i' or '') .. now_ms())
   local token = redis.call('incr', fence)
   if type(lock) == 'function' then
     lock(task_id, token, lease)
   else
-    redis.call('hset', lock, task_id, 0, '__fence__', token)
+    redis.call('hset', lock, task_id, inline and 1 or 0, '__fence__', token)
     redis.call('pexpire', lock, lease)
   end
   return token
 end
-local function serve_parked(lock, fence, parked, messages, dispatched, lease, lock_key, lists, tasks)
-  local next_id, message = pop_parked(parked, messages)
-  if not next_id then
-    return nil
-  end
-  local token = hand_to(lock, fence, dispatched, next_id, lease)
+local function serve_parked(lock, fence, parked, messages, dispatched, lease, lock_key, lists, tasks,
+    inline)
+  local next_id, message
+  repeat
+    next_id, message = pop_parked(parked, messages)
+    if not next_id then
+      return nil
+    end
+    -- Run on, the task is taken here, not by its own acquire: that acquire's check of its
+    -- done marker is made here (a parked copy of a run that finished is dropped).
+    if inline and type(lock) ~= 'function' and redis.call('exists', lock .. ':done:' .. next_id) == 1 then
+      redis.call('hdel', messages, next_id)
+      redis.call('hdel', dispatched, next_id)
+      next_id = nil
+    end
+  until next_id
+  local token = hand_to(lock, fence, dispatched, next_id, lease, inline)
   if string.sub(message, 1, 1) == 'E' and pushable(message, lock_key, next_id, lists, tasks) then
     local queue_list, envelope = pushed_envelope(message, token)
     redis.call('rpush', queue_list, envelope)  -- next for BRPOP
@@ -87,13 +107,31 @@ local function still_queued(message, token, sent, reach)
   end
   return false
 end
-local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now)
+local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now, parked,
+    grace_ms)
   local handed = redis.call('hgetall', dispatched)
   for i = 1, #handed, 2 do
     local task_id = handed[i]
     local hold = hold_of(task_id)
-    if redis.call('hget', hold, task_id) == '0' then
-      local sent = tonumber(handed[i + 1])
+    local count = redis.call('hget', hold, task_id)
+    local kind = string.sub(handed[i + 1], 1, 1)
+    local run_on = kind == 'i' or kind == 'x'
+    if run_on and count and count ~= '0' then
+      if kind == 'x' then  -- (taken again: another copy of the run holds it)
+        redis.call('hset', dispatched, task_id, 'i' .. now)
+      end
+    elseif run_on and not count then
+      local since = tonumber(string.sub(handed[i + 1], 2))
+      if kind == 'i' then
+        redis.call('hset', dispatched, task_id, 'x' .. now)
+      elseif not since or now - since > grace_ms then
+        redis.call('hdel', dispatched, task_id)
+        if redis.call('hexists', messages, task_id) == 1 then
+          redis.call('lpush', parked, task_id)  -- first in line again
+        end
+      end
+    elseif count == '0' then
+      local sent = tonumber(run_on and string.sub(handed[i + 1], 2) or handed[i + 1])
       if not sent or now - sent > stale_ms then
         local message = redis.call('hget', messages, task_id)
         if message then  -- (its record gone: nothing to send; the hand-over's lease runs out)

@@ -24,7 +24,8 @@ end
 local function hold_of(task_id)
   return prefix .. task_id
 end
-local message, task_id, tag = resend_stale(hold_of, KEYS[5], KEYS[7], lease, stale_ms, reach, now)
+local message, task_id, tag = resend_stale(hold_of, KEYS[5], KEYS[7], lease, stale_ms, reach, now,
+  KEYS[4], stale_ms)
 if message then
   return {1, message, task_id, tag}
 end

@@ -674,6 +674,7 @@ SETTING_NAMES = [
     "redislock_requeue_exhausted",
     "redislock_release_on_retry",
     "redislock_lookahead",
+    "redislock_run_on",
     "redislock_done_ttl",
     "redislock_park_fallback",
     "redislock_park_at_delivery",
@@ -717,6 +718,7 @@ def test_any_settings_give_settings_or_a_configuration_error(conf: dict[str, Any
         return
     options = found.defaults
     for seconds in (
+        options.run_on,
         options.ttl,
         options.wait,
         options.done_ttl,
@@ -743,6 +745,7 @@ def test_any_settings_give_settings_or_a_configuration_error(conf: dict[str, Any
                 "lock_done_ttl",
                 "lock_hold",
                 "lock_lookahead",
+                "lock_run_on",
             ]
         ),
         setting_values,

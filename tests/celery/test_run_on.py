@@ -1,0 +1,230 @@
+"""Running on (``redislock_run_on``): a worker process that releases a lock with tasks parked
+on it runs them itself, in turn, instead of handing each over through the broker; and
+nothing is lost or run twice when that process dies in the middle.
+
+Real ``celery worker`` processes on the session's private redis-server
+(``tests.runon_app``); the oracle is each run's start and end, logged by the task."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock._scripts import scripts_for
+from celery_redislock.testing import RedisServer
+
+from .. import runon_app as ra
+from .._celery import wait_until, worker
+
+APP = "tests.runon_app"
+RUNS_ON = "runs on with"
+
+
+@pytest.fixture
+def server(broker: RedisServer) -> RedisServer:
+    """The session's (emptied) Redis, as the test app's broker and backend here too."""
+    ra.app.conf.update(broker_url=broker.url, result_backend=broker.url)
+    ra.URL, ra._r = broker.url, None
+    return broker
+
+
+def _starts(r: redis.Redis, name: str) -> list[tuple[str, int, int, float]]:
+    """(task id, token, pid, start time) of every run of ``job:<name>``, in start order."""
+    found = []
+    for line in r.lrange(f"started:{name}", 0, -1):
+        task_id, token, pid, at = line.decode().split()
+        found.append((task_id, int(token), int(pid), float(at)))
+    return found
+
+
+def _ends(r: redis.Redis, name: str) -> dict[str, float]:
+    return {
+        line.split()[0].decode(): float(line.split()[1])
+        for line in r.lrange(f"ended:{name}", 0, -1)
+    }
+
+
+def _assert_one_at_a_time(r: redis.Redis, name: str, expected: list[str]) -> None:
+    """Every expected run started (the oracle saw each one), and none began before the
+    one before it had ended, with rising fencing tokens."""
+    starts, ends = _starts(r, name), _ends(r, name)
+    assert {s[0] for s in starts} >= set(expected), (starts, expected)
+    for before, after in zip(starts, starts[1:]):
+        assert before[0] in ends, f"{before[0]} never ended but {after[0]} started"
+        assert after[3] >= ends[before[0]], f"{after[0]} started inside {before[0]}"
+        assert after[1] > before[1], "fencing tokens must rise"
+
+
+def _lock_records_gone(r: redis.Redis, name: str, prefix: str = "redislock:") -> None:
+    lock = f"{prefix}{{job:{name}}}"
+    wait_until(lambda: not r.exists(lock), timeout=15, what="the lock given back")
+    for suffix in (":parked", ":parked:messages", ":parked:dispatched"):
+        assert not r.exists(lock + suffix), suffix
+
+
+def _warm(name: str) -> None:
+    """One run of the key: its next messages are checked (parked) at delivery."""
+    ra.job.delay(name).get(timeout=60)
+
+
+@pytest.mark.parametrize("where", ["same", "otherdb"])
+def test_a_releasing_process_runs_the_tasks_parked_on_its_lock_itself(
+    server: RedisServer, tmp_path: Path, where: str
+) -> None:
+    """Five tasks parked behind a running one (at delivery, as envelopes; or, the locks in
+    another database, by pool processes, as signatures): the holder's process runs each
+    in turn after it, in arrival order, each once, one at a time, its result stored."""
+    r = server.client()
+    env = {"REDISLOCK_TEST_LOCK_URL": server.url[:-1] + "1"} if where == "otherdb" else {}
+    locks = redis.Redis.from_url(env.get("REDISLOCK_TEST_LOCK_URL", server.url))
+    proc = worker(server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    try:
+        _warm("chain")
+        first = ra.job.delay("chain", 1.0)
+        wait_until(lambda: len(_starts(r, "chain")) == 2, timeout=30)
+        parked = []
+        for n in range(5):  # one by one: parked in this order
+            parked.append(ra.job.delay("chain", 0.05))
+            wait_until(lambda n=n: locks.llen("redislock:{job:chain}:parked") == n + 1, timeout=30)
+        tokens = [result.get(timeout=60) for result in [first, *parked]]
+        assert tokens == sorted(tokens) and len(set(tokens)) == 6
+        starts = _starts(r, "chain")[1:]
+        assert [s[0] for s in starts] == [first.id] + [p.id for p in parked]  # each once
+        assert {s[2] for s in starts} == {starts[0][2]}  # all in the first one's process
+        _assert_one_at_a_time(r, "chain", [first.id] + [p.id for p in parked])
+        wait_until(lambda: proc.text().count(RUNS_ON) >= 5, timeout=10)
+        assert proc.text().count(RUNS_ON) == 5
+        _lock_records_gone(locks, "chain")
+    finally:
+        proc.kill()
+        locks.close()
+
+
+def test_a_task_that_may_not_run_on_is_handed_over_through_the_broker(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """Tasks parked behind a run-on release that may not run in its process get a usual
+    hand-over, through the broker, with no lock left held for them: one with a time limit
+    (the worker's main process enforces it per message), one with ``lock_run_on=0``. Of
+    the others, only one whose releasing task runs on is run on."""
+    r = server.client()
+    proc = worker(server.url, tmp_path / "w.log", concurrency=2, app=APP)
+    try:
+        _warm("mixed")
+        first = ra.job.delay("mixed", 1.0)
+        wait_until(lambda: len(_starts(r, "mixed")) == 2, timeout=30)
+        calls = [ra.limited, ra.job, ra.job, ra.off, ra.job]
+        parked = []
+        for n, task in enumerate(calls):  # one by one: parked in this order
+            parked.append(task.delay("mixed", 0.05))
+            wait_until(lambda n=n: r.llen("redislock:{job:mixed}:parked") == n + 1, timeout=30)
+        for result in [first, *parked]:
+            result.get(timeout=60)
+        starts = _starts(r, "mixed")[1:]
+        ids = [s[0] for s in starts]
+        assert ids == [first.id] + [p.id for p in parked]
+        # first -> limited: through the broker (limited may not run on); limited -> job A:
+        # through the broker (a time-limited release does not run on); job A -> job B: run
+        # on; job B -> off: through the broker; off -> job C: through the broker.
+        assert proc.text().count(RUNS_ON) == 1, proc.text()
+        assert f"{RUNS_ON} runon.job[{parked[2].id}]" in proc.text()
+        assert starts[3][2] == starts[2][2]  # job B in job A's process
+        _assert_one_at_a_time(r, "mixed", ids)
+        _lock_records_gone(r, "mixed")
+    finally:
+        proc.kill()
+
+
+def test_a_process_killed_while_it_runs_on_loses_no_task(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """SIGKILL of the pool process in the middle of a task it runs on: that task has no
+    broker message, so the sweeper puts it back at the head of the line once its hold is
+    gone (lease out, then the grace); it runs again, then the ones parked behind it, each
+    once more than it was killed, none beside another."""
+    r = server.client()
+    env = {"REDISLOCK_TEST_TTL": "2", "REDISLOCK_TEST_RUN_ON_GRACE": "1"}
+    proc = worker(server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    try:
+        _warm("kill")
+        first = ra.job.delay("kill", 0.5)
+        wait_until(lambda: len(_starts(r, "kill")) == 2, timeout=30)
+        doomed = ra.job.delay("kill", 3.0)
+        wait_until(lambda: r.llen("redislock:{job:kill}:parked") == 1, timeout=30)
+        after = [ra.job.delay("kill", 0.05) for _ in range(2)]
+        wait_until(lambda: len(_starts(r, "kill")) == 3, timeout=30)
+        victim = _starts(r, "kill")[2]
+        assert victim[0] == doomed.id and victim[2] == _starts(r, "kill")[1][2]  # run on
+        assert r.hget("redislock:{job:kill}:parked:dispatched", doomed.id).startswith(b"i")
+        os.kill(victim[2], signal.SIGKILL)
+        # the killed run's record is marked gone, then parked again, then it runs again
+        for result in [doomed, *after]:
+            result.get(timeout=90)
+        starts = _starts(r, "kill")
+        ids = [s[0] for s in starts]
+        assert ids.count(doomed.id) == 2 and ids.index(doomed.id) == 2  # killed, then again
+        assert [ids.count(a.id) for a in after] == [1, 1]
+        assert ids.count(first.id) == 1  # its redelivery (worker lost) found it done
+        tokens = [s[1] for s in starts]
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    finally:
+        proc.kill()
+
+
+def test_the_sweeper_parks_again_a_run_on_task_whose_hold_is_gone(server: RedisServer) -> None:
+    """sweep.lua on a run-on record: kept while its hold is there; marked when first seen
+    without its hold; parked again, first in line, once the grace has passed since."""
+    r = server.client()
+    lock = "redislock:{job:swept}"
+    scripts = scripts_for(r)
+    keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
+    keys += [lock + ":parked:unused", lock + ":parked:dispatched", "redislock:parked"]
+
+    def sweep(grace_ms: int) -> Any:
+        return scripts.sweep(keys=keys, args=[3000, 1500, 10, grace_ms])
+
+    r.hset(lock, mapping={"t1": 1, "holder": 0, "__fence__": 7})
+    r.hset(lock + ":parked:messages", mapping={"t1": "E-msg", "t2": "E-next"})
+    r.rpush(lock + ":parked", "t2")
+    r.hset(lock + ":parked:dispatched", "t1", "i1")
+    assert sweep(1)[0] == 0
+    assert r.hget(lock + ":parked:dispatched", "t1") == b"i1"  # its hold is there: kept
+    r.hdel(lock, "t1")
+    sweep(60_000)
+    marked = r.hget(lock + ":parked:dispatched", "t1")
+    assert marked is not None and marked.startswith(b"x")  # seen gone: marked, not parked
+    sweep(60_000)
+    assert r.lrange(lock + ":parked", 0, -1) == [b"t2"]  # within the grace: not yet
+    time.sleep(0.01)
+    sweep(1)
+    assert r.lrange(lock + ":parked", 0, -1) == [b"t1", b"t2"]  # first in line again
+    assert not r.hexists(lock + ":parked:dispatched", "t1")
+
+
+def test_unrun_gives_back_only_a_run_on_hold_of_its_token(server: RedisServer) -> None:
+    """handoff.lua "unrun": a run-on hand-over (count 1, its token) becomes a usual one
+    (count 0, a plain hand-over record); anything else is left alone."""
+    r = server.client()
+    lock = "redislock:{job:unrun}"
+    keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
+    keys += [lock + ":done:t1", lock + ":parked:dispatched", lock + ":waiters"]
+    keys += [lock + ":claims", lock + ":wake"]
+
+    def unrun(token: int) -> Any:
+        args = ["t1", "unrun", 3000, 0, "", "", "", "", "", "", "", token]
+        return scripts_for(r).handoff(keys=keys, args=args)
+
+    r.hset(lock, mapping={"t1": 1, "__fence__": 5})
+    r.hset(lock + ":parked:dispatched", "t1", "i100")
+    assert unrun(4) == [-2] and r.hget(lock, "t1") == b"1"  # another holding's token
+    assert unrun(5) == [0] and r.hget(lock, "t1") == b"0"
+    assert not r.hget(lock + ":parked:dispatched", "t1").startswith(b"i")
+    assert unrun(5) == [-2]  # count 0 now: nothing to give back
+    r.hset(lock, "t1", 2)
+    assert unrun(5) == [-2] and r.hget(lock, "t1") == b"2"
