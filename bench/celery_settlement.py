@@ -7,7 +7,9 @@ Every task does a 20 ms non-atomic read-modify-write of an account balance (GET,
 SET +1) and logs its section. Variants (columns): a. no lock; b. the Celery cookbook
 recipe (non-blocking redis-py lock, ``self.retry(countdown=1)`` when held); c. a blocking
 redis-py lock in the task; d. a blocking python-redis-lock in the task; e. ``LockedTask``
-(requeue mode, default settings). Workloads: W1 100 tasks over 4 accounts (seeded
+(requeue mode, default settings); f. ``LockedTask`` with ``lock_run_on=5`` (a releasing
+process runs the account's parked tasks itself; ``SETTLE_RUN_ON`` sets the seconds).
+Workloads: W1 100 tasks over 4 accounts (seeded
 random); W2 200 tasks, a quarter on one hot account, the rest each on its own account.
 
 ``--broker`` puts the broker elsewhere than the locks' Redis database (``otherdb``: the

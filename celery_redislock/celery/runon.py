@@ -14,10 +14,10 @@ It is taken only where it keeps the rules of a delivery (docs/concepts.md, "Runn
 on"): a mutex's (not a permit's or a quorum lock's) release in a worker's pool process,
 the releasing and the next task without time limits (the main process enforces those per
 message: a next task run on would count against the releasing one's), a worker that
-sends no task events (the main process sends those), a parked broker envelope (the
-broker in the locks' Redis database) of a ``LockedTask`` registered here, for a queue
-this worker consumes, with no ``eta`` ahead and no ``expires``, within the releasing
-run's budget. Anything else is handed over through the broker as before.
+sends no task events (the main process sends those), a parked message (a broker envelope,
+or a signature where the broker is elsewhere) of a ``LockedTask`` registered here that
+runs on too, for a queue this worker consumes, with no ``eta`` and no ``expires``, within
+the releasing run's budget. Anything else is handed over through the broker as before.
 
 No task is lost if the process dies while it runs on: the hand-over script keeps the
 next task's parked record, marked run-on, until that run's own release; once its hold
@@ -265,8 +265,9 @@ def _runnable(
     app: Any, name: Any, expires: Any, eta: Any, limits: Any, options: LockOptions
 ) -> Any:
     """The task a parked message names, if this process may run it on: a ``LockedTask``
-    registered here that runs on itself (``lock_run_on``), without ``expires``, ``eta`` or
-    time limits, whose lease is the releasing task's (the hold was written with it)."""
+    registered here that runs on itself (``lock_run_on``) in requeue mode with neither a
+    rate nor a limit nor last-call-wins, without ``expires``, ``eta`` or time limits, whose
+    lease is the releasing task's (the hold was written with it)."""
     from .base import LockedTask  # (base imports this module)
 
     task = app.tasks.get(name) if isinstance(name, str) else None
@@ -274,6 +275,8 @@ def _runnable(
         return None
     own = task.lock_options()
     if own.run_on <= 0 or own.ttl != options.ttl or not _no_time_limits(task, limits):
+        return None
+    if own.on_contention != "requeue" or own.latest or own.rate is not None or own.limited:
         return None
     return task
 
