@@ -104,7 +104,13 @@ def package_origin(module: Any) -> str:
 
 
 def perfect_lock_bound(
-    accounts: list[str], work: float, cost: float, concurrency: int, lookahead: int = 0
+    accounts: list[str],
+    work: float,
+    cost: float,
+    concurrency: int,
+    lookahead: int = 0,
+    *,
+    handed_cost: float | None = None,
 ) -> float:
     """Makespan of a *perfect* per-account lock on this queue order (computed, not run).
 
@@ -117,20 +123,45 @@ def perfect_lock_bound(
     ``lookahead`` (LockedTask's), a task started with nothing parked behind its lock
     takes its account's oldest message among the next ``lookahead`` still queued out of
     the queue, to run at its release, if no other account's chain of such moves is
-    going on (one account at a time, as LockedTask does).
+    going on (one account at a time, as LockedTask does). ``handed_cost``: what a task
+    handed its lock costs instead of ``cost`` (0: run on at once by the releasing slot).
     """
+    return _perfect_lock(accounts, work, cost, concurrency, lookahead, handed_cost)[0]
+
+
+def perfect_hot_efficiency(
+    accounts: list[str], work: float, cost: float, concurrency: int, lookahead: int = 0
+) -> float:
+    """The hot account's efficiency (its work / its span) under :func:`perfect_lock_bound`'s
+    model with free hand-overs: the most a lock can reach on this queue order."""
+    return _perfect_lock(accounts, work, cost, concurrency, lookahead, 0.0)[1]
+
+
+def _perfect_lock(
+    accounts: list[str],
+    work: float,
+    cost: float,
+    concurrency: int,
+    lookahead: int,
+    handed_cost: float | None,
+) -> tuple[float, float]:
     queue = deque(accounts)
     parked: dict[str, int] = Counter()
     lock_until: dict[str, float] = {}
     slots = [(0.0, i) for i in range(concurrency)]
     chain = ""  # the account whose next messages are being moved ahead
     end = 0.0
+    hot = Counter(accounts).most_common(1)[0][0] if accounts else ""
+    hot_starts: list[float] = []
+    hot_end = 0.0
     while queue or any(parked.values()):
         now, slot = heapq.heappop(slots)
         ready = [(lock_until[a], a) for a, n in parked.items() if n and lock_until[a] <= now]
+        this_cost = cost
         if ready:
             account = min(ready)[1]
             parked[account] -= 1
+            this_cost = cost if handed_cost is None else handed_cost
         else:
             account = ""
             while queue:
@@ -144,9 +175,12 @@ def perfect_lock_bound(
                 waits = [lock_until[a] for a, n in parked.items() if n]
                 heapq.heappush(slots, (max(now, min(waits)), slot))
                 continue
-        finish = now + cost + work
+        finish = now + this_cost + work
         lock_until[account] = finish
         end = max(end, finish)
+        if account == hot:
+            hot_starts.append(now + this_cost)
+            hot_end = max(hot_end, finish)
         heapq.heappush(slots, (finish, slot))
         if lookahead and not parked[account] and chain in ("", account):
             chain = ""
@@ -156,7 +190,8 @@ def perfect_lock_bound(
                     parked[account] += 1
                     chain = account
                     break
-    return end
+    span = hot_end - min(hot_starts) if hot_starts else 0.0
+    return end, (len(hot_starts) * work / span if span > 0 else 0.0)
 
 
 # --------------------------------------------------------------------------- the worker
@@ -560,7 +595,7 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
                 + ", ".join(against)
                 + "   (W3 target <= 1.05x)"
             )
-    bounds, ahead = [], []
+    bounds, ahead, hot = [], [], []
     lookahead = 64 if args.lookahead is None else args.lookahead
     for wl in WORKLOADS:
         m = med.get("nolock", {}).get(wl)
@@ -575,6 +610,10 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
         if lookahead:
             bound = perfect_lock_bound(accounts, args.work, cost, args.concurrency, lookahead)
             ahead.append(f"{wl} {bound / ideal:.2f}x")
+        if wl == "W2":
+            plain = perfect_hot_efficiency(accounts, args.work, cost, args.concurrency)
+            looked = perfect_hot_efficiency(accounts, args.work, cost, args.concurrency, 64)
+            hot.append(f"{wl} {plain:.2f} without look-ahead, {looked:.2f} with")
     if bounds:
         lines.append(
             "perfect lock on this queue order (computed: FIFO fetch, the no-lock run's "
@@ -583,6 +622,11 @@ def target_lines(med: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
     if ahead:
         lines.append(
             f"  the same with LockedTask's look-ahead of {lookahead} messages: " + ", ".join(ahead)
+        )
+    if hot:
+        lines.append(
+            "hot key efficiency of a perfect lock on this queue order (computed: hand-overs "
+            "free, every other task the no-lock run's cost): " + ", ".join(hot)
         )
     return lines
 
