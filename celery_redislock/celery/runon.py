@@ -290,10 +290,14 @@ def unrun(app: Any, handed: _Handed, lease: int) -> None:
     for the task's own acquire to take up once its message is delivered (handoff.lua
     "unrun"). If Redis does not answer, the hold's lease runs out and the sweeper hands
     the task on (``resend_stale``)."""
+    _unrun(client_for(app), handed, lease)
+
+
+def _unrun(client: Any, handed: _Handed, lease: int) -> None:
     keys = LockKeys.for_lock(handed.lock_key).handoff_keys(handed.task_id)
     args = [handed.task_id, "unrun", lease, 0, "", "", "", "", "", "", "", handed.tag]
     try:
-        scripts_for(client_for(app)).handoff(keys=keys, args=args)
+        scripts_for(client).handoff(keys=keys, args=args)
     except Exception:
         log.warning(
             "redislock: could not give back the run-on hand-over of %r",
@@ -309,11 +313,23 @@ def took_handed(lock: Any, owner: str) -> bool:
     if found is None or found.handed.lock_key != lock.keys.lock or found.task_id != owner:
         return False
     _state.taking = None
+    if time.monotonic() - found.sent_at >= found.lease / 1000 * TRUSTED_SHARE:
+        # The hold may be gone (its lease ran out while the releasing task's task_postrun
+        # receivers, or this one's task_prerun receivers, ran; nothing renewed it), and
+        # the lock another run's: given back as a usual hand-over, for this run's own
+        # acquire to take up (a round trip), or to contend for as any run.
+        _unrun(lock.client, found.handed, found.lease)
+        return False
     reply = AcquireReply(True, token=int(found.handed.tag), hold_count=1)
     hold = lock._held(owner, reply, found.sent_at, found.lease, True, None, None)
     if hold is not None:
         scheduler_for(lock.client).add(hold)
     return True
+
+
+#: The share of its lease a run-on hand-over is recorded without a round trip within
+#: (from its release): the watchdog's first renewal of the hold is not due before then.
+TRUSTED_SHARE = 1 / 3
 
 
 class _Limits:
@@ -372,7 +388,7 @@ def _run(app: Any, found: _Next) -> None:
         )
     args = (
         found.name,
-        found.task_id,
+        str(found.request.get("id") or found.task_id),  # (task_id: the run's lock owner)
         dict(found.request),
         found.body,
         found.content_type,

@@ -8,15 +8,13 @@
 -- (next_id not ""): queue_list holds next_id's message next_raw; registry: the sweeper's;
 -- chain: the list's chain (hash "lock" -> the lock served ahead); next_done: next_id's marker.
 -- owner: the releasing task id; mode: "one" one hold, "all" every hold, "unstarted" only a
--- hand-over to it (count 0), "unrun" a run-on hand-over to it (count 1, token) turned into a
--- usual one (count 0); lease_ms: the next task's lease; done_ms: the marker's lifetime
--- (0: none); next_entry: next_raw as a parked envelope; keep_ms: the parking lifetime; reach:
--- how far from the read end to look for next_raw; lists, tasks: where a parked envelope may be
--- pushed (envelope.lua); token: only the holding with this fencing token; grant_ms: release.lua's;
--- run_on "1": a parked (or looked-ahead) task handed the lock may be run by the releasing worker
--- process itself (its record kept until its run's end: parked.lua's hand_to); lists "" then, so
--- it comes back, and a looked-ahead task's message is returned as a parked one's (moved out of
--- its queue list, not pushed back).
+-- hand-over to it (count 0), "unrun" parked.lua's unrun; lease_ms: the next task's lease;
+-- done_ms: the marker's lifetime (0: none); next_entry: next_raw as a parked envelope; keep_ms:
+-- the parking lifetime; reach: how far from the read end to look for next_raw; lists, tasks:
+-- where a parked envelope may be pushed (envelope.lua); token: only the holding with this
+-- fencing token; grant_ms: release.lua's;
+-- run_on "1": the releasing worker process may run the task handed the lock itself (parked.lua's
+-- hand_to); lists "" then, and a looked-ahead task's message comes back as a parked one's.
 -- Replies: {n} holds left (n > 0), or -1 lease expired, -2 another owner's or holding's, -3 not
 -- handed to it ("unstarted"); {0} released; {0, message, task id, token} handed over: check and
 -- send the message (an envelope with tag "<placeholder>h<token>"); {0, nil, task id} handed
@@ -38,21 +36,11 @@ for i = 1, #fields, 2 do
     fence = fields[i + 1]
   end
 end
-if ARGV[2] == 'unstarted' and count ~= '0' then
-  return {-3}
-end
-if ARGV[2] == 'unrun' then
-  -- A run-on hand-over (count 1, token ARGV[12]) the releasing process does not run after all:
-  -- handed over as usual instead (count 0, a plain hand-over record), to be sent.
-  if count ~= '1' or fence ~= ARGV[12] then
-    return {-2}
-  end
-  redis.call('hset', KEYS[1], ARGV[1], 0)
-  redis.call('hset', KEYS[7], ARGV[1], now_ms())
-  return {0}
-end
+if ARGV[2] == 'unstarted' and count ~= '0' then return {-3} end
+if ARGV[2] == 'unrun' then return unrun(KEYS[1], KEYS[7], ARGV[1], count, fence, ARGV[12]) end
 local exists = #fields > 0
-if exists and not count then
+if exists and not count then  -- another owner's: this run's lease ran out
+  if ARGV[2] == 'one' then ran_on_over(KEYS[5], KEYS[7], ARGV[1]) end
   return {-2}
 end
 if exists and ARGV[12] and ARGV[12] ~= '' and fence ~= ARGV[12] then
@@ -66,9 +54,7 @@ run_over(KEYS[6], done_ms, KEYS[5], KEYS[7], ARGV[1])
 redis.call('del', KEYS[1])
 local message, next_id, token = serve_parked(KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[7], lease,
   KEYS[1], ARGV[10] or '', ARGV[11] or '', ARGV[14] == '1')
-if next_id then
-  return {code, message, next_id, token}
-end
+if next_id then return {code, message, next_id, token} end
 if grant_first(KEYS[1], KEYS[2], KEYS[3], KEYS[8], KEYS[9], KEYS[10], grant_ms, false) then
   return {code}
 end

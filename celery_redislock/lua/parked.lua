@@ -21,6 +21,12 @@
 --   one handed over and not started, in dispatched, parks again)
 -- run_over(done, done_ms, messages, dispatched, task_id): the end of task_id's run: its done
 --   marker set for done_ms (0: none), its parked and hand-over records gone
+-- unrun(lock, dispatched, task_id, count, fence, token) -> {0} | {-2}: a run-on hand-over
+--   (count 1, token) the releasing process does not run after all made a usual one (count 0, a
+--   plain hand-over record), to be sent; {-2}: not that hand-over (count, fence: the lock's now)
+-- ran_on_over(messages, dispatched, task_id): the end of a run-on run (dispatched "i"/"x")
+--   whose release found the lock another owner's (its lease ran out): its records go all the
+--   same, so that the sweeper does not park it again for a second run
 -- resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now, parked, grace_ms)
 --   -> nil | message, task id, tag: a handed-over task not started stale_ms after its
 --   hand-over whose envelope no longer waits in its queue list, to send again (its hold's
@@ -55,6 +61,20 @@ local function run_over(done, done_ms, messages, dispatched, task_id)
   end
   redis.call('hdel', messages, task_id)
   redis.call('hdel', dispatched, task_id)
+end
+local function unrun(lock, dispatched, task_id, count, fence, token)
+  if count ~= '1' or fence ~= token then
+    return {-2}
+  end
+  redis.call('hset', lock, task_id, 0)
+  redis.call('hset', dispatched, task_id, now_ms())
+  return {0}
+end
+local function ran_on_over(messages, dispatched, task_id)
+  local kind = string.sub(redis.call('hget', dispatched, task_id) or '', 1, 1)
+  if kind == 'i' or kind == 'x' then
+    run_over('', 0, messages, dispatched, task_id)
+  end
 end
 local function hand_to(lock, fence, dispatched, task_id, lease, inline)
   redis.call('hset', dispatched, task_id, (inline and 'i' or '') .. now_ms())
