@@ -64,8 +64,10 @@ def _lookahead(value: object, name: str) -> int:
 
 
 #: Upper bound of ``redislock_run_on``: a worker process runs parked tasks after its own
-#: for at most this long before it hands the rest over through the broker.
-MAX_RUN_ON = 3600.0
+#: for at most this long before it hands the rest over through the broker (the releasing
+#: task's message stays unacknowledged meanwhile, with ``acks_late``: well within
+#: RabbitMQ's default ``consumer_timeout`` of 30 minutes).
+MAX_RUN_ON = 600.0
 
 
 def _run_on(value: object, name: str) -> float:

@@ -512,6 +512,8 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
             deliver_handed_over(self.app, handed, lease, run_here=run_here)
         except Exception:  # the sweeper (or its fallback copy) still runs it
             log.exception("redislock: could not publish the task the lock was handed to")
+            if run_on:  # a run-on hand-over (count 1) nobody runs: a usual one, re-sent
+                runon.unrun(self.app, handed, lease_ms(self.lock_options().ttl, "lock_ttl"))
 
 
 def _header(request: Any, name: str) -> Any:

@@ -83,8 +83,10 @@ class _State(threading.local):
 
 _state = _State()
 #: Whether the worker sends task events (``-E``/``--task-events`` or
-#: ``worker_send_task_events``): its main process sends them per message, so tasks run on
-#: would be missing from them; running on is off then.
+#: ``worker_send_task_events``: its main process sends them per message, so tasks run on
+#: would be missing from them) or has time limits of its own (``--time-limit``,
+#: ``--soft-time-limit``: its main process enforces them per message, so a chain would
+#: count against the releasing task's); running on is off then.
 _events_on = False
 
 
@@ -266,8 +268,10 @@ def _runnable(
 ) -> Any:
     """The task a parked message names, if this process may run it on: a ``LockedTask``
     registered here that runs on itself (``lock_run_on``) in requeue mode with neither a
-    rate nor a limit nor last-call-wins, without ``expires``, ``eta`` or time limits, whose
-    lease is the releasing task's (the hold was written with it)."""
+    rate (``lock_rate``, Celery's ``rate_limit``) nor a limit nor last-call-wins, that gives
+    its lock back at its end (no ``lock_hold``, ``lock_release_on_retry``), without
+    ``expires``, ``eta`` or time limits, whose lease is the releasing task's (the hold was
+    written with it)."""
     from .base import LockedTask  # (base imports this module)
 
     task = app.tasks.get(name) if isinstance(name, str) else None
@@ -277,6 +281,10 @@ def _runnable(
     if own.run_on <= 0 or own.ttl != options.ttl or not _no_time_limits(task, limits):
         return None
     if own.on_contention != "requeue" or own.latest or own.rate is not None or own.limited:
+        return None
+    # Its end must give the lock back (a kept hold would keep its run-on record), and
+    # Celery's own rate_limit is the main process's, per message.
+    if own.hold > 0 or not own.release_on_retry or task.rate_limit:
         return None
     return task
 
@@ -417,9 +425,11 @@ def _connect_last(**_: Any) -> None:
 
 
 def _note_events(sender: Any = None, instance: Any = None, options: Any = None, **_: Any) -> None:
-    """``celeryd_init``: whether this worker sends task events (``-E``)."""
+    """``celeryd_init``: whether this worker sends task events (``-E``) or has time limits
+    of its own (``--time-limit``, ``--soft-time-limit``)."""
     global _events_on
-    _events_on = bool((options or {}).get("task_events"))
+    found = options or {}
+    _events_on = any(found.get(name) for name in ("task_events", "time_limit", "soft_time_limit"))
 
 
 _UID = "celery_redislock.run_on"

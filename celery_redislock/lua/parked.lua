@@ -7,8 +7,8 @@
 --   and `lease`; the hand-over's time recorded in dispatched (task id -> ms) for the sweeper.
 --   With `inline` (a mutex's run-on: the releasing worker process runs the task itself) the
 --   hold is written taken (count 1: that process records it without a round trip) and the
---   time as "i<ms>": no broker message of the task exists, so its record stays until its
---   run's end (run_over), or until that process gives it back ("unrun": handoff.lua).
+--   record as "i<ms>/<lease>": no broker message of the task exists, so its record stays
+--   until its run's end (run_over), or until that process gives it back (unrun).
 --   lock: the lock's key, or a function of the task id writing the hold (a semaphore's
 --   permit) and returning its key.
 -- serve_parked(lock, fence, parked, messages, dispatched, lease, lock_key, lists, tasks, inline?)
@@ -36,7 +36,8 @@
 --   died, its lease ran out) it is marked "x<now>", and grace_ms later, if its run's end has
 --   still not removed it, it goes back to the head of the parked line (the lock's next holder
 --   is then it: a late release of a run that did end, retried in the background, has had
---   that long to say so).
+--   that long to say so). grace_ms is at least twice the lease the record names. A run-on
+--   record whose run left its done marker (it ended keeping its hold) just goes.
 local function pop_parked(parked, messages)
   while true do
     local task_id = redis.call('lpop', parked)
@@ -77,7 +78,8 @@ local function ran_on_over(messages, dispatched, task_id)
   end
 end
 local function hand_to(lock, fence, dispatched, task_id, lease, inline)
-  redis.call('hset', dispatched, task_id, (inline and 'i' or '') .. now_ms())
+  local at = now_ms()
+  redis.call('hset', dispatched, task_id, inline and ('i' .. at .. '/' .. lease) or at)
   local token = redis.call('incr', fence)
   if type(lock) == 'function' then
     lock(task_id, token, lease)
@@ -127,6 +129,12 @@ local function still_queued(message, token, sent, reach)
   end
   return false
 end
+-- A run-on record, "i<ms>/<lease>" (or "x<ms>/<lease>": its hold first seen gone at <ms>):
+-- kind, ms, lease; nil for a usual hand-over's "<ms>".
+local function run_on_record(value)
+  local kind, ms, lease = string.match(value, '^([ix])(%d+)/?(%d*)$')
+  return kind, tonumber(ms), tonumber(lease) or 0
+end
 local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now, parked,
     grace_ms)
   local handed = redis.call('hgetall', dispatched)
@@ -134,24 +142,24 @@ local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reac
     local task_id = handed[i]
     local hold = hold_of(task_id)
     local count = redis.call('hget', hold, task_id)
-    local kind = string.sub(handed[i + 1], 1, 1)
-    local run_on = kind == 'i' or kind == 'x'
-    if run_on and count and count ~= '0' then
+    local kind, since, run_lease = run_on_record(handed[i + 1])
+    if kind and count and count ~= '0' then
       if kind == 'x' then  -- (taken again: another copy of the run holds it)
-        redis.call('hset', dispatched, task_id, 'i' .. now)
+        redis.call('hset', dispatched, task_id, 'i' .. now .. '/' .. run_lease)
       end
-    elseif run_on and not count then
-      local since = tonumber(string.sub(handed[i + 1], 2))
-      if kind == 'i' then
-        redis.call('hset', dispatched, task_id, 'x' .. now)
-      elseif not since or now - since > grace_ms then
+    elseif kind and not count then
+      if redis.call('exists', hold .. ':done:' .. task_id) == 1 then
+        run_over('', 0, messages, dispatched, task_id)  -- its run ended (a kept hold ran out)
+      elseif kind == 'i' then
+        redis.call('hset', dispatched, task_id, 'x' .. now .. '/' .. run_lease)
+      elseif now - since > math.max(grace_ms, 2 * run_lease) then
         redis.call('hdel', dispatched, task_id)
         if redis.call('hexists', messages, task_id) == 1 then
           redis.call('lpush', parked, task_id)  -- first in line again
         end
       end
     elseif count == '0' then
-      local sent = tonumber(run_on and string.sub(handed[i + 1], 2) or handed[i + 1])
+      local sent = kind and since or tonumber(handed[i + 1])
       if not sent or now - sent > stale_ms then
         local message = redis.call('hget', messages, task_id)
         if message then  -- (its record gone: nothing to send; the hand-over's lease runs out)

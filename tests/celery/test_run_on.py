@@ -206,6 +206,24 @@ def test_the_sweeper_parks_again_a_run_on_task_whose_hold_is_gone(server: RedisS
     assert r.lrange(lock + ":parked", 0, -1) == [b"t1", b"t2"]  # first in line again
     assert not r.hexists(lock + ":parked:dispatched", "t1")
 
+    # The grace is at least twice the lease the record names.
+    r.delete(lock + ":parked")
+    r.hset(lock + ":parked:dispatched", "t3", "i1/5000")
+    r.hset(lock + ":parked:messages", "t3", "E-3")
+    sweep(1)
+    time.sleep(0.01)
+    sweep(1)
+    assert r.hget(lock + ":parked:dispatched", "t3").startswith(b"x")  # not yet: 2 x 5 s
+    assert r.llen(lock + ":parked") == 0
+
+    # A run-on record whose run left its done marker (it ended keeping its hold, which
+    # then ran out) goes, and the task is not parked again.
+    r.set(lock + ":done:t3", 1)
+    sweep(1)
+    assert not r.hexists(lock + ":parked:dispatched", "t3")
+    assert not r.hexists(lock + ":parked:messages", "t3")
+    assert r.llen(lock + ":parked") == 0
+
 
 def test_unrun_gives_back_only_a_run_on_hold_of_its_token(server: RedisServer) -> None:
     """handoff.lua "unrun": a run-on hand-over (count 1, its token) becomes a usual one
@@ -228,3 +246,61 @@ def test_unrun_gives_back_only_a_run_on_hold_of_its_token(server: RedisServer) -
     assert unrun(5) == [-2]  # count 0 now: nothing to give back
     r.hset(lock, "t1", 2)
     assert unrun(5) == [-2] and r.hget(lock, "t1") == b"2"
+
+
+def test_what_may_run_on_follows_the_documented_conditions() -> None:
+    """``runon._runnable``: a LockedTask that runs on too, in plain requeue mode, that gives
+    its lock back at its end, with no time limit, rate, eta or expires, and the releasing
+    task's lease; and a worker started with time limits or task events runs nothing on."""
+    from celery import Celery
+
+    from celery_redislock.celery import runon
+    from celery_redislock.task import LockedTask
+
+    app = Celery("runon_conditions", broker="redis://127.0.0.1:1/0")
+    app.conf.redislock_run_on = 5
+
+    def task(name: str, **options: Any) -> Any:
+        def body(x: Any) -> Any:
+            return x
+
+        body.__name__ = name
+        return app.task(name=name, base=LockedTask, lock_key="k:{x}", shared=False, **options)(body)
+
+    plain = task("plain")
+    refused = {
+        "off": task("off", lock_run_on=0),
+        "hold": task("hold", lock_hold=5),
+        "kept": task("kept", lock_release_on_retry=False),
+        "rate": task("rate", lock_rate="5/s"),
+        "celery_rate": task("celery_rate", rate_limit="5/s"),
+        "limited": task("limited", time_limit=30),
+        "soft": task("soft", soft_time_limit=30),
+        "wait": task("wait", on_contention="wait"),
+        "latest": task("latest", on_contention="replace"),
+        "permits": task("permits", lock_limit=3),
+        "ttl": task("ttl", lock_ttl=7),
+    }
+    app.finalize()
+    options = plain.lock_options()
+    none = runon._Limits({})
+    assert runon._runnable(app, "plain", None, None, none, options) is app.tasks["plain"]
+    for name in refused:
+        assert runon._runnable(app, name, None, None, none, options) is None, name
+    assert runon._runnable(app, "plain", "2030-01-01T00:00:00", None, none, options) is None
+    assert runon._runnable(app, "plain", None, "2030-01-01T00:00:00", none, options) is None
+    assert (
+        runon._runnable(app, "plain", None, None, runon._Limits({"timelimit": [9, None]}), options)
+        is None
+    )
+    assert runon._runnable(app, "unknown", None, None, none, options) is None
+
+    before = runon._events_on
+    try:
+        for flag in ("task_events", "time_limit", "soft_time_limit"):
+            runon._note_events(options={flag: 10})
+            assert runon._events_on, flag
+        runon._note_events(options={"concurrency": 4})
+        assert not runon._events_on
+    finally:
+        runon._events_on = before

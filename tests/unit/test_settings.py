@@ -52,7 +52,7 @@ def test_missing_url_with_a_non_redis_broker_is_a_clear_error() -> None:
         ("redislock_lookahead", 1001),
         ("redislock_lookahead", True),
         ("redislock_run_on", -1),
-        ("redislock_run_on", 3601),
+        ("redislock_run_on", 601),
         ("redislock_run_on", True),
         ("redislock_run_on", "5"),
         ("redislock_run_on", float("nan")),
@@ -96,7 +96,7 @@ def test_task_overrides_name_the_task_and_option() -> None:
         task_overrides({"lock_hold": -3}, "t")
     with pytest.raises(LockConfigurationError, match=r"task 't': lock_lookahead .* 0 \(off\)"):
         task_overrides({"lock_lookahead": "all"}, "t")
-    with pytest.raises(LockConfigurationError, match=r"task 't': lock_run_on .* 0 \(off\) to 3600"):
+    with pytest.raises(LockConfigurationError, match=r"task 't': lock_run_on .* 0 \(off\) to 600"):
         task_overrides({"lock_run_on": 7200}, "t")
     assert task_overrides({"lock_run_on": 2}, "t") == {"run_on": 2.0}
     found = task_overrides({"lock_ttl": 5, "lock_wait": 0, "on_contention": None}, "t")
