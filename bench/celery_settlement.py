@@ -398,6 +398,17 @@ def analyse(
             else None
         ),
         "unrelated_done": (max(unrelated) - t0) if unrelated and complete else None,
+        # the hot account's sections as measured (GET, the sleep, SET: more than the work)
+        "hot_section_ms": (
+            statistics.fmean(leave - enter for enter, leave in hot_secs) * 1e3 if hot_secs else None
+        ),
+        # the share of its span its sections took: the efficiency with the hand-overs' gaps
+        # alone counted against it (not the sections' own Redis calls and sleep overshoot)
+        "hot_busy": (
+            sum(leave - enter for enter, leave in hot_secs) / (hot_secs[-1][1] - hot_secs[0][0])
+            if complete and len(hot_secs) == expected[hot] and expected[hot] > 1
+            else None
+        ),
         # of the hot account's hand-overs, the share whose next section ran in the same
         # pool process (run on, or that process's next task by chance)
         "hot_same_process": (
@@ -531,6 +542,8 @@ def build_table(med: dict[str, dict[str, dict[str, Any]]], variants: list[str]) 
         if wl == "W2":
             wl_rows.append(("last unrelated task done (s)", "unrelated_done", ".2f", ""))
             wl_rows.append(("hot key: 50 x work / its span", "hot_efficiency", ".2f", ""))
+            wl_rows.append(("hot key: its sections / its span", "hot_busy", ".2f", ""))
+            wl_rows.append(("hot key: a section as measured (ms)", "hot_section_ms", ".1f", ""))
             wl_rows.append(("hot key: next in the same process %", "hot_same_process", ".0f", ""))
         for label, key, spec, suffix in wl_rows:
             cells = []

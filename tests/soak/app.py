@@ -55,6 +55,8 @@ app.conf.update(
     result_expires=3600,
     worker_hijack_root_logger=False,
 )
+if os.environ.get("SOAK_RUN_ON"):  # running on (lock_run_on) under the soak's faults
+    app.conf.redislock_run_on = float(os.environ["SOAK_RUN_ON"])
 
 EVENTS = "soak:events"
 RUNNING = "soak:running"

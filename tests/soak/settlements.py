@@ -159,6 +159,7 @@ class Workers:
             "SOAK_LEDGER_URL": ledger_url,
             "SOAK_TTL": str(p.ttl),
             "SOAK_VT": str(p.visibility_timeout),
+            "SOAK_RUN_ON": os.environ.get("SOAK_RUN_ON", ""),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
         self.procs: list[CeleryProcess] = [self._new(i, 1) for i in range(p.workers)]
