@@ -80,7 +80,7 @@ def _finish_quietly(
     sent_at = time.monotonic()
     try:
         if isinstance(lock, TaskLock):
-            lock.run_on = run_on
+            lock.run_on = runon.tag(task) if run_on else ""
         handed = lock.finish(hold=keep, done_ttl=done_ttl, lookahead=lookahead)
         task.publish_handed_over(handed, run_on=run_on, sent_at=sent_at)
         if lock.pulled is not None:
@@ -141,7 +141,7 @@ def _finish_later(
         what = lock._unconfirmed(held, exc)
 
     if isinstance(lock, TaskLock):
-        lock.run_on = False  # a late release hands over through the broker
+        lock.run_on = ""  # a late release hands over through the broker
 
     def again() -> None:
         try:

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 from celery import signals as celery_signals
 from kombu import compression
 
-from .. import signals
+from .. import _process, signals
 from .._core import LockKeys, lease_ms
 from .._renewal import scheduler_for
 from .._replies import AcquireReply
@@ -106,6 +106,31 @@ def allowed(task: Any, lock: Any, options: LockOptions) -> bool:
     if state.started is None:
         return True
     return time.monotonic() - state.started < state.budget
+
+
+def tag(task: Any) -> str:
+    """This worker process's run-on tag, ``<node name>:<pid>``: its run-on records name it,
+    so that its worker's main process finds them when it dies (``LockedRequest``)."""
+    return f"{task.request.hostname}:{_process.current()}"
+
+
+def dead(request: Any, lock: Any) -> Any:
+    """In the worker's main process, for a pool process that died (``worker_pid``) while
+    its job ``request`` held ``lock``: park again, first in line, the tasks it ran on
+    (handoff.lua "dead"); returns the hand-over to send, if the lock was theirs (and the
+    release script did not push it back itself)."""
+    pid = getattr(request, "worker_pid", None)
+    if not pid or not isinstance(lock, TaskLock):
+        return None
+    reply = lock.handoff(f"{request.hostname}:{pid}", "dead", None)
+    if reply.code != -2:  # the lock was a run-on task's of that process: handed on
+        log.warning(
+            "redislock: pool process %s died while it ran on under %r; its task parked again, "
+            "first in line",
+            pid,
+            lock.name,
+        )
+    return lock.handed(reply)
 
 
 def _no_time_limits(task: Any, request: Any) -> bool:

@@ -97,8 +97,9 @@ class _ParkedRun(SyncSingle):
     ``_keep``); ``self._scripts`` names them alike (``park``, ``handoff``)."""
 
     pulled: str | None = None  # the queued task the last finish() handed the lock to
-    #: A release may hand a parked task to this process to run itself (``runon``; a mutex's).
-    run_on = False
+    #: This process's run-on tag when a release may hand a parked task to it to run itself
+    #: (``runon.tag``; a mutex's), else "".
+    run_on = ""
     #: The queue lists a hand-over may push a parked envelope to itself, and the task names
     #: it may be for, one a line (the hand-over scripts' ``lists``, ``tasks``): ``task_lock``
     #: sets the app's. Other envelopes come back to the worker, which checks them first.
@@ -376,7 +377,7 @@ class TaskLock(_ParkedRun, RedisLock):
             args += ["", "", "", "", ""]
         fence = "" if token is None else token
         if self.run_on:  # every parked envelope comes back (handoff.lua's run_on)
-            return keys, [*args, "", "", fence, "", "1"]
+            return keys, [*args, "", "", fence, "", self.run_on]
         return keys, [*args, *self.push_to, fence]
 
     def _keep(self, owner: str, hold: float, done_ttl: float | None, token: int | None) -> int:

@@ -19,6 +19,7 @@ from .._core import lease_ms
 from .._errors import LockConfigurationError
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
 from ..settings import check_latest
+from . import runon
 from .base import LockedTask
 from .clients import _clients, client_for, settings_for
 from .deferral import Drainer, _drainers
@@ -79,6 +80,8 @@ class LockedRequest(Request):  # type: ignore[misc]
                 reply = lock.handoff(owner, mode, done_ttl)
                 code = reply.code
                 _publish_for_dead_run(task, lock.handed(reply))
+                if mode == "all":  # the tasks its process ran on, after it (lock_run_on)
+                    _publish_for_dead_run(task, runon.dead(self, lock))
         except Exception as exc:  # the lease still expires by itself
             log.warning(
                 "redislock: could not release for %s[%s] (%s): %r", task.name, self.id, why, exc

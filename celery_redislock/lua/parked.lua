@@ -7,8 +7,9 @@
 --   and `lease`; the hand-over's time recorded in dispatched (task id -> ms) for the sweeper.
 --   With `inline` (a mutex's run-on: the releasing worker process runs the task itself) the
 --   hold is written taken (count 1: that process records it without a round trip) and the
---   record as "i<ms>/<lease>": no broker message of the task exists, so its record stays
---   until its run's end (run_over), or until that process gives it back (unrun).
+--   record as "i<ms>/<lease>/<inline>" (inline: that process's tag, "<node>:<pid>"): no broker
+--   message of the task exists, so its record stays until its run's end (run_over), until that
+--   process gives it back (unrun), or until its worker finds it dead (dead_run_on).
 --   lock: the lock's key, or a function of the task id writing the hold (a semaphore's
 --   permit) and returning its key.
 -- serve_parked(lock, fence, parked, messages, dispatched, lease, lock_key, lists, tasks, inline?)
@@ -79,7 +80,7 @@ local function ran_on_over(messages, dispatched, task_id)
 end
 local function hand_to(lock, fence, dispatched, task_id, lease, inline)
   local at = now_ms()
-  redis.call('hset', dispatched, task_id, inline and ('i' .. at .. '/' .. lease) or at)
+  redis.call('hset', dispatched, task_id, inline and ('i' .. at .. '/' .. lease .. '/' .. inline) or at)
   local token = redis.call('incr', fence)
   if type(lock) == 'function' then
     lock(task_id, token, lease)
@@ -129,11 +130,34 @@ local function still_queued(message, token, sent, reach)
   end
   return false
 end
--- A run-on record, "i<ms>/<lease>" (or "x<ms>/<lease>": its hold first seen gone at <ms>):
--- kind, ms, lease; nil for a usual hand-over's "<ms>".
+-- A run-on record, "i<ms>/<lease>/<tag>" (or "x<ms>/<lease>/<tag>": its hold first seen gone at
+-- <ms>): kind, ms, lease, the tag of the process running it on; nil for a usual "<ms>".
 local function run_on_record(value)
-  local kind, ms, lease = string.match(value, '^([ix])(%d+)/?(%d*)$')
-  return kind, tonumber(ms), tonumber(lease) or 0
+  local kind, ms, lease, tag = string.match(value, '^([ix])(%d+)/?(%d*)/?(.*)$')
+  return kind, tonumber(ms), tonumber(lease) or 0, tag
+end
+-- The run-on records of a dead worker process (tag): each task parked again, first in line (or
+-- its records dropped if its run left its done marker), and the lock deleted if one of them held
+-- it (nobody else may: a mutex). True if the lock was so freed.
+local function dead_run_on(lock, parked, messages, dispatched, tag)
+  local handed, freed = redis.call('hgetall', dispatched), false
+  for i = 1, #handed, 2 do
+    local task_id = handed[i]
+    local kind, _, _, who = run_on_record(handed[i + 1])
+    if kind and who == tag then
+      if redis.call('hexists', lock, task_id) == 1 then
+        redis.call('del', lock)
+        freed = true
+      end
+      if redis.call('exists', lock .. ':done:' .. task_id) == 1 then
+        run_over('', 0, messages, dispatched, task_id)
+      else
+        redis.call('hdel', dispatched, task_id)
+        if redis.call('hexists', messages, task_id) == 1 then redis.call('lpush', parked, task_id) end
+      end
+    end
+  end
+  return freed
 end
 local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now, parked,
     grace_ms)
@@ -142,16 +166,16 @@ local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reac
     local task_id = handed[i]
     local hold = hold_of(task_id)
     local count = redis.call('hget', hold, task_id)
-    local kind, since, run_lease = run_on_record(handed[i + 1])
+    local kind, since, run_lease, tag = run_on_record(handed[i + 1])
     if kind and count and count ~= '0' then
       if kind == 'x' then  -- (taken again: another copy of the run holds it)
-        redis.call('hset', dispatched, task_id, 'i' .. now .. '/' .. run_lease)
+        redis.call('hset', dispatched, task_id, 'i' .. now .. '/' .. run_lease .. '/' .. tag)
       end
     elseif kind and not count then
       if redis.call('exists', hold .. ':done:' .. task_id) == 1 then
         run_over('', 0, messages, dispatched, task_id)  -- its run ended (a kept hold ran out)
       elseif kind == 'i' then
-        redis.call('hset', dispatched, task_id, 'x' .. now .. '/' .. run_lease)
+        redis.call('hset', dispatched, task_id, 'x' .. now .. '/' .. run_lease .. '/' .. tag)
       elseif now - since > math.max(grace_ms, 2 * run_lease) then
         redis.call('hdel', dispatched, task_id)
         if redis.call('hexists', messages, task_id) == 1 then

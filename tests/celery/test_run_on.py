@@ -145,9 +145,9 @@ def test_a_process_killed_while_it_runs_on_loses_no_task(
     server: RedisServer, tmp_path: Path
 ) -> None:
     """SIGKILL of the pool process in the middle of a task it runs on: that task has no
-    broker message, so the sweeper puts it back at the head of the line once its hold is
-    gone (lease out, then the grace); it runs again, then the ones parked behind it, each
-    once more than it was killed, none beside another."""
+    broker message; the worker's main process, told its process died, parks it again at
+    the head of the line and hands it the lock at once; it runs again, then the ones
+    parked behind it, each once more than it was killed, none beside another."""
     r = server.client()
     env = {"REDISLOCK_TEST_TTL": "2", "REDISLOCK_TEST_RUN_ON_GRACE": "1"}
     proc = worker(server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
@@ -163,6 +163,7 @@ def test_a_process_killed_while_it_runs_on_loses_no_task(
         assert victim[0] == doomed.id and victim[2] == _starts(r, "kill")[1][2]  # run on
         assert r.hget("redislock:{job:kill}:parked:dispatched", doomed.id).startswith(b"i")
         os.kill(victim[2], signal.SIGKILL)
+        wait_until(lambda: "died while it ran on" in proc.text(), timeout=30)
         # the killed run's record is marked gone, then parked again, then it runs again
         for result in [doomed, *after]:
             result.get(timeout=90)
