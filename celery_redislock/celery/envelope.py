@@ -91,6 +91,17 @@ def _handed(lock_key: bytes, handed: Handed | None) -> _Handed | None:
     return _Handed(lock_key, handed.task_id, handed.message, handed.tag)
 
 
+def envelope_body(envelope: Any) -> Any:
+    """A broker envelope's body as kombu hands it to Celery: base64-decoded when its
+    ``body_encoding`` says so, decompressed when its ``compression`` header does."""
+    headers, body = envelope["headers"], envelope["body"]
+    if envelope["properties"].get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    if headers.get("compression"):
+        body = compression.decompress(body, headers["compression"])  # type: ignore[no-untyped-call]
+    return body
+
+
 def envelope_lock_key(app: Any, envelope: Any, accept: Any = None) -> bytes | None:
     """The lock key the task of a broker envelope (as kombu decodes it) takes: its
     arguments decoded and its ``lock_key`` rendered; None if it is not a ``LockedTask``'s
@@ -98,15 +109,11 @@ def envelope_lock_key(app: Any, envelope: Any, accept: Any = None) -> bytes | No
     from .base import LockedTask  # (base imports this module)
 
     try:
-        headers, properties = envelope["headers"], envelope["properties"]
+        headers = envelope["headers"]
         task = app.tasks.get(headers.get("task"))
         if not isinstance(task, LockedTask) or not isinstance(headers.get("id"), str):
             return None
-        body = envelope["body"]
-        if properties.get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        if headers.get("compression"):
-            body = compression.decompress(body, headers["compression"])  # type: ignore[no-untyped-call]
+        body = envelope_body(envelope)
         if accept is None:
             accept = serialization.prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
         args, kwargs, _embed = serialization.loads(  # type: ignore[no-untyped-call]

@@ -28,7 +28,6 @@ land first: ``parked.lua``'s ``resend_stale``).
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -36,7 +35,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from celery import signals as celery_signals
-from kombu import compression
 
 from .. import _process, signals
 from .._core import LockKeys, lease_ms
@@ -45,7 +43,7 @@ from .._replies import AcquireReply
 from .._scripts import scripts_for
 from ..settings import LockOptions
 from .clients import client_for
-from .envelope import _Handed, _text, push_targets
+from .envelope import _Handed, _text, envelope_body, push_targets
 from .lookahead import LOOKAHEAD_HEADER
 from .tasklock import TaskLock
 
@@ -191,11 +189,7 @@ def _next_of(
     task = _runnable(app, name, headers.get("expires"), headers.get("eta"), limits, options)
     if task is None:
         return None
-    body = envelope["body"]
-    if properties.get("body_encoding") == "base64":
-        body = base64.b64decode(body)
-    if headers.get("compression"):
-        body = compression.decompress(body, headers["compression"])  # type: ignore[no-untyped-call]
+    body = envelope_body(envelope)
     info = properties.get("delivery_info") or {}
     # As celery.worker.request.Request builds it from the message.
     headers.update(
