@@ -4,7 +4,7 @@ Broker and results on the private redis-server the test passes in ``REDISLOCK_TE
 locks there too, or in ``REDISLOCK_TEST_LOCK_URL`` (another database: parked tasks are then
 signatures, parked by pool processes). ``REDISLOCK_TEST_TTL``: the locks' lease;
 ``REDISLOCK_TEST_RUN_ON_GRACE``: the sweeper's least wait before a run-on task whose
-process died goes back to the line.
+process died goes back to the line; ``REDISLOCK_TEST_RUN_ON``: ``redislock_run_on`` (30 s).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6399/0")
 app = Celery("redislock_runon_tests", broker=URL, backend=URL)
 app.conf.update(
     redislock_ttl=float(os.environ.get("REDISLOCK_TEST_TTL", "3")),
-    redislock_run_on=30.0,
+    redislock_run_on=float(os.environ.get("REDISLOCK_TEST_RUN_ON", "30")),
     task_acks_late=True,
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,

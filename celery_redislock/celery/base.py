@@ -382,6 +382,12 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
             else:
                 self._keep_for_retry(lock, retry, options)
             raise
+        except (SystemExit, KeyboardInterrupt):
+            # The process is being ended under the run (SIGTERM: revoke(terminate=True), a
+            # pool or systemd stopping it), not the run ended: no done marker, so that its
+            # redelivery (or, run on, its re-parking by the worker: runon.dead) runs it again.
+            self._ended_under_run(lock, options, lookahead)
+            raise
         except BaseException:  # lock_hold is for successes
             _finish_quietly(lock, self, options, hold=0.0, lookahead=lookahead)
             raise
@@ -397,6 +403,18 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
                 reason=lost.reason or "expired",
             )
         return result
+
+    def _ended_under_run(
+        self, lock: AnyTaskLock, options: LockOptions, lookahead: Callable[[], _Pull | None] | None
+    ) -> None:
+        """The process ends under a run: a run-on task's hold and run-on record are left as
+        they are (no broker message of it exists: the record is what brings it back, when
+        the worker's main process or the sweeper finds its process dead); any other run's
+        hold is given back without its done marker."""
+        if runon.running_on():
+            lock.close()  # not renewed: its lease ends it, if nobody parks it again first
+            return
+        _finish_quietly(lock, self, options, hold=0.0, done=False, lookahead=lookahead)
 
     def _lookahead(
         self, lock: AnyTaskLock, options: LockOptions

@@ -106,6 +106,11 @@ def allowed(task: Any, lock: Any, options: LockOptions) -> bool:
     return time.monotonic() - state.started < state.budget
 
 
+def running_on() -> bool:
+    """Whether this process runs a chain on now (the trace running is a task run on)."""
+    return _state.running
+
+
 def tag(task: Any) -> str:
     """This worker process's run-on tag, ``<node name>:<pid>``: its run-on records name it,
     so that its worker's main process finds them when it dies (``LockedRequest``)."""
