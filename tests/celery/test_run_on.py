@@ -26,12 +26,15 @@ APP = "tests.runon_app"
 RUNS_ON = "runs on with"
 
 
-@pytest.fixture
-def server(broker: RedisServer) -> RedisServer:
-    """The session's (emptied) Redis, as the test app's broker and backend here too."""
-    ra.app.conf.update(broker_url=broker.url, result_backend=broker.url)
-    ra.URL, ra._r = broker.url, None
-    return broker
+def _park(r: redis.Redis, name: str, calls: list[tuple[Any, float]]) -> list[Any]:
+    """Send each call, one by one, once the one before it is parked on ``job:<name>``."""
+    sent = []
+    lock = f"redislock:{{job:{name}}}:parked"
+    for task, seconds in calls:
+        before = r.llen(lock)
+        sent.append(task.delay(name, seconds))
+        wait_until(lambda before=before: r.llen(lock) == before + 1, timeout=30)
+    return sent
 
 
 def _starts(r: redis.Redis, name: str) -> list[tuple[str, int, int, float]]:
@@ -75,15 +78,15 @@ def _warm(name: str) -> None:
 
 @pytest.mark.parametrize("where", ["same", "otherdb"])
 def test_a_releasing_process_runs_the_tasks_parked_on_its_lock_itself(
-    server: RedisServer, tmp_path: Path, where: str
+    runon_server: RedisServer, tmp_path: Path, where: str
 ) -> None:
     """Five tasks parked behind a running one (at delivery, as envelopes; or, the locks in
     another database, by pool processes, as signatures): the holder's process runs each
     in turn after it, in arrival order, each once, one at a time, its result stored."""
-    r = server.client()
-    env = {"REDISLOCK_TEST_LOCK_URL": server.url[:-1] + "1"} if where == "otherdb" else {}
-    locks = redis.Redis.from_url(env.get("REDISLOCK_TEST_LOCK_URL", server.url))
-    proc = worker(server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    r = runon_server.client()
+    env = {"REDISLOCK_TEST_LOCK_URL": runon_server.url[:-1] + "1"} if where == "otherdb" else {}
+    locks = redis.Redis.from_url(env.get("REDISLOCK_TEST_LOCK_URL", runon_server.url))
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
     try:
         _warm("chain")
         first = ra.job.delay("chain", 1.0)
@@ -107,14 +110,14 @@ def test_a_releasing_process_runs_the_tasks_parked_on_its_lock_itself(
 
 
 def test_a_task_that_may_not_run_on_is_handed_over_through_the_broker(
-    server: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """Tasks parked behind a run-on release that may not run in its process get a usual
     hand-over, through the broker, with no lock left held for them: one with a time limit
     (the worker's main process enforces it per message), one with ``lock_run_on=0``. Of
     the others, only one whose releasing task runs on is run on."""
-    r = server.client()
-    proc = worker(server.url, tmp_path / "w.log", concurrency=2, app=APP)
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
     try:
         _warm("mixed")
         first = ra.job.delay("mixed", 1.0)
@@ -142,15 +145,15 @@ def test_a_task_that_may_not_run_on_is_handed_over_through_the_broker(
 
 
 def test_a_process_killed_while_it_runs_on_loses_no_task(
-    server: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """SIGKILL of the pool process in the middle of a task it runs on: that task has no
     broker message; the worker's main process, told its process died, parks it again at
     the head of the line and hands it the lock at once; it runs again, then the ones
     parked behind it, each once more than it was killed, none beside another."""
-    r = server.client()
+    r = runon_server.client()
     env = {"REDISLOCK_TEST_TTL": "2", "REDISLOCK_TEST_RUN_ON_GRACE": "1"}
-    proc = worker(server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
     try:
         _warm("kill")
         first = ra.job.delay("kill", 0.5)
@@ -178,10 +181,12 @@ def test_a_process_killed_while_it_runs_on_loses_no_task(
         proc.kill()
 
 
-def test_the_sweeper_parks_again_a_run_on_task_whose_hold_is_gone(server: RedisServer) -> None:
+def test_the_sweeper_parks_again_a_run_on_task_whose_hold_is_gone(
+    runon_server: RedisServer,
+) -> None:
     """sweep.lua on a run-on record: kept while its hold is there; marked when first seen
     without its hold; parked again, first in line, once the grace has passed since."""
-    r = server.client()
+    r = runon_server.client()
     lock = "redislock:{job:swept}"
     scripts = scripts_for(r)
     keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
@@ -226,10 +231,10 @@ def test_the_sweeper_parks_again_a_run_on_task_whose_hold_is_gone(server: RedisS
     assert r.llen(lock + ":parked") == 0
 
 
-def test_unrun_gives_back_only_a_run_on_hold_of_its_token(server: RedisServer) -> None:
+def test_unrun_gives_back_only_a_run_on_hold_of_its_token(runon_server: RedisServer) -> None:
     """handoff.lua "unrun": a run-on hand-over (count 1, its token) becomes a usual one
     (count 0, a plain hand-over record); anything else is left alone."""
-    r = server.client()
+    r = runon_server.client()
     lock = "redislock:{job:unrun}"
     keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
     keys += [lock + ":done:t1", lock + ":parked:dispatched", lock + ":waiters"]

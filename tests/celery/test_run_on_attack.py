@@ -13,35 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 
 from celery_redislock.testing import RedisServer
 
 from .. import runon_app as ra
 from .. import runon_attack_app as raa
 from .._celery import wait_until, worker
-from .test_run_on import RUNS_ON, _assert_one_at_a_time, _lock_records_gone, _starts, _warm
+from .test_run_on import (
+    RUNS_ON,
+    _assert_one_at_a_time,
+    _lock_records_gone,
+    _park,
+    _starts,
+    _warm,
+)
 
 APP = "tests.runon_attack_app"
-
-
-@pytest.fixture
-def srv(broker: RedisServer) -> RedisServer:
-    """The session's (emptied) Redis, as the test app's broker and backend here too."""
-    ra.app.conf.update(broker_url=broker.url, result_backend=broker.url)
-    ra.URL, ra._r = broker.url, None
-    return broker
-
-
-def _park(r: redis.Redis, name: str, calls: list[tuple[object, float]]) -> list[object]:
-    """Send each call, one by one, once the one before it is parked on ``job:<name>``."""
-    sent = []
-    lock = f"redislock:{{job:{name}}}:parked"
-    for task, seconds in calls:
-        before = r.llen(lock)
-        sent.append(task.delay(name, seconds))  # type: ignore[attr-defined]
-        wait_until(lambda before=before: r.llen(lock) == before + 1, timeout=30)
-    return sent
 
 
 @pytest.mark.parametrize(
@@ -58,12 +45,14 @@ def _park(r: redis.Redis, name: str, calls: list[tuple[object, float]]) -> list[
         ),
     ],
 )
-def test_a_revoked_parked_task_is_not_run_on(srv: RedisServer, tmp_path: Path, kind: str) -> None:
+def test_a_revoked_parked_task_is_not_run_on(
+    runon_server: RedisServer, tmp_path: Path, kind: str
+) -> None:
     """A parked task revoked before the lock comes to it is dropped, as its delivery
     through the broker is (the worker's main process knows it revoked; it hands the lock
     on to the next): the process that releases the lock must not run it on."""
-    r = srv.client()
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP)
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
     try:
         _warm("rev")
         first = ra.job.delay("rev", 1.5)
@@ -82,15 +71,15 @@ def test_a_revoked_parked_task_is_not_run_on(srv: RedisServer, tmp_path: Path, k
 
 
 def test_a_run_on_hand_over_whose_lease_ran_out_is_not_taken_blindly(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """The releasing task's own task_postrun receivers run before the next task, run on,
     takes its hold: when they take longer than the lease, the hold the release wrote is
     gone, and another task takes the free lock meanwhile. The task run on must not then
     record the hold as its own without asking Redis (two holders at once)."""
-    r = srv.client()
+    r = runon_server.client()
     env = {"REDISLOCK_TEST_TTL": "2", "REDISLOCK_TEST_POSTRUN_SLEEP": "3.5"}
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
     lock = "redislock:{job:gap}"
     try:
         _warm("gap")
@@ -111,15 +100,14 @@ def test_a_run_on_hand_over_whose_lease_ran_out_is_not_taken_blindly(
 
 
 def test_a_run_on_task_longer_than_its_lease_keeps_its_lock(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """A task run on records the hold the release wrote without a round trip: the
     watchdog still renews it, so a run longer than the lease keeps the lock (no other
     run beside it; it ends holding it)."""
-    r = srv.client()
-    proc = worker(
-        srv.url, tmp_path / "w.log", concurrency=2, app=APP, env={"REDISLOCK_TEST_TTL": "2"}
-    )
+    r = runon_server.client()
+    env = {"REDISLOCK_TEST_TTL": "2"}
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
     try:
         _warm("lease")
         first = ra.job.delay("lease", 0.5)
@@ -138,13 +126,13 @@ def test_a_run_on_task_longer_than_its_lease_keeps_its_lock(
 
 
 def test_a_run_on_task_that_retries_itself_hands_on_and_retries(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """A task run on that calls ``self.retry()``: its lock is released (handed on to the
     next parked task, run on too), its retry runs once, its result is stored, and nothing
     is left held or parked."""
-    r = srv.client()
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP)
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
     try:
         _warm("retry")
         first = ra.job.delay("retry", 1.0)
@@ -162,16 +150,16 @@ def test_a_run_on_task_that_retries_itself_hands_on_and_retries(
 
 
 def test_a_run_on_task_that_lost_its_lease_is_not_run_again(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """A task run on whose process stalls past its lease (SIGSTOP): the sweeper hands the
     lock on, and the next task holds it when the stalled run ends. That run's release
     finds another owner's hold (LockLostError, as for any run that lost its lease), but
     its run did end: its run-on record must go with it, not be parked again by the
     sweeper for a second run of the same task."""
-    r = srv.client()
+    r = runon_server.client()
     env = {"REDISLOCK_TEST_TTL": "2", "REDISLOCK_TEST_RUN_ON_GRACE": "1"}
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
     try:
         _warm("stop")
         first = ra.job.delay("stop", 0.5)

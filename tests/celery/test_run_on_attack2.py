@@ -14,7 +14,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -24,30 +23,11 @@ from celery_redislock.testing import RedisServer
 from .. import runon_app as ra
 from .. import runon_attack_app as raa
 from .._celery import wait_until, worker
-from .test_run_on import RUNS_ON, _lock_records_gone, _starts, _warm
+from .test_run_on import RUNS_ON, _lock_records_gone, _park, _starts, _warm
 
 APP = "tests.runon_attack_app"
 PLACEHOLDER = "rltag0123456789abcdef"
 REFUSED = "redislock: refused the parked message of task"
-
-
-@pytest.fixture
-def srv(broker: RedisServer) -> RedisServer:
-    """The session's (emptied) Redis, as the test app's broker and backend here too."""
-    ra.app.conf.update(broker_url=broker.url, result_backend=broker.url)
-    ra.URL, ra._r = broker.url, None
-    return broker
-
-
-def _park(r: redis.Redis, name: str, calls: list[tuple[Any, float]]) -> list[Any]:
-    """Send each call, one by one, once the one before it is parked on ``job:<name>``."""
-    sent = []
-    lock = f"redislock:{{job:{name}}}:parked"
-    for task, seconds in calls:
-        before = r.llen(lock)
-        sent.append(task.delay(name, seconds))
-        wait_until(lambda before=before: r.llen(lock) == before + 1, timeout=30)
-    return sent
 
 
 def _ends(r: redis.Redis, name: str) -> list[tuple[str, float]]:
@@ -86,13 +66,13 @@ def _ended_once(r: redis.Redis, name: str, ids: list[str]) -> None:
 
 
 def test_a_duplicate_of_a_task_run_on_does_not_run_it_again(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """The same task id sent again through the broker while its parked copy runs on
     (and one more while it is still parked): the copies find it running (re-queued) or
     finished (ignored); it runs once, nothing beside it, nothing left parked."""
-    r = srv.client()
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=3, app=APP)
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=3, app=APP)
     try:
         _warm("dup")
         first = ra.job.delay("dup", 1.0)
@@ -121,15 +101,15 @@ def test_a_duplicate_of_a_task_run_on_does_not_run_it_again(
     "id, though the hold is another delivery's (the copy running on); not run-on specific",
 )
 def test_a_dead_duplicate_delivery_does_not_free_the_lock_of_the_copy_running_on(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """A second delivery of a task run on, whose pool process dies before its acquire
     (SIGKILL; a redelivery after a visibility timeout, an OOM kill): the worker's main
     process releases "every hold of that task id" for it — the hold of the copy still
     running on in another process. The lock goes to the next parked task while the first
     copy runs: two holders."""
-    r = srv.client()
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=3, app=APP)
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=3, app=APP)
     try:
         _warm("dead-dup")
         first = ra.job.delay("dead-dup", 1.0)
@@ -154,15 +134,15 @@ def test_a_dead_duplicate_delivery_does_not_free_the_lock_of_the_copy_running_on
 
 
 def test_a_warm_shutdown_in_the_middle_of_a_chain_loses_and_doubles_nothing(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """SIGTERM to the worker's main process while its pool process runs on, with more
     parked behind (a budget that ends mid-chain: the rest is handed over through the
     broker) and more sent after: once a worker is started again, every task has ended
     exactly once, none beside another, and the lock is free with nothing parked."""
-    r = srv.client()
+    r = runon_server.client()
     env = {"REDISLOCK_TEST_RUN_ON": "1.5"}
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
     again = None
     try:
         _warm("warm")
@@ -174,7 +154,7 @@ def test_a_warm_shutdown_in_the_middle_of_a_chain_loses_and_doubles_nothing(
         proc.process.send_signal(signal.SIGTERM)
         later = [ra.job.delay("warm", 0.05) for _ in range(3)]
         proc.process.wait(60)
-        again = worker(srv.url, tmp_path / "w2.log", concurrency=2, app=APP, env=env)
+        again = worker(runon_server.url, tmp_path / "w2.log", concurrency=2, app=APP, env=env)
         every = [first, *parked, *later]
         for result in every:
             result.get(timeout=60)
@@ -189,14 +169,14 @@ def test_a_warm_shutdown_in_the_middle_of_a_chain_loses_and_doubles_nothing(
 
 
 def test_run_on_tasks_that_raise_ignore_reject_or_replace_hand_on(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """A chain of run-on tasks, each ending its own way (ValueError, Ignore,
     Reject(requeue=True), self.replace() with a task of the same key), with a usual task
     behind each: each runs once (the replacement once more, as its own run), the chain
     goes on, nothing beside another, and nothing is left held or parked."""
-    r = srv.client()
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP)
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
     try:
         _warm("ends")
         first = ra.job.delay("ends", 1.0)
@@ -235,13 +215,13 @@ def _forged_envelope(admin: redis.Redis, task_id: str, lock: str) -> str:
 
 
 def test_a_forged_parked_message_in_a_run_on_line_is_refused(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """Forged parked messages (an envelope with a made-up signature, an unsigned
     signature) first in the line behind a task whose release runs on: refused, never
     run; the legit tasks behind them run once each; the lock ends free."""
-    r = srv.client()
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP)
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
     lock = "redislock:{job:forge}"
     try:
         _warm("forge")
@@ -268,15 +248,15 @@ def test_a_forged_parked_message_in_a_run_on_line_is_refused(
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_revoke_terminate_of_the_releasing_task_mid_chain(
-    srv: RedisServer, tmp_path: Path, how: str
+    runon_server: RedisServer, tmp_path: Path, how: str
 ) -> None:
     """``revoke(terminate=True)`` of the releasing task's id (its job is the whole chain,
     as the main process sees it) while its process runs on a long task with more parked
     behind: the task running on is parked again and run again, every task ends exactly
     once, none beside another; nothing is left."""
-    r = srv.client()
+    r = runon_server.client()
     env = {"REDISLOCK_TEST_TTL": "2", "REDISLOCK_TEST_RUN_ON_GRACE": "1"}
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
     try:
         _warm("term")
         first = ra.job.delay("term", 0.5)
@@ -306,15 +286,15 @@ def test_revoke_terminate_of_the_releasing_task_mid_chain(
 
 
 def test_a_process_killed_in_the_releasing_tasks_postrun_loses_no_task(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """SIGKILL of the pool process after its release handed the next task to it (count
     1, its run-on record) and before that task started (a stalled task_postrun receiver):
     the main process parks it again and it runs once; the releasing task is not run
     again; nothing is left."""
-    r = srv.client()
+    r = runon_server.client()
     env = {"REDISLOCK_TEST_TTL": "3", "REDISLOCK_TEST_POSTRUN_SLEEP": "0.8"}
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
     lock = "redislock:{job:post}"
     try:
         _warm("post")
@@ -337,12 +317,12 @@ def test_a_process_killed_in_the_releasing_tasks_postrun_loses_no_task(
         proc.kill()
 
 
-def test_two_workers_running_on_the_same_key(srv: RedisServer, tmp_path: Path) -> None:
+def test_two_workers_running_on_the_same_key(runon_server: RedisServer, tmp_path: Path) -> None:
     """Two workers, both running on, a burst of one key's tasks sent to both: every task
     ends exactly once, none beside another, and the lock ends free."""
-    r = srv.client()
-    one = worker(srv.url, tmp_path / "w1.log", concurrency=2, app=APP, name="w1")
-    two = worker(srv.url, tmp_path / "w2.log", concurrency=2, app=APP, name="w2")
+    r = runon_server.client()
+    one = worker(runon_server.url, tmp_path / "w1.log", concurrency=2, app=APP, name="w1")
+    two = worker(runon_server.url, tmp_path / "w2.log", concurrency=2, app=APP, name="w2")
     try:
         _warm("two")
         _warm("two")
@@ -359,14 +339,14 @@ def test_two_workers_running_on_the_same_key(srv: RedisServer, tmp_path: Path) -
 
 
 def test_a_process_ended_by_sigterm_mid_body_leaves_its_task_to_run_again(
-    srv: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path
 ) -> None:
     """SIGTERM to the pool process in the middle of a usual task's body (not run on;
     revoke(terminate=True) of another task's id, a supervisor stopping the process group):
     billiard raises SystemExit in the body. The process is ended, not the run: no done
     marker, so the redelivery (task_reject_on_worker_lost) runs it again to its end."""
-    r = srv.client()
-    proc = worker(srv.url, tmp_path / "w.log", concurrency=2, app=APP)
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
     try:
         _warm("sigterm")
         doomed = ra.job.delay("sigterm", 3.0)
