@@ -252,7 +252,8 @@ class LockBase(Generic[Signal]):
             wake = None if name is None else name + b".0"
         if wake is None:
             return argv
-        return [*argv, *("",) * (5 - len(argv)), wake]
+        argv = [*argv, *("",) * (5 - len(argv))]
+        return [*argv[:5], wake, *argv[6:]]
 
     def _abandoned(self, owner: str, grant_name: bytes | None, pttl: int) -> None:
         """A leave failed: the wait's place (kept ``pttl`` + LINE_MARGIN_MS past its last

@@ -58,12 +58,13 @@ class LatestCall(NamedTuple):
         return [self.task_id, self.sent_us, self.quiet_ms, self.max_ms]
 
 
-def _task_argv(owner: str, lease: int, line: Any, token: str, adopt: str | None) -> list[Any]:
+def _task_argv(owner: str, lease: int, line: Any, tok: str, adopt: Any, by: str = "") -> list[Any]:
     """acquire.lua's ARGV for a task run: never a re-entry ("task"), or taking over the
-    hold an earlier run kept across ``self.retry()`` ("adopt")."""
-    if adopt is None:
-        return [owner, lease, line, token, "task"]
-    return [owner, lease, line, token, "adopt", "", adopt]
+    hold an earlier run kept across ``self.retry()`` ("adopt"); ``by`` (ARGV[9]): the
+    process taking it (``runon.tag``), kept beside the hold for its worker's release."""
+    argv: list[Any] = [owner, lease, line, tok, "task" if adopt is None else "adopt", ""]
+    argv.append(adopt or "")
+    return [*argv, "", by] if by else argv
 
 
 def run_owner(task_id: str, retries: Any = 0, nesting: Any = 0) -> str:
@@ -97,9 +98,9 @@ class _ParkedRun(SyncSingle):
     ``_keep``); ``self._scripts`` names them alike (``park``, ``handoff``)."""
 
     pulled: str | None = None  # the queued task the last finish() handed the lock to
-    #: This process's run-on tag when a release may hand a parked task to it to run itself
-    #: (``runon.tag``; a mutex's), else "".
-    run_on = ""
+    run_on = ""  #: this process's tag (``runon.tag``) when a release may hand it a task to run
+    #: The process taking it (``runon.tag``); in the main process, the dead one released for.
+    by = ""
     #: The queue lists a hand-over may push a parked envelope to itself, and the task names
     #: it may be for, one a line (the hand-over scripts' ``lists``, ``tasks``): ``task_lock``
     #: sets the app's. Other envelopes come back to the worker, which checks them first.
@@ -317,7 +318,8 @@ class TaskLock(_ParkedRun, RedisLock):
         self._run_keys(task_id)
 
     def _acquire_argv(self, owner: str, lease: int, line: bool) -> list[Any]:
-        return _task_argv(owner, lease, LINE_MARGIN_MS if line else "", "", self._adopt)
+        margin = LINE_MARGIN_MS if line else ""
+        return _task_argv(owner, lease, margin, "", self._adopt, self.by)
 
     def _park_call(
         self,
@@ -378,7 +380,8 @@ class TaskLock(_ParkedRun, RedisLock):
         fence = "" if token is None else token
         if self.run_on:  # every parked envelope comes back (handoff.lua's run_on)
             return keys, [*args, "", "", fence, "", self.run_on]
-        return keys, [*args, *self.push_to, fence]
+        by = [fence, "", "", self.by] if mode == "all" and self.by else [fence]
+        return keys, [*args, *self.push_to, *by]
 
     def _keep(self, owner: str, hold: float, done_ttl: float | None, token: int | None) -> int:
         """Keep the hold ``hold`` seconds more, unrenewed (release.lua "hold")."""

@@ -77,6 +77,8 @@ class LockedRequest(Request):  # type: ignore[misc]
                 code = lock.release_all()
             else:
                 done_ttl = options.done_ttl if mode == "unstarted" else None
+                if mode == "all" and self.worker_pid:  # its holds only, not another copy's
+                    lock.by = f"{self.hostname}:{self.worker_pid}"
                 reply = lock.handoff(owner, mode, done_ttl)
                 code = reply.code
                 _publish_for_dead_run(task, lock.handed(reply))

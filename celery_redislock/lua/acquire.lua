@@ -1,5 +1,5 @@
 -- acquire(keys=[lock, fence, waiters, claims, wake, done?, void?],
---         args=[owner, lease_ms, margin_ms?, new_token?, mode?, wake_id?, adopted?, attempt?])
+--         args=[owner, lease_ms, margin_ms?, new_token?, mode?, wake_id?, adopted?, attempt?, by?])
 --   -> {1, token, count} | {0, ms} | {-1, 0} | {2, ms}
 -- Take or re-enter a reentrant lock, fair to the waiters in line (docs/concepts.md,
 -- "Wake-on-release"). lock: hash owner -> hold count, "__fence__" -> token; fence: the token
@@ -10,7 +10,8 @@
 -- long past the holder's lease ("": a single try); new_token "new-token": re-entry hands out a
 -- new token too; mode "task" (one hold per run: an existing hold is left alone, {2, ms}) or
 -- "adopt" (take over the hold of `adopted` as one hold); wake_id: ask for a direct grant;
--- attempt: this attempt's number, refused ({0, 0}: not taken) unless above the void record.
+-- attempt: this attempt's number, refused ({0, 0}: not taken) unless above the void record;
+-- by: a task run's process ("<node>:<pid>"), kept in "__by__" when it takes the lock.
 -- Replies: {1, token, count} taken or re-entered; {0, ms} not taken (the holder's lease left,
 -- -1: none, or the wait for the first in line); {-1, 0} done; {2, ms} "task" holds it.
 local lease = ms_arg(ARGV[2], 'lease')
@@ -33,6 +34,7 @@ if ARGV[5] == 'task' then
 elseif ARGV[5] == 'adopt' and ARGV[7] and ARGV[7] ~= ARGV[1] and redis.call('hexists', KEYS[1], ARGV[7]) == 1 then
   redis.call('hdel', KEYS[1], ARGV[7])
   redis.call('hset', KEYS[1], ARGV[1], 1)
+  held_by(KEYS[1], ARGV[9])
   redis.call('pexpire', KEYS[1], lease)
   return {1, tonumber(redis.call('hget', KEYS[1], '__fence__')), 1}
 end
@@ -64,5 +66,7 @@ if not reply then
   join_line(reply[2])
 elseif reply[1] == 0 then
   join_line(0)
+elseif ARGV[5] == 'task' then
+  held_by(KEYS[1], ARGV[9])
 end
 return reply

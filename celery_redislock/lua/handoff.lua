@@ -1,25 +1,25 @@
 -- handoff(keys=[lock, channel, fence, parked, messages, done, dispatched, waiters, claims, wake,
 --               queue_list?, registry?, chain?, next_done?],
 --         args=[owner, mode, lease_ms, done_ms, next_id, next_raw, next_entry, keep_ms, reach,
---   lists, tasks, token?, grant_ms?, run_on?]) -> {code, message?, task id?, token or 1?}
+--   lists, tasks, token?, grant_ms?, run_on?, by?]) -> {code, message?, task id?, token or 1?}
 -- A task's release: the lock goes to the first parked task, else the first waiter in line, else
--- the lock's next queued task (look-ahead), else nobody (docs/concepts.md, "Parking and
--- hand-over"). Keys as park.lua's and release.lua's; done: the owner's done marker. Look-ahead
--- (next_id not ""): queue_list holds next_id's message next_raw; registry: the sweeper's;
--- chain: the list's chain (hash "lock" -> the lock served ahead); next_done: next_id's marker.
+-- the next queued task (look-ahead), else nobody (concepts.md, "Parking and hand-over"). Keys
+-- as park.lua's, release.lua's; done: the owner's done marker. Look-ahead (next_id not ""):
+-- queue_list holds next_id's message next_raw; registry: the sweeper's; chain: the list's chain
+-- (hash "lock" -> the lock served ahead); next_done: next_id's marker.
 -- owner: the releasing task id; mode: "one" one hold, "all" every hold, "unstarted" only a
 -- hand-over to it (count 0), "unrun" parked.lua's unrun, "dead" its dead_run_on (owner: a dead
--- process's run-on tag) then as a lapsed lease's release; lease_ms: the next task's; done_ms: the
+-- process's tag) then as a lapsed lease's release; lease_ms: the next task's; done_ms: the
 -- marker's lifetime (0: none); next_entry: next_raw as a parked envelope; keep_ms: the parking
 -- lifetime; reach: how far from the read end to look for next_raw; lists, tasks: where a parked
 -- envelope may be pushed (envelope.lua); token: only the holding with this fencing token;
--- grant_ms: release.lua's; run_on: the releasing process's tag ("<node>:<pid>"; "": none) when it
--- may run the task handed the lock itself (hand_to); lists "" then; look-ahead's comes back too.
+-- grant_ms: release.lua's; run_on: the releasing process's tag ("<node>:<pid>"; "": none) when
+-- it may run the task handed the lock itself (lists "" then); by: the dead process "all" is for.
 -- Replies: {n} holds left (n > 0), or -1 lease expired, -2 another owner's or holding's, -3 not
 -- handed to it ("unstarted"); {0} released; {0, message, task id, token} handed over: check and
 -- send the message (envelope tag "<placeholder>h<token>"); {0, nil, task id} handed over, its
--- envelope pushed back; {0, nil, task id, 1} handed to the look-ahead's task, moved.
--- Numbers are checked before any write: a parked task is never popped and handed nothing.
+-- envelope pushed back; {0, nil, task id, 1} handed to the look-ahead's task, moved. Numbers
+-- are checked before any write: no parked task is popped and handed nothing.
 local lease = ms_arg(ARGV[3], 'lease')
 local done_ms = ms_arg(ARGV[4], 'done marker lifetime', 0)
 local pulled = ARGV[5] and ARGV[5] ~= ''
@@ -38,6 +38,7 @@ for i = 1, #fields, 2 do
   end
 end
 if ARGV[2] == 'unstarted' and count ~= '0' then return {-3} end
+if ARGV[2] == 'all' and held_by_another(KEYS[1], ARGV[15]) then return {-2} end
 if ARGV[2] == 'unrun' then return unrun(KEYS[1], KEYS[7], ARGV[1], count, fence, ARGV[12]) end
 local dead = ARGV[2] == 'dead' and dead_run_on(KEYS[1], KEYS[4], KEYS[5], KEYS[7], ARGV[1])
 if ARGV[2] == 'dead' and not dead then return {-2} elseif dead then fields = {} end
@@ -61,8 +62,7 @@ if next_id then return {code, message, next_id, token} end
 if grant_first(KEYS[1], KEYS[2], KEYS[3], KEYS[8], KEYS[9], KEYS[10], grant_ms, false) then
   return {code}
 end
--- Look-ahead, one lock per queue list at a time (concepts.md); pcall: the chain may name any key.
-local chain = KEYS[13] and redis.call('hget', KEYS[13], 'lock')
+local chain = KEYS[13] and redis.call('hget', KEYS[13], 'lock')  -- look-ahead: one lock per list
 if chain and chain ~= KEYS[1] and redis.pcall('hget', chain, '__chain__') == KEYS[11] then
   -- another lock's chain goes on in this list: this one is not served ahead
 elseif pulled and redis.call('exists', KEYS[14]) == 0

@@ -26,6 +26,18 @@ local function enter_line(waiters, claims, wake, owner, keep_ms, wake_id, lease)
     redis.call('hdel', wake, owner)
   end
 end
+-- held_by(lock, by): a task run's process, "<node>:<pid>", kept beside its hold ("__by__"), if
+--   given; held_by_another(lock, by): whether "__by__" names another process than `by` (a
+--   worker releasing for its dead pool process `by` must leave such a hold alone).
+local function held_by(lock, by)
+  if by and by ~= '' then
+    redis.call('hset', lock, '__by__', by)
+  end
+end
+local function held_by_another(lock, by)
+  local found = by and by ~= '' and redis.call('hget', lock, '__by__')
+  return found and found ~= by
+end
 local function take_or_enter(lock, fence, waiters, claims, wake, owner, lease, new_token, present)
   if present == nil then
     present = redis.call('exists', lock) == 1

@@ -86,6 +86,7 @@ local function hand_to(lock, fence, dispatched, task_id, lease, inline)
     lock(task_id, token, lease)
   else
     redis.call('hset', lock, task_id, inline and 1 or 0, '__fence__', token)
+    held_by(lock, inline)
     redis.call('pexpire', lock, lease)
   end
   return token

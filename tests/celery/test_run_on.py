@@ -310,3 +310,26 @@ def test_what_may_run_on_follows_the_documented_conditions() -> None:
         assert not runon._events_on
     finally:
         runon._events_on = before
+
+
+def test_a_release_for_a_dead_process_leaves_another_process_s_hold(
+    runon_server: RedisServer,
+) -> None:
+    """handoff.lua "all" for a dead pool process (``by``): a hold whose ``__by__`` names
+    another process (another delivery of the same run took it) is left alone; one of that
+    process, or with no ``__by__`` (taken by an earlier version), is given back."""
+    r = runon_server.client()
+    lock = "redislock:{job:by}"
+    keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
+    keys += [lock + ":done:t1", lock + ":parked:dispatched", lock + ":waiters"]
+    keys += [lock + ":claims", lock + ":wake"]
+
+    def release_for(by: str) -> Any:
+        args = ["t1", "all", 3000, 0, "", "", "", "", "", "", "", "", "", "", by]
+        return scripts_for(r).handoff(keys=keys, args=args)
+
+    r.hset(lock, mapping={"t1": 1, "__fence__": 5, "__by__": "w1@h:100"})
+    assert release_for("w1@h:200") == [-2] and r.hget(lock, "t1") == b"1"
+    assert release_for("w1@h:100") == [0] and not r.exists(lock)
+    r.hset(lock, mapping={"t1": 1, "__fence__": 6})
+    assert release_for("w1@h:200") == [0] and not r.exists(lock)

@@ -95,11 +95,6 @@ def test_a_duplicate_of_a_task_run_on_does_not_run_it_again(
         proc.kill()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: the worker's main process releases every hold of a dead job's task "
-    "id, though the hold is another delivery's (the copy running on); not run-on specific",
-)
 def test_a_dead_duplicate_delivery_does_not_free_the_lock_of_the_copy_running_on(
     runon_server: RedisServer, tmp_path: Path
 ) -> None:
