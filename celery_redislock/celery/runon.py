@@ -322,10 +322,7 @@ def unrun(app: Any, handed: _Handed, lease: int) -> None:
     for the task's own acquire to take up once its message is delivered (handoff.lua
     "unrun"). If Redis does not answer, the hold's lease runs out and the sweeper hands
     the task on (``resend_stale``)."""
-    _unrun(client_for(app), handed, lease)
-
-
-def _unrun(client: Any, handed: _Handed, lease: int) -> None:
+    client = client_for(app)
     keys = LockKeys.for_lock(handed.lock_key).handoff_keys(handed.task_id)
     args = [handed.task_id, "unrun", lease, 0, "", "", "", "", "", "", "", handed.tag]
     try:
@@ -348,15 +345,30 @@ def took_handed(lock: Any, owner: str) -> bool:
     if time.monotonic() - found.sent_at >= found.lease / 1000 * TRUSTED_SHARE:
         # The hold may be gone (its lease ran out while the releasing task's task_postrun
         # receivers, or this one's task_prerun receivers, ran; nothing renewed it), and
-        # the lock another run's: given back as a usual hand-over, for this run's own
-        # acquire to take up (a round trip), or to contend for as any run.
-        _unrun(lock.client, found.handed, found.lease)
-        return False
+        # the lock another run's: confirmed first (renew.lua, owner- and token-checked).
+        # If it is not this run's any more, the run's own acquire takes the lock or parks
+        # as any run; its run-on record stays meanwhile (it is still run here, with no
+        # broker message: a death of this process must still bring it back).
+        confirmed_at = time.monotonic()
+        if not _confirmed(lock, owner, found):
+            return False
+        found = found._replace(sent_at=confirmed_at)
     reply = AcquireReply(True, token=int(found.handed.tag), hold_count=1)
     hold = lock._held(owner, reply, found.sent_at, found.lease, True, None, None)
     if hold is not None:
         scheduler_for(lock.client).add(hold)
     return True
+
+
+def _confirmed(lock: Any, owner: str, found: _Next) -> bool:
+    """Whether the hold the run-on hand-over wrote is still ``owner``'s, with its token;
+    its lease renewed if so."""
+    keys, args = [lock.keys.lock], [owner, found.lease, found.handed.tag]
+    try:
+        return list(scripts_for(lock.client).renew(keys=keys, args=args)) == [1]
+    except Exception:  # not confirmed: the run's own acquire decides
+        log.debug("redislock: could not confirm the run-on hand-over of %r", owner, exc_info=True)
+        return False
 
 
 #: The share of its lease a run-on hand-over is recorded without a round trip within

@@ -99,6 +99,35 @@ def test_a_run_on_hand_over_whose_lease_ran_out_is_not_taken_blindly(
         proc.kill()
 
 
+def test_a_hand_over_confirmed_late_still_brings_its_task_back_if_the_process_dies(
+    runon_server: RedisServer, tmp_path: Path
+) -> None:
+    """The next task, run on, takes its hold later than a third of its lease after the
+    release (a slow task_postrun receiver), while the hold is still its own: confirmed by
+    a renewal, and its run-on record stays, so a SIGKILL of the process in the middle of
+    it still has the worker park it again at once; it then runs to its end, once more."""
+    r = runon_server.client()
+    env = {"REDISLOCK_TEST_TTL": "3", "REDISLOCK_TEST_POSTRUN_SLEEP": "1.5"}
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
+    try:
+        _warm("late")
+        first = raa.slow_post.delay("late", 0.5)
+        wait_until(lambda: len(_starts(r, "late")) == 2, timeout=30)
+        (doomed,) = _park(r, "late", [(ra.job, 3.0)])
+        wait_until(lambda: len(_starts(r, "late")) == 3, timeout=30)
+        victim = _starts(r, "late")[2]
+        assert victim[0] == doomed.id and victim[2] == _starts(r, "late")[1][2]  # run on
+        record = r.hget("redislock:{job:late}:parked:dispatched", doomed.id)
+        assert record is not None and record.startswith(b"i")  # kept: still run on
+        os.kill(victim[2], signal.SIGKILL)
+        wait_until(lambda: "died while it ran on" in proc.text(), timeout=30)
+        doomed.get(timeout=60)
+        ids = [s[0] for s in _starts(r, "late")]
+        assert ids.count(doomed.id) == 2 and ids.count(first.id) == 1
+    finally:
+        proc.kill()
+
+
 def test_a_run_on_task_longer_than_its_lease_keeps_its_lock(
     runon_server: RedisServer, tmp_path: Path
 ) -> None:
