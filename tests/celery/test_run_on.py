@@ -149,8 +149,8 @@ def test_a_process_killed_while_it_runs_on_loses_no_task(
 ) -> None:
     """SIGKILL of the pool process in the middle of a task it runs on: that task has no
     broker message; the worker's main process, told its process died, parks it again at
-    the head of the line and hands it the lock at once; it runs again, then the ones
-    parked behind it, each once more than it was killed, none beside another."""
+    the head of the line (and hands it the lock, if its hold is still there); it runs
+    again, each task once more than it was killed, with rising tokens."""
     r = runon_server.client()
     env = {"REDISLOCK_TEST_TTL": "2", "REDISLOCK_TEST_RUN_ON_GRACE": "1"}
     proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, env=env)
@@ -166,8 +166,8 @@ def test_a_process_killed_while_it_runs_on_loses_no_task(
         assert victim[0] == doomed.id and victim[2] == _starts(r, "kill")[1][2]  # run on
         assert r.hget("redislock:{job:kill}:parked:dispatched", doomed.id).startswith(b"i")
         os.kill(victim[2], signal.SIGKILL)
-        wait_until(lambda: "died while it ran on" in proc.text(), timeout=30)
-        # the killed run's record is marked gone, then parked again, then it runs again
+        # The worker parks it again as soon as it sees its process dead (a busy machine
+        # may see that only after the hold's lease ran out: the others ran meanwhile).
         for result in [doomed, *after]:
             result.get(timeout=90)
         starts = _starts(r, "kill")

@@ -120,7 +120,6 @@ def test_a_hand_over_confirmed_late_still_brings_its_task_back_if_the_process_di
         record = r.hget("redislock:{job:late}:parked:dispatched", doomed.id)
         assert record is not None and record.startswith(b"i")  # kept: still run on
         os.kill(victim[2], signal.SIGKILL)
-        wait_until(lambda: "died while it ran on" in proc.text(), timeout=30)
         doomed.get(timeout=60)
         ids = [s[0] for s in _starts(r, "late")]
         assert ids.count(doomed.id) == 2 and ids.count(first.id) == 1
