@@ -139,14 +139,16 @@ local function run_on_record(value)
 end
 -- The run-on records of a dead worker process (tag): each task parked again, first in line (or
 -- its records dropped if its run left its done marker), and the lock deleted if one of them held
--- it (nobody else may: a mutex). True if the lock was so freed.
+-- it and "__by__" does not name another process. True if the lock was so freed.
 local function dead_run_on(lock, parked, messages, dispatched, tag)
   local handed, freed = redis.call('hgetall', dispatched), false
   for i = 1, #handed, 2 do
     local task_id = handed[i]
     local kind, _, _, who = run_on_record(handed[i + 1])
     if kind and who == tag then
-      if redis.call('hexists', lock, task_id) == 1 then
+      -- its hold, if the dead process took it (another delivery of the run, in another
+      -- process, may hold it now: "__by__" says whose it is)
+      if redis.call('hexists', lock, task_id) == 1 and not held_by_another(lock, tag) then
         redis.call('del', lock)
         freed = true
       end

@@ -333,3 +333,34 @@ def test_a_release_for_a_dead_process_leaves_another_process_s_hold(
     assert release_for("w1@h:100") == [0] and not r.exists(lock)
     r.hset(lock, mapping={"t1": 1, "__fence__": 6})
     assert release_for("w1@h:200") == [0] and not r.exists(lock)
+
+
+def test_a_dead_process_s_run_on_record_frees_only_its_own_hold(
+    runon_server: RedisServer,
+) -> None:
+    """handoff.lua "dead" for process P: a run-on record of P whose task now holds the lock
+    through another process (a later delivery of the same run, ``__by__`` Q, after P's
+    lease ran out) does not free that hold; one whose hold P took does, and the task is
+    parked again, first."""
+    r = runon_server.client()
+    lock = "redislock:{job:dead}"
+    keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
+    keys += [lock + ":done:w1@h:1", lock + ":parked:dispatched", lock + ":waiters"]
+    keys += [lock + ":claims", lock + ":wake"]
+
+    def dead(tag: str) -> Any:
+        args = [tag, "dead", 3000, 0, "", "", "", "", "", "", "", ""]
+        return scripts_for(r).handoff(keys=keys, args=args)
+
+    r.hset(lock, mapping={"t1": 1, "__fence__": 7, "__by__": "w2@h:9"})
+    r.hset(lock + ":parked:dispatched", "t1", "i1/3000/w1@h:1")
+    r.hset(lock + ":parked:messages", "t1", "E-msg")
+    assert dead("w1@h:1") == [-2]
+    assert r.hgetall(lock) == {b"t1": b"1", b"__fence__": b"7", b"__by__": b"w2@h:9"}
+
+    r.delete(lock + ":parked")
+    r.hset(lock, "__by__", "w1@h:1")
+    r.hset(lock + ":parked:dispatched", "t1", "i1/3000/w1@h:1")
+    reply = dead("w1@h:1")
+    assert reply[0] == -1 and reply[2] == b"t1"  # freed, and handed to it again
+    assert r.hget(lock, "t1") == b"0"
