@@ -68,6 +68,10 @@ class _Next(NamedTuple):
         return _text(self.handed.task_id)
 
 
+#: A message as a pool process gets it: task name, request, body, content type, encoding.
+_Message = tuple[str, dict[str, Any], Any, str, str]
+
+
 class _State(threading.local):
     """Per pool thread (a prefork process has one): the chain this process runs on."""
 
@@ -96,7 +100,8 @@ def allowed(task: Any, lock: Any, options: LockOptions) -> bool:
     if options.on_contention != "requeue" or options.latest or options.rate is not None:
         return False
     request = task.request
-    if request.is_eager or request.called_directly or not _no_time_limits(task, request):
+    limits = getattr(request, "timelimit", None)
+    if request.is_eager or request.called_directly or not _no_time_limits(task, limits):
         return False
     if getattr(task.app.conf, "worker_send_task_events", False):
         return False
@@ -136,8 +141,11 @@ def dead(request: Any, lock: Any) -> Any:
     return lock.handed(reply)
 
 
-def _no_time_limits(task: Any, request: Any) -> bool:
-    limits = getattr(request, "timelimit", None) or (None, None)
+def _no_time_limits(task: Any, limits: Any) -> bool:
+    """Whether neither ``limits`` (a message's ``timelimit``: [hard, soft]; anything else
+    but None counts as a limit) nor the task nor the app sets a time limit."""
+    if not isinstance(limits, (list, tuple)):
+        limits = () if limits is None else (limits,)
     conf = task.app.conf
     found = (*limits, task.time_limit, task.soft_time_limit)
     found += (conf.task_time_limit, conf.task_soft_time_limit)
@@ -166,11 +174,10 @@ def take(
     if found is None:
         unrun(app, handed, lease)
         return False
-    found = found._replace(send=send, sent_at=sent_at, lease=lease)
     state = _state
     if state.started is None:
         state.started, state.budget = time.monotonic(), options.run_on
-    state.next.append(found)
+    state.next.append(_Next(handed, *found, send, sent_at, lease))
     return True
 
 
@@ -181,16 +188,15 @@ def _next_of(
     envelope: dict[str, Any],
     hostname: str | None,
     options: LockOptions,
-) -> _Next | None:
-    """The message as a pool process gets it, if it may run here (else None); its
-    ``send``, ``sent_at`` and ``lease`` are filled in by :func:`take`."""
+) -> _Message | None:
+    """The message as a pool process gets it, if it may run here (else None)."""
     if not queue_list:
         return _next_of_signature(app, handed, envelope, hostname, options)
     if queue_list.decode() not in push_targets(app)[0].split("\n"):
         return None  # a queue this worker does not consume
     headers, properties = dict(envelope["headers"]), dict(envelope["properties"])
     name = headers.get("task")
-    limits = _Limits(headers)
+    limits = headers.get("timelimit")
     task = _runnable(app, name, headers.get("expires"), headers.get("eta"), limits, options)
     if task is None:
         return None
@@ -212,17 +218,8 @@ def _next_of(
             LOOKAHEAD_HEADER: queue_list.decode(),
         }
     )
-    return _Next(
-        handed,
-        str(name),
-        headers,
-        body if isinstance(body, bytes) else str(body).encode(),
-        envelope["content-type"],
-        envelope["content-encoding"],
-        _nothing,
-        0.0,
-        0,
-    )
+    body = body if isinstance(body, bytes) else str(body).encode()
+    return str(name), headers, body, envelope["content-type"], envelope["content-encoding"]
 
 
 def _next_of_signature(
@@ -231,7 +228,7 @@ def _next_of_signature(
     signature: dict[str, Any],
     hostname: str | None,
     lock_options: LockOptions,
-) -> _Next | None:
+) -> _Message | None:
     """A parked signature (the broker elsewhere) as the message Celery would publish for
     it (``app.amqp.as_task_v2``, as ``send_task`` builds it), decoded already."""
     options = dict(signature.get("options") or {})
@@ -242,7 +239,7 @@ def _next_of_signature(
         return None  # a queue this worker does not consume
     if options.get("countdown"):
         return None
-    limits = _Limits({"timelimit": (options.get("time_limit"), options.get("soft_time_limit"))})
+    limits = (options.get("time_limit"), options.get("soft_time_limit"))
     task = _runnable(app, name, options.get("expires"), options.get("eta"), limits, lock_options)
     if task is None:
         return None
@@ -284,7 +281,7 @@ def _next_of_signature(
             },
         }
     )
-    return _Next(handed, str(name), headers, body, "", "", _nothing, 0.0, 0)
+    return str(name), headers, body, "", ""
 
 
 def _runnable(
@@ -311,10 +308,6 @@ def _runnable(
     if own.hold > 0 or not own.release_on_retry or task.rate_limit:
         return None
     return task
-
-
-def _nothing() -> None:
-    """(A placeholder ``send``, until :func:`take` gives the real one.)"""
 
 
 def unrun(app: Any, handed: _Handed, lease: int) -> None:
@@ -374,14 +367,6 @@ def _confirmed(lock: Any, owner: str, found: _Next) -> bool:
 #: The share of its lease a run-on hand-over is recorded without a round trip within
 #: (from its release): the watchdog's first renewal of the hold is not due before then.
 TRUSTED_SHARE = 1 / 3
-
-
-class _Limits:
-    """The time limits a message's headers give (``timelimit``: [hard, soft])."""
-
-    def __init__(self, headers: dict[str, Any]) -> None:
-        limits = headers.get("timelimit")
-        self.timelimit = tuple(limits) if isinstance(limits, (list, tuple)) else None
 
 
 def _run_next(sender: Any = None, task: Any = None, **_: Any) -> None:

@@ -289,17 +289,16 @@ def test_what_may_run_on_follows_the_documented_conditions() -> None:
     }
     app.finalize()
     options = plain.lock_options()
-    none = runon._Limits({})
+    none = None
     assert runon._runnable(app, "plain", None, None, none, options) is app.tasks["plain"]
     for name in refused:
         assert runon._runnable(app, name, None, None, none, options) is None, name
     assert runon._runnable(app, "plain", "2030-01-01T00:00:00", None, none, options) is None
     assert runon._runnable(app, "plain", None, "2030-01-01T00:00:00", none, options) is None
-    assert (
-        runon._runnable(app, "plain", None, None, runon._Limits({"timelimit": [9, None]}), options)
-        is None
-    )
+    assert runon._runnable(app, "plain", None, None, [9, None], options) is None
     assert runon._runnable(app, "unknown", None, None, none, options) is None
+    # a message's timelimit in another form than [hard, soft] counts as a limit
+    assert runon._runnable(app, "plain", None, None, "60", options) is None
 
     before = runon._events_on
     try:
