@@ -29,7 +29,7 @@ from celery_redislock import (
     _scripts,
 )
 from celery_redislock._faultproxy import FaultProxy
-from celery_redislock._scripts import _direct_pool, _own_code, run, scripts_for
+from celery_redislock._scripts import _direct_pool, _own_code, lent, run, scripts_for
 from celery_redislock.testing import RedisServer
 
 from .._support import wait_until
@@ -101,7 +101,8 @@ def test_a_script_error_leaves_the_connection_usable(redis_client: redis.Redis) 
     pool = redis_client.connection_pool
     with pytest.raises(redis.ResponseError, match="max wait"):
         run(redis_client, scripts.rate, ["redislock:{e}:rate:1000"], ["-1", "1", "1"])
-    assert len(pool._available_connections) == 1 and not pool._in_use_connections
+    assert len(pool._in_use_connections) + len(pool._available_connections) == 1
+    assert not lent(pool)  # back, kept idle by the scripts
     assert redis_client.ping() is True
     lock = RedisLock(redis_client, "after-error", auto_renew=False)
     assert lock.acquire(blocking=False)
@@ -182,7 +183,7 @@ def test_an_exception_between_the_send_and_the_read_drops_the_connection(
             InterruptedRead.interrupt = True
             with pytest.raises(KeyboardInterrupt):
                 lock.acquire(blocking=False)
-            assert not pool._in_use_connections
+            assert not lent(pool)
             assert client.get("interrupted:x") == b"value of x"  # not the script's reply
         finally:
             InterruptedRead.interrupt = False
@@ -250,7 +251,7 @@ def test_a_socket_timeout_mid_read_is_raised_once_and_the_pool_reads_in_step(
             proxy.inject("delay", "acquire", seconds=0.6)
             with pytest.raises(redis.TimeoutError):
                 lock.acquire(blocking=False)
-            assert not client.connection_pool._in_use_connections
+            assert not lent(client.connection_pool)
             assert client.get("timeout:x") == b"value of x"
             # Raised at all: the default Retry would have sent it again (and been
             # answered). The late one lands once.
@@ -491,7 +492,7 @@ def test_many_threads_share_one_client_without_reading_each_other_s_replies(
         for thread in threads:
             thread.join(9)
         assert not errors and not overlaps
-        assert not client.connection_pool._in_use_connections
+        assert not lent(client.connection_pool)
     finally:
         client.close()
 
@@ -620,5 +621,108 @@ def test_tracing_or_a_reply_callback_installed_after_first_use_is_followed(
         del client.execute_command
         client.set_response_callback("EVALSHA", lambda reply, **kw: reply)
         assert _direct_pool(client) is None
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------ kept connections
+
+
+def test_the_scripts_keep_a_few_connections_of_a_plain_pool_between_calls(
+    redis_server: RedisServer,
+) -> None:
+    """A plain RESP2 ``ConnectionPool``'s connections are kept by the scripts between
+    calls (none handed back and fetched per call), at most ``KEPT_CONNECTIONS`` of them;
+    the rest go back to the pool."""
+    client = redis.Redis(port=redis_server.port)
+    pool = client.connection_pool
+    try:
+        lock = RedisLock(client, "kept", auto_renew=False)
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert len(pool._in_use_connections) == 1 and not lent(pool)
+        barrier = threading.Barrier(_scripts.KEPT_CONNECTIONS + 3)
+
+        def hold_one() -> None:
+            with _scripts._pooled(pool):
+                barrier.wait(5)
+
+        threads = [threading.Thread(target=hold_one) for _ in range(barrier.parties)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(5)
+        assert len(pool._in_use_connections) == _scripts.KEPT_CONNECTIONS
+        assert len(pool._available_connections) == 3 and not lent(pool)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "make_client",
+    [
+        pytest.param(
+            lambda port: redis.Redis(
+                connection_pool=redis.BlockingConnectionPool(port=port, max_connections=100)
+            ),
+            id="blocking-pool",
+        ),
+        pytest.param(lambda port: redis.Redis(port=port, max_connections=10), id="small-pool"),
+        pytest.param(lambda port: redis.Redis(port=port, protocol=3), id="resp3"),
+    ],
+)
+def test_no_connection_is_kept_of_a_pool_the_scripts_could_starve_or_misread(
+    redis_server: RedisServer, make_client: Callable[[int], redis.Redis]
+) -> None:
+    client = make_client(redis_server.port)
+    pool = client.connection_pool
+    try:
+        assert _direct_pool(client) is pool
+        lock = RedisLock(client, "not-kept", auto_renew=False)
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert not _scripts._kept.peek(pool)
+        in_use = getattr(pool, "_in_use_connections", None)
+        assert not in_use  # (a blocking pool has its own queue: nothing out of it)
+    finally:
+        client.close()
+
+
+def test_a_kept_connection_out_of_step_is_replaced_before_the_script_is_sent(
+    redis_server: RedisServer,
+) -> None:
+    """A kept connection with a reply waiting on it (nothing of ours leaves one; a caller
+    that borrowed it could) is dropped and connected afresh, as the pool would: the script
+    reads its own reply."""
+    client = redis.Redis(port=redis_server.port)
+    pool = client.connection_pool
+    try:
+        lock = RedisLock(client, "out-of-step", auto_renew=False)
+        assert lock.acquire(blocking=False)
+        (kept,) = _scripts._kept.peek(pool)
+        kept.send_command("ECHO", "not yours")
+        wait_until(lambda: kept.can_read())
+        lock.release()  # would read "not yours" on that connection
+        assert not client.exists(lock.keys.lock)
+        assert lock.acquire(blocking=False) and lock.locked()
+        lock.release()
+    finally:
+        client.close()
+
+
+def test_a_closed_client_s_lock_connects_again_on_its_next_call(
+    redis_server: RedisServer,
+) -> None:
+    """``client.close()`` disconnects the kept connections too (the pool sees them in
+    use); the next script connects again, as a command on a closed client does."""
+    client = redis.Redis(port=redis_server.port)
+    pool = client.connection_pool
+    lock = RedisLock(client, "closed", auto_renew=False)
+    try:
+        assert lock.acquire(blocking=False)
+        client.close()
+        assert all(connection._sock is None for connection in _scripts._kept.peek(pool) or ())
+        lock.release()
+        assert not client.exists(lock.keys.lock)
     finally:
         client.close()
