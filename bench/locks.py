@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import statistics
 import sys
 import time
 import warnings
@@ -154,10 +155,48 @@ def analyze_contended(
 
 
 def scenario_contended(
-    ctx: Any, url: str, libs: list[str], procs: int, duration: float, hold: float, work: float
+    ctx: Any,
+    url: str,
+    libs: list[str],
+    procs: int,
+    duration: float,
+    hold: float,
+    work: float,
+    rounds: int = 1,
+) -> dict[str, Any]:
+    """Every library and the one-token floor in turn, ``rounds`` times (each round in
+    another order): a library's gaps pooled over its rounds, and each round's median and
+    p99 kept, so a ratio can be taken within a round (the machine drifts between runs)."""
+    order = [*libs, "token"]  # the one-token hand-off floor, in the same harness and run
+    per_round: list[dict[str, Any]] = []
+    for turn in range(rounds):
+        shift = turn % len(order)
+        per_round.append(
+            _contended_round(ctx, url, order[shift:] + order[:shift], procs, duration, hold, work)
+        )
+    results: dict[str, Any] = {}
+    for lib in order:
+        runs = [r[lib] for r in per_round]
+        merged = dict(runs[0])
+        for key in ("acquisitions", "overlaps", "timeouts"):
+            merged[key] = sum(r[key] for r in runs)
+        merged["killed"] = [pid for r in runs for pid in r["killed"]]
+        merged["gaps"] = [g for r in runs for g in r["gaps"]]
+        merged["gap_median"] = pct(merged["gaps"], 0.5)
+        merged["gap_p99"] = pct(merged["gaps"], 0.99)
+        merged["per_proc"] = [sum(c) for c in zip(*(r["per_proc"] for r in runs))]
+        for key in ("throughput", "fairness", "waited_share", "same_proc_share"):
+            merged[key] = statistics.median(r[key] for r in runs)
+        merged["rounds"] = [{"gap_median": r["gap_median"], "gap_p99": r["gap_p99"]} for r in runs]
+        results[lib] = merged
+    return results
+
+
+def _contended_round(
+    ctx: Any, url: str, order: list[str], procs: int, duration: float, hold: float, work: float
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for lib in [*libs, "token"]:  # the one-token hand-off floor, in the same harness and run
+    for lib in order:
         name = f"bench:cont:{lib}"
         if lib == "token":
             seeder = redis.Redis.from_url(url)
@@ -572,6 +611,20 @@ def ratio_lines(r: dict[str, Any], libs: list[str]) -> list[str]:
                     + ", ".join(f"{c} {con[c][key] / floor:.2f}x" for c in libs if c in con)
                     + f"  (floor {floor * 1e3:.3f} ms)"
                 )
+            for key, what in (("gap_median", "median"), ("gap_p99", "p99")):
+                out.append(
+                    f"contended    {what:6s} gap / token floor, within each round = "
+                    + "; ".join(
+                        f"{c} "
+                        + ", ".join(
+                            f"{mine[key] / floor[key]:.2f}"
+                            for mine, floor in zip(con[c]["rounds"], con["token"]["rounds"])
+                        )
+                        + f" (median {_round_ratio(con, c, key):.2f})"
+                        for c in libs
+                        if c in con
+                    )
+                )
         best = max((p for p in peers if p in con), key=lambda p: con[p]["fairness"])
         out.append(
             f"contended    fairness ours                   = {con['ours']['fairness']:.2f} "
@@ -603,6 +656,13 @@ def ratio_lines(r: dict[str, Any], libs: list[str]) -> list[str]:
             )
         out.append(line)
     return out
+
+
+def _round_ratio(con: dict[str, Any], lib: str, key: str) -> float:
+    """The median over the rounds of ``lib``'s ``key`` over the token floor's in that round."""
+    return statistics.median(
+        mine[key] / floor[key] for mine, floor in zip(con[lib]["rounds"], con["token"]["rounds"])
+    )
 
 
 def note_lines(r: dict[str, Any]) -> list[str]:
@@ -684,6 +744,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cycles", type=int, default=3000, help="1: timed cycles per library")
     ap.add_argument("--procs", type=int, default=4, help="2/4: worker processes")
     ap.add_argument("--duration", type=float, default=3.0, help="2: seconds per library")
+    ap.add_argument("--rounds", type=int, default=3, help="2: rounds of every library in turn (3)")
     ap.add_argument("--hold-ms", type=float, default=1.0, help="2: hold time in the lock")
     ap.add_argument("--work-ms", type=float, default=1.0, help="2: work time outside the lock")
     ap.add_argument("--dead-reps", type=int, default=3, help="3: repetitions per library")
@@ -702,6 +763,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.many_seconds = max(2.0, args.many_seconds * s)
     args.renew_hold = max(2.0, args.renew_hold * s)
     args.dead_reps = max(1, round(args.dead_reps * max(1.0, s)))
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     return args
 
 
@@ -737,10 +800,17 @@ def main(argv: list[str] | None = None) -> int:
         if 2 in scen:
             log(
                 f"scenario 2: contended hand-off "
-                f"({args.procs} processes, {args.duration:.1f}s each)"
+                f"({args.procs} processes, {args.duration:.1f}s each, {args.rounds} rounds)"
             )
             results["contended"] = scenario_contended(
-                ctx, url, libs, args.procs, args.duration, args.hold_ms / 1e3, args.work_ms / 1e3
+                ctx,
+                url,
+                libs,
+                args.procs,
+                args.duration,
+                args.hold_ms / 1e3,
+                args.work_ms / 1e3,
+                args.rounds,
             )
         if 3 in scen:
             log(f"scenario 3: dead holder ({args.dead_reps} repetitions, ttl 1 s)")

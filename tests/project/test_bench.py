@@ -47,6 +47,7 @@ def test_the_lock_benchmark_runs_at_tiny_sizes() -> None:
         "--cycles", "100",
         "--procs", "2",
         "--duration", "0.5",
+        "--rounds", "2",
         "--dead-reps", "1",
         "--waiters", "8",
         "--handoffs", "20",
@@ -60,6 +61,7 @@ def test_the_lock_benchmark_runs_at_tiny_sizes() -> None:
     # ours, redis-py, the two-round-trip floor's "-", the one-token floor
     assert _row(out, "2 overlapping sections") == ["0", "0", "-", "0"]
     assert "gap / token floor" in out
+    assert "within each round" in out
     assert _row(out, "5 renew 100: leases lost")[0] == "0"
     assert _row(out, "5 renew 100: loss reports on clean release")[0] == "0"
     uncontended = _row(out, "1 uncontended acquire+release /s")
