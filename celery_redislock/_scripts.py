@@ -16,6 +16,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import threading
 import types
 import weakref
 from importlib import resources
@@ -28,7 +29,7 @@ import redis.client
 from redis.exceptions import NoScriptError, ResponseError
 
 from ._core import MAX_MS
-from ._process import ProcessRegistry
+from ._process import ProcessLocal, current, is_current
 
 SCRIPT_NAMES = (
     "acquire",
@@ -247,9 +248,37 @@ def _pooled(pool: Any) -> Iterator[Any]:
 KEPT_CONNECTIONS = 4
 #: A pool that may open fewer connections than this lends the scripts each one per call.
 KEPT_MIN_POOL = 64
-#: Per plain ``ConnectionPool`` and process: the connections the scripts keep between
-#: calls (a forked child starts with none).
-_kept: ProcessRegistry[Any, collections.deque[Any]] = ProcessRegistry()
+
+
+class _KeptConnections:
+    """Per plain ``ConnectionPool`` and process, the connections the scripts keep between
+    calls (a forked child starts with none): held by the pool itself, not in a registry
+    keyed weakly by it, since a connection refers to its pool (its maintenance handler),
+    and a registry's value would keep its key alive, and its sockets open, for ever."""
+
+    _ATTRIBUTE = "_redislock_kept"
+
+    def __init__(self) -> None:
+        self._mutex: ProcessLocal[threading.Lock] = ProcessLocal(threading.Lock)
+
+    def get(self, pool: Any) -> collections.deque[Any]:
+        """``pool``'s kept connections in this process (none yet: an empty deque)."""
+        found = self.peek(pool)
+        if found is None:
+            with self._mutex.get():
+                found = self.peek(pool)
+                if found is None:
+                    found = collections.deque()
+                    setattr(pool, self._ATTRIBUTE, (current(), found))
+        return found
+
+    def peek(self, pool: Any) -> collections.deque[Any] | None:
+        """``pool``'s kept connections in this process, or None (nothing is made)."""
+        stamp, found = getattr(pool, self._ATTRIBUTE, (None, None))
+        return found if stamp is not None and is_current(stamp) else None
+
+
+_kept = _KeptConnections()
 
 
 def _kept_of(pool: Any) -> collections.deque[Any] | None:
@@ -270,7 +299,7 @@ def _kept_of(pool: Any) -> collections.deque[Any] | None:
         or pool.connection_kwargs.get("protocol") not in _RESP2
     ):
         return None
-    return _kept.get(pool, collections.deque)
+    return _kept.get(pool)
 
 
 #: How a RESP2 pool names its protocol: RESP3's push messages (maintenance notices, client
@@ -294,6 +323,11 @@ def _take(pool: Any, kept: collections.deque[Any] | None) -> Any:
         except IndexError:  # another thread took the last one meanwhile
             pass
         else:
+            if connection not in pool._in_use_connections:
+                # The pool was reset (``pool.reset()``) and forgot it: close it, as
+                # ``client.close()`` no longer would, and take one the pool knows.
+                connection.disconnect()
+                return pool.get_connection(*_GET_CONNECTION_ARGS)
             try:
                 try:
                     # Connects first if it is not (after client.close(), or dropped).

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import signal
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -614,3 +616,24 @@ async def test_an_async_quorum_hold_whose_task_ended_is_not_renewed_for_ever(
         assert [await c.exists(lock.keys.lock) for c in clients] == [0, 0, 0]
         assert losses == ["abandoned"] and not lock._holds
         await lock.aclose()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="scripts_for keeps every client it registered scripts on alive: a RedLock's "
+    "private per-node clients (one connection per node) are never freed",
+)
+def test_a_dropped_redlock_frees_its_private_clients(three: list[redis.Redis]) -> None:
+    """The per-node clients a ``RedLock`` opens for itself go with it (a RedLock made per
+    task must not leave a connection open per node each time)."""
+    lock = RedLock(three, "dropped-redlock", auto_renew=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    private = [weakref.ref(client) for client in lock._fast]
+    del lock
+
+    def freed() -> bool:
+        gc.collect()  # (a node request's thread may still be letting go of its call)
+        return all(ref() is None for ref in private)
+
+    wait_until(freed, 5.0, what="the private clients collected")
