@@ -284,8 +284,8 @@ _kept = _KeptConnections()
 def _kept_of(pool: Any) -> collections.deque[Any] | None:
     """The connections the scripts keep out of ``pool`` between calls, or None (they take
     one from the pool per call): kept only of redis-py's plain ``ConnectionPool`` (not a
-    blocking pool, which they would starve, nor a Sentinel's), on RESP2, that may open
-    ``KEPT_MIN_POOL`` connections or more.
+    blocking pool, which they would starve, nor a Sentinel's), on RESP2, without a
+    credential provider, that may open ``KEPT_MIN_POOL`` connections or more.
 
     A pool's ``get_connection`` and ``release`` cost about 20 µs here (its lock, its
     check of the connection, its observability counters): a tenth of a lock's
@@ -297,6 +297,9 @@ def _kept_of(pool: Any) -> collections.deque[Any] | None:
         type(pool) is not redis.ConnectionPool
         or pool.max_connections < KEPT_MIN_POOL
         or pool.connection_kwargs.get("protocol") not in _RESP2
+        # redis-py sends a rotated credential's AUTH on a connection in use only when it
+        # goes back to the pool: a kept one would keep the old token until it expired.
+        or pool.connection_kwargs.get("credential_provider") is not None
     ):
         return None
     return _kept.get(pool)

@@ -671,6 +671,13 @@ def test_the_scripts_keep_a_few_connections_of_a_plain_pool_between_calls(
         ),
         pytest.param(lambda port: redis.Redis(port=port, max_connections=10), id="small-pool"),
         pytest.param(lambda port: redis.Redis(port=port, protocol=3), id="resp3"),
+        pytest.param(
+            lambda port: redis.Redis(
+                port=port,
+                credential_provider=redis.UsernamePasswordCredentialProvider("default", ""),
+            ),
+            id="credential-provider",
+        ),
     ],
 )
 def test_no_connection_is_kept_of_a_pool_the_scripts_could_starve_or_misread(
