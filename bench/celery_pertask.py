@@ -310,6 +310,16 @@ def main(argv: list[str] | None = None) -> int:
             f"  throughput LockedTask / plain task = "
             f"{med('locked', 'tasks_per_s') / med('nolock', 'tasks_per_s'):.2f}   (target >= 0.95)"
         )
+        if args.repeat > 1:  # each run's pair (run one after the other): the machine drifts
+            pairs = [
+                locked["tasks_per_s"] / plain["tasks_per_s"]
+                for plain, locked in zip(runs["nolock"], runs["locked"])
+            ]
+            lines.append(
+                "    within each run's pair: "
+                + ", ".join(f"{ratio:.2f}" for ratio in pairs)
+                + f" (median {statistics.median(pairs):.2f})"
+            )
         extra = med("locked", "per_task") - med("nolock", "per_task")
         lines.append(f"  Redis commands the lock adds per task = {extra:.2f}")
         added = {k: per["locked"].get(k, 0.0) - per["nolock"].get(k, 0.0) for k in names}
