@@ -16,9 +16,12 @@ for messages indefinitely, so it keeps the user's timeouts and is not built here
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
 import logging
-from typing import Any
+import weakref
+from typing import Any, Sequence
 
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
@@ -66,6 +69,66 @@ def bounded_client(
     else:
         own_pool = type(pool)(connection_class=pool.connection_class, **kwargs)
     return type(client)(connection_pool=own_pool)
+
+
+def close_with(
+    owner: Any, clients: Sequence[Any], given: Sequence[Any]
+) -> weakref.finalize[Any, Any]:
+    """Close the connections of ``clients`` that are private (none of ``given``, the
+    caller's own clients or URLs) when ``owner`` is gone: a lock made per task must not
+    leave a socket open per node each time. Returns the finalizer (call it to close now).
+
+    A ``redis.asyncio`` client cannot be awaited then: its connections are closed
+    without waiting (as redis-py does for a client collected unclosed), if their event
+    loop still runs; ``aclose()`` closes them properly.
+    """
+    private = [c for c in clients if not any(c is g for g in given)]
+    return weakref.finalize(owner, _close_now, private)
+
+
+def private_clients(closer: weakref.finalize[Any, Any]) -> list[Any]:
+    """The private clients ``closer`` (:func:`close_with`'s) would close, now the caller's
+    to close: ``closer`` is detached (none after the first call)."""
+    detached = closer.detach()
+    return list(detached[2][0]) if detached is not None else []
+
+
+async def aclose_private(client: Any) -> None:
+    """Close a private ``redis.asyncio`` client and its pool (a client built on a pool
+    it was given does not close it)."""
+    await client.aclose()
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        await pool.disconnect()
+
+
+def _close_now(clients: list[Any]) -> None:
+    for client in clients:
+        try:
+            _close_connections(client)
+        except Exception as exc:  # closing is best effort: the sockets go with the client
+            log.debug("redislock: closing a private client failed: %r", exc)
+
+
+def _close_connections(client: Any) -> None:
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:  # a cluster client: a pool per node (sync), a list per node (asyncio)
+        if hasattr(client, "disconnect_connection_pools"):
+            client.disconnect_connection_pools()
+        else:
+            for node in client.get_nodes():
+                _close_async(getattr(node, "_connections", ()))
+    elif inspect.iscoroutinefunction(pool.disconnect):
+        _close_async(itertools.chain(pool._available_connections, pool._in_use_connections))
+    else:
+        pool.disconnect()
+
+
+def _close_async(connections: Any) -> None:
+    for connection in list(connections):
+        # Its loop closed: its transport cannot be closed any more (redis-py warns).
+        with contextlib.suppress(RuntimeError):
+            connection._close()
 
 
 def _from_url(url: str, timeout: float, *, asyncio_client: bool) -> Any:

@@ -29,7 +29,7 @@ from ._core import (
 )
 from ._errors import LockConfigurationError
 from ._nodes import check_distinct, node_label
-from ._private_clients import bounded_client
+from ._private_clients import bounded_client, close_with
 from ._quorum import (
     HoldGroup,
     NodeHold,
@@ -61,6 +61,7 @@ class QuorumBase:
     clients: tuple[Any, ...]
     client: Any
     _fast: list[Any]
+    _closer: Any
     _node_scripts: list[Any]
     quorum: int
     node_timeout: float
@@ -119,6 +120,9 @@ class QuorumBase:
         self._fast = [
             bounded_client(c, self.node_timeout, asyncio_client=asyncio_client) for c in nodes
         ]
+        # Their connections are closed when this lock goes (a lock made per task must not
+        # leave a socket per node open each time); AsyncRedLock.aclose() closes them first.
+        self._closer = close_with(self, self._fast, nodes)
         # The caller's clients (for waiting and renewal); a URL's client is the private one.
         self.clients = tuple(
             self._fast[i] if isinstance(c, str) else c for i, c in enumerate(nodes)

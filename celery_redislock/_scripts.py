@@ -127,10 +127,14 @@ class SemaphoreScripts(NamedTuple):
 class Scripts:
     """The registered scripts of one client (sync or asyncio; redis-py picks the kind)."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, registered_on: Any = None) -> None:
+        """``registered_on``: what the scripts call when called without a client, in
+        place of ``client`` itself (a weak proxy of it: :func:`scripts_for`)."""
         #: Whether release wake-ups are published with SPUBLISH (cluster clients).
         self.sharded = is_cluster(client)
         text = sharded_source if self.sharded else source
+        if registered_on is not None:
+            client = _Registering(client, registered_on)
         self.acquire = client.register_script(text("acquire"))
         self.release = client.register_script(text("release"))
         self.renew = client.register_script(text("renew"))
@@ -155,6 +159,19 @@ class Scripts:
         self.rate_resend = client.register_script(text("rate_resend"))
         #: A debounced task's pending call, sent when due (``celery.latest``).
         self.latest_due = client.register_script(text("latest_due"))
+
+
+class _Registering:
+    """``register_script`` of a client whose scripts then refer to ``registered_on``."""
+
+    def __init__(self, client: Any, registered_on: Any) -> None:
+        self._client = client
+        self._registered_on = registered_on
+
+    def register_script(self, text: str) -> Any:
+        script = self._client.register_script(text)
+        script.registered_client = self._registered_on
+        return script
 
 
 def run(client: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
@@ -388,9 +405,10 @@ def _own_code(cls: type, module: str) -> dict[str, Any]:
 
 _OWN_CODE = _own_code(redis.Redis, "redis.client")
 _OWN_CODE_ASYNC = _own_code(redis.asyncio.Redis, "redis.asyncio.client")
-#: Per client: the pool the scripts run on directly, or None, and the ``execute_command``
-#: of its class and of the instance when that was decided (``_direct_pool``).
-_direct: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()
+#: Per client: the pool the scripts run on directly, or None, the ``execute_command`` of
+#: its class when that was decided, and whether the instance had one of its own then
+#: (only whether: a wrapper set on the instance may refer to it, and would keep it alive).
+_direct: weakref.WeakKeyDictionary[Any, tuple[Any, Any, bool]] = weakref.WeakKeyDictionary()
 
 
 def _direct_pool(client: Any) -> Any:
@@ -416,7 +434,7 @@ def _direct_pool(client: Any) -> Any:
         # EVALSHA reply callback set since (each a lookup: this runs on every script call).
         if (
             getattr(type(client), "execute_command", None) is on_class
-            and getattr(client, "__dict__", {}).get("execute_command") is on_instance
+            and ("execute_command" in getattr(client, "__dict__", {})) is on_instance
             and (pool is None or "EVALSHA" not in client.response_callbacks)
         ):
             return pool
@@ -442,7 +460,7 @@ def _direct_pool(client: Any) -> Any:
     _direct[client] = (
         pool,
         getattr(type(client), "execute_command", None),
-        getattr(client, "__dict__", {}).get("execute_command"),
+        "execute_command" in getattr(client, "__dict__", {}),
     )
     return pool
 
@@ -514,11 +532,26 @@ async def _run_direct_async(
         await pool.release(connection)
 
 
+#: Per client, its registered scripts (:func:`scripts_for`).
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
 
 
 def scripts_for(client: Any) -> Scripts:
-    found = _registered.get(client)
+    """The scripts registered on ``client`` (registered now if they are not yet).
+
+    Kept per client in a registry keyed weakly by it, whose scripts refer to it weakly
+    too (a ``weakref.proxy``, see :class:`Scripts`): a script refers to its client, and a
+    value that referred to its key strongly would keep it alive, with its pool and open
+    sockets, for ever. A client dropped is freed at once, as if no lock had used it (no
+    cycle left for the garbage collector, whose order of finalizers may find a socket
+    before the connection that would have closed it). Hold the client as long as its
+    scripts: one called after its client is gone raises ``ReferenceError``. A client
+    that cannot be weakly referred to gets its scripts registered anew at each call.
+    """
+    try:
+        found = _registered.get(client)
+    except TypeError:  # not weakly referable: nothing is kept
+        return Scripts(client)
     if found is None:
-        found = _registered[client] = Scripts(client)
+        found = _registered[client] = Scripts(client, weakref.proxy(client))
     return found

@@ -26,7 +26,7 @@ from ._core import (
     wait_event,
 )
 from ._errors import LockQuorumError
-from ._private_clients import bounded_client
+from ._private_clients import aclose_private, bounded_client, private_clients
 from ._quorum import (
     Decided,
     QuorumAcquire,
@@ -294,9 +294,10 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
         return deleted
 
     async def aclose(self) -> None:
-        """Close this lock's private per-node connections."""
-        for client in self._fast:
-            await client.aclose()
+        """Close this lock's private per-node connections (the caller's clients stay
+        open). Otherwise they are closed without waiting when the lock is collected."""
+        for client in private_clients(self._closer):
+            await aclose_private(client)
 
 
 _background_tasks: set[asyncio.Future[Any]] = set()

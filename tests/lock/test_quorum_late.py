@@ -110,10 +110,10 @@ async def test_async_a_failed_attempt_that_lands_late_takes_nothing(
 ) -> None:
     urls = [servers[0].url, servers[1].url, proxy.url]
     clients = [redis.asyncio.Redis.from_url(url, socket_timeout=5) for url in urls]
+    lock = AsyncRedLock(clients, NAME, ttl=10, owner="A", node_timeout=0.25)
     servers[1].signal(signal.SIGSTOP)
     try:
         proxy.inject("stall", on="acquire", seconds=STALL)
-        lock = AsyncRedLock(clients, NAME, ttl=10, owner="A", node_timeout=0.25)
         with pytest.raises(LockQuorumError):
             await lock.acquire(blocking=False)
         assert proxy.count("acquire") == 0
@@ -123,6 +123,7 @@ async def test_async_a_failed_attempt_that_lands_late_takes_nothing(
         assert left_on(servers[0]) == ({}, -2)
     finally:
         servers[1].signal(signal.SIGCONT)
+        await lock.aclose()  # its private per-node clients
         for client in clients:
             await client.aclose()
 

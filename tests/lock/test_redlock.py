@@ -360,8 +360,8 @@ async def test_async_quorum_lock(nodes: list[RedisServer], three: list[redis.Red
             again = AsyncRedLock(clients, "a-wake", ttl=5, node_timeout=0.2)
             assert await again.acquire(timeout=3)
             await again.release()
-        await lock.aclose()
-        await waiter.aclose()
+        for each in (lock, holder, waiter, again):
+            await each.aclose()
     finally:
         from celery_redislock.aio import aclose_background
 
@@ -618,11 +618,6 @@ async def test_an_async_quorum_hold_whose_task_ended_is_not_renewed_for_ever(
         await lock.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scripts_for keeps every client it registered scripts on alive: a RedLock's "
-    "private per-node clients (one connection per node) are never freed",
-)
 def test_a_dropped_redlock_frees_its_private_clients(three: list[redis.Redis]) -> None:
     """The per-node clients a ``RedLock`` opens for itself go with it (a RedLock made per
     task must not leave a connection open per node each time)."""

@@ -290,6 +290,8 @@ def test_sentinel_master_for_acquire_wait_release_and_failover() -> None:
                     await aclose_background(async_client)
                 finally:
                     await async_client.aclose()
+                    for each in found.sentinels:  # its connections to the sentinel
+                        await each.aclose()
 
             asyncio.run(via_asyncio())
 
