@@ -74,7 +74,7 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
         """:meth:`RedLock._round` for asyncio. The requests are background tasks (pass
         ``tasks`` to see them even if the caller is cancelled): those in flight at the
         end finish by themselves, bounded by the nodes' socket timeout."""
-        sources = [_background(call(i)) for i in range(len(self._fast))]
+        sources = [_background(call(i), self._in_flight) for i in range(len(self._fast))]
         if tasks is not None:
             tasks.extend(sources)
         deadline = time.monotonic() + self.node_timeout + 0.05
@@ -199,7 +199,7 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
                 return_exceptions=True,
             )
 
-        self._track(owner, [_background(give_back())])
+        self._track(owner, [_background(give_back(), self._in_flight)])
 
     async def _release(self, owner: str) -> None:
         hold = self._holds.get(owner)
@@ -293,9 +293,22 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
                 await node.aclose()
         return deleted
 
+    @property
+    def _in_flight(self) -> set[asyncio.Future[Any]]:
+        """This lock's node requests still running in the background (a release's slowest
+        node, a cancelled acquire's give-back): :meth:`aclose` lets them land first."""
+        found: set[asyncio.Future[Any]] | None = self.__dict__.get("_flying")
+        if found is None:
+            found = self.__dict__["_flying"] = set()
+        return found
+
     async def aclose(self) -> None:
         """Close this lock's private per-node connections (the caller's clients stay
-        open). Otherwise they are closed without waiting when the lock is collected."""
+        open), once its node requests still in flight have landed (each bounded by the
+        nodes' timeout: one closed under it would connect again, and stay open).
+        Otherwise they are closed without waiting when the lock is collected."""
+        if self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=self.node_timeout * 2 + 0.1)
         for client in private_clients(self._closer):
             await aclose_private(client)
 
@@ -303,11 +316,17 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
 _background_tasks: set[asyncio.Future[Any]] = set()
 
 
-def _background(awaitable: Awaitable[T]) -> asyncio.Future[T]:
-    """Run ``awaitable`` as a task that is kept alive and whose error is collected."""
+def _background(
+    awaitable: Awaitable[T], mine: set[asyncio.Future[Any]] | None = None
+) -> asyncio.Future[T]:
+    """Run ``awaitable`` as a task that is kept alive and whose error is collected (and,
+    while it runs, in ``mine``: a lock's own requests in flight)."""
     task = asyncio.ensure_future(awaitable)
     _background_tasks.add(task)
     task.add_done_callback(_collected)
+    if mine is not None:
+        mine.add(task)
+        task.add_done_callback(mine.discard)
     return task
 
 

@@ -19,6 +19,7 @@ import redis.asyncio
 
 from celery_redislock import AsyncRedLock, RedisLock, RedLock, aio_redlock
 from celery_redislock._core import DEFAULT_PREFIX, LockKeys
+from celery_redislock._faultproxy import FaultProxy
 from celery_redislock._renewal import scheduler_for
 from celery_redislock._replies import decode_release
 from celery_redislock._scripts import scripts_for
@@ -85,8 +86,9 @@ async def test_an_async_redlock_s_aclose_closes_its_private_connections_only(
             await lock.release()
             await lock.aclose()
             await lock.aclose()  # again: nothing left to close
-        # Closed by aclose(), not left to their collection.
-        assert named(admins, "aclosed-quorum") == [0, 0, 0]
+        # Closed by aclose(), not left to their collection (the server sees a close on
+        # its next turn).
+        wait_until(lambda: named(admins, "aclosed-quorum") == [0, 0, 0], what="closed")
         assert all([await c.ping() for c in mine])  # the caller's own: still open
     finally:
         for client in mine:
@@ -165,3 +167,30 @@ def test_scripts_are_kept_per_client_and_call_through_it(servers: list[RedisServ
         assert decode_release(scripts.release(keys=keys.release_keys(), args=["me"])) == 0
     finally:
         client.close()
+
+
+async def test_an_async_redlock_s_aclose_lets_a_node_request_in_flight_land_first(
+    servers: list[RedisServer], admins: list[redis.Redis]
+) -> None:
+    """A release returns once a quorum answered; the slowest node's request goes on in the
+    background. ``aclose()`` right after must not close that node's private client under
+    it: the request would connect it again, and nothing would close it then."""
+    with FaultProxy(servers[1]) as proxy:
+        mine = [
+            redis.asyncio.Redis(port=servers[0].port, client_name="inflight-quorum"),
+            proxy.async_client(client_name="inflight-quorum"),
+            redis.asyncio.Redis(port=servers[2].port, client_name="inflight-quorum"),
+        ]
+        try:
+            lock = AsyncRedLock(mine, "inflight-quorum", auto_renew=False)
+            assert await lock.acquire(blocking=False)
+            released = proxy.count("release")
+            proxy.inject("delay", "release", seconds=0.15)  # (under the node timeout)
+            await lock.release()  # a quorum of two answered; the delayed node's goes on
+            await lock.aclose()
+            assert proxy.count("release") == released + 1  # it landed, then was closed
+            wait_until(lambda: named(admins, "inflight-quorum") == [0, 0, 0], what="closed")
+            assert not await mine[1].exists(lock.keys.lock)
+        finally:
+            for client in mine:
+                await client.aclose()
