@@ -87,8 +87,9 @@ class AsyncSubscriber(SubscriberBase):
 
     def __init__(self, pool: Any, *, sharded: bool = False) -> None:
         # ``pool``: anything with ``connection_class`` and ``connection_kwargs`` (a
-        # connection pool, or an asyncio cluster node).
-        self._pool = pool
+        # connection pool, or an asyncio cluster node). A pool weakly, as a sync
+        # Subscriber's: the registry of subscribers is keyed weakly by it.
+        self._pool: Callable[[], Any] = _weakly(pool)
         self.sharded = sharded
         self._channels: dict[bytes, _AsyncChannel] = {}
         self._conn: Any = None
@@ -128,7 +129,10 @@ class AsyncSubscriber(SubscriberBase):
         async with self._send_lock:
             try:
                 if self._conn is None:
-                    conn = self._pool.connection_class(**self._pool.connection_kwargs)
+                    pool = self._pool()
+                    if pool is None:  # nobody can be waiting on it any more
+                        return
+                    conn = pool.connection_class(**pool.connection_kwargs)
                     await conn.connect()
                     self._conn = conn
                 await self._conn.send_command(*args, check_health=False)
@@ -203,6 +207,13 @@ _async_subscribers = ProcessRegistry()
 _PerClient = weakref.WeakKeyDictionary[Any, dict[str, AsyncSubscriber]]
 #: Cluster clients: event loop -> client -> node name -> that node's sharded subscriber.
 _async_cluster_subscribers: ProcessRegistry[Any, _PerClient] = ProcessRegistry()
+
+
+def _weakly(pool: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(pool)
+    except TypeError:  # an asyncio cluster node (slots): its client's registry is weak
+        return lambda: pool
 
 
 def async_subscriber_for(

@@ -51,6 +51,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 from types import TracebackType
 from typing import Any, Callable
@@ -412,7 +413,10 @@ class Subscriber(SubscriberBase):
     """The process-wide subscriber of one connection pool (see the module docstring)."""
 
     def __init__(self, pool: Any, *, sharded: bool = False) -> None:
-        self._pool = pool
+        # Weakly: the registry of subscribers is keyed weakly by the pool, and a value
+        # referring to its key would keep the pool (a client's made per task) for ever.
+        # A waiter's lock holds its client, and so the pool, while it waits.
+        self._pool = weakref.ref(pool)
         #: SSUBSCRIBE/SUNSUBSCRIBE (a cluster node) instead of SUBSCRIBE/UNSUBSCRIBE.
         self.sharded = sharded
         self._mutex = threading.Lock()
@@ -458,7 +462,10 @@ class Subscriber(SubscriberBase):
         try:
             if self._conn is None:
                 # Not pool.make_connection(): that counts against max_connections for good.
-                conn = self._pool.connection_class(**self._pool.connection_kwargs)
+                pool = self._pool()
+                if pool is None:  # nobody can be waiting on it any more
+                    return
+                conn = pool.connection_class(**pool.connection_kwargs)
                 conn.connect()
                 self._conn = conn
             self._conn.send_command(*args, check_health=False)

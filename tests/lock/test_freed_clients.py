@@ -194,3 +194,50 @@ async def test_an_async_redlock_s_aclose_lets_a_node_request_in_flight_land_firs
         finally:
             for client in mine:
                 await client.aclose()
+
+
+def test_a_client_whose_lock_waited_is_freed_with_its_pool(
+    servers: list[RedisServer], admins: list[redis.Redis]
+) -> None:
+    """A blocked acquire waits on its pool's subscriber, kept in a registry keyed weakly by
+    the pool: the subscriber must not keep the pool (a client made per task) alive."""
+    holder = RedisLock(admins[0], "waited-pool", auto_renew=False, owner="holder")
+    assert holder.acquire(blocking=False)
+    try:
+        client = redis.Redis(port=servers[0].port, client_name="waited-pool")
+        # Through a subscriber, not a lone waiter's box (a RedLock always waits so).
+        lock = RedLock([client], "waited-pool", auto_renew=False, owner="other")
+        assert not lock.acquire(timeout=0.2)
+        pool = weakref.ref(client.connection_pool)
+        del client, lock
+
+        def freed() -> bool:
+            gc.collect()  # (the subscriber lets its channel go after a while, idle)
+            return pool() is None
+
+        wait_until(freed, 15.0, what="the pool collected")
+    finally:
+        holder.release()
+
+
+async def test_an_asyncio_client_whose_lock_waited_is_freed_with_its_pool(
+    servers: list[RedisServer], admins: list[redis.Redis]
+) -> None:
+    holder = RedisLock(admins[0], "awaited-pool", auto_renew=False, owner="holder")
+    assert holder.acquire(blocking=False)
+    try:
+        client = redis.asyncio.Redis(port=servers[0].port, client_name="awaited-pool")
+        lock = AsyncRedLock([client], "awaited-pool", auto_renew=False, owner="other")
+        assert not await lock.acquire(timeout=0.2)
+        await lock.aclose()
+        pool = weakref.ref(client.connection_pool)
+        await client.aclose()
+        del client, lock
+        for _ in range(300):  # (never timed: the subscriber's idle channel goes in a while)
+            gc.collect()
+            if pool() is None:
+                break
+            await asyncio.sleep(0.05)
+        assert pool() is None
+    finally:
+        holder.release()
