@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_redislock._core import LockKeys
 from celery_redislock._scripts import scripts_for
 from celery_redislock.testing import RedisServer
 
@@ -189,8 +190,7 @@ def test_the_sweeper_parks_again_a_run_on_task_whose_hold_is_gone(
     r = runon_server.client()
     lock = "redislock:{job:swept}"
     scripts = scripts_for(r)
-    keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
-    keys += [lock + ":parked:unused", lock + ":parked:dispatched", "redislock:parked"]
+    keys = LockKeys.for_lock(lock.encode()).sweep_keys("redislock:parked")
 
     def sweep(grace_ms: int) -> Any:
         return scripts.sweep(keys=keys, args=[3000, 1500, 10, grace_ms])
@@ -236,9 +236,7 @@ def test_unrun_gives_back_only_a_run_on_hold_of_its_token(runon_server: RedisSer
     (count 0, a plain hand-over record); anything else is left alone."""
     r = runon_server.client()
     lock = "redislock:{job:unrun}"
-    keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
-    keys += [lock + ":done:t1", lock + ":parked:dispatched", lock + ":waiters"]
-    keys += [lock + ":claims", lock + ":wake"]
+    keys = LockKeys.for_lock(lock.encode()).handoff_keys("t1")
 
     def unrun(token: int) -> Any:
         args = ["t1", "unrun", 3000, 0, "", "", "", "", "", "", "", token]
@@ -319,9 +317,7 @@ def test_a_release_for_a_dead_process_leaves_another_process_s_hold(
     process, or with no ``__by__`` (taken by an earlier version), is given back."""
     r = runon_server.client()
     lock = "redislock:{job:by}"
-    keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
-    keys += [lock + ":done:t1", lock + ":parked:dispatched", lock + ":waiters"]
-    keys += [lock + ":claims", lock + ":wake"]
+    keys = LockKeys.for_lock(lock.encode()).handoff_keys("t1")
 
     def release_for(by: str) -> Any:
         args = ["t1", "all", 3000, 0, "", "", "", "", "", "", "", "", "", "", by]
@@ -343,9 +339,7 @@ def test_a_dead_process_s_run_on_record_frees_only_its_own_hold(
     parked again, first."""
     r = runon_server.client()
     lock = "redislock:{job:dead}"
-    keys = [lock, lock + ":wake", lock + ":fence", lock + ":parked", lock + ":parked:messages"]
-    keys += [lock + ":done:w1@h:1", lock + ":parked:dispatched", lock + ":waiters"]
-    keys += [lock + ":claims", lock + ":wake"]
+    keys = LockKeys.for_lock(lock.encode()).handoff_keys("w1@h:1")
 
     def dead(tag: str) -> Any:
         args = [tag, "dead", 3000, 0, "", "", "", "", "", "", "", ""]
