@@ -40,7 +40,7 @@ from .. import _process, signals
 from .._core import LockKeys, lease_ms
 from .._renewal import scheduler_for
 from .._replies import AcquireReply
-from .._scripts import scripts_for
+from .._scripts import run, scripts_for
 from ..settings import LockOptions
 from .clients import client_for
 from .envelope import _Handed, _text, envelope_body, push_targets
@@ -119,7 +119,18 @@ def running_on() -> bool:
 def tag(task: Any) -> str:
     """This worker process's run-on tag, ``<node name>:<pid>``: its run-on records name it,
     so that its worker's main process finds them when it dies (``LockedRequest``)."""
-    return f"{task.request.hostname}:{_process.current()}"
+    return _tag(task.request.hostname, _process.current())
+
+
+def dead_tag(request: Any) -> str | None:
+    """In the worker's main process, the tag of the pool process that ran the job
+    ``request`` (``worker_pid``), as :func:`tag` gave it there; None if none is known."""
+    pid = getattr(request, "worker_pid", None)
+    return _tag(request.hostname, pid) if pid else None
+
+
+def _tag(hostname: Any, pid: Any) -> str:
+    return f"{hostname}:{pid}"
 
 
 def dead(request: Any, lock: Any) -> Any:
@@ -127,15 +138,15 @@ def dead(request: Any, lock: Any) -> Any:
     its job ``request`` held ``lock``: park again, first in line, the tasks it ran on
     (handoff.lua "dead"); returns the hand-over to send, if the lock was theirs (and the
     release script did not push it back itself)."""
-    pid = getattr(request, "worker_pid", None)
-    if not pid or not isinstance(lock, TaskLock):
+    process = dead_tag(request)
+    if process is None or not isinstance(lock, TaskLock):
         return None
-    reply = lock.handoff(f"{request.hostname}:{pid}", "dead", None)
+    reply = lock.handoff(process, "dead", None)
     if reply.code != -2:  # the lock was a run-on task's of that process: handed on
         log.warning(
             "redislock: pool process %s died while it ran on under %r; its task parked again, "
             "first in line",
-            pid,
+            process,
             lock.name,
         )
     return lock.handed(reply)
@@ -315,11 +326,11 @@ def unrun(app: Any, handed: _Handed, lease: int) -> None:
     for the task's own acquire to take up once its message is delivered (handoff.lua
     "unrun"). If Redis does not answer, the hold's lease runs out and the sweeper hands
     the task on (``resend_stale``)."""
-    client = client_for(app)
     keys = LockKeys.for_lock(handed.lock_key).handoff_keys(handed.task_id)
     args = [handed.task_id, "unrun", lease, 0, "", "", "", "", "", "", "", handed.tag]
     try:
-        scripts_for(client).handoff(keys=keys, args=args)
+        client = client_for(app)
+        run(client, scripts_for(client).handoff, keys, args)
     except Exception:
         log.warning(
             "redislock: could not give back the run-on hand-over of %r",
@@ -358,7 +369,7 @@ def _confirmed(lock: Any, owner: str, found: _Next) -> bool:
     its lease renewed if so."""
     keys, args = [lock.keys.lock], [owner, found.lease, found.handed.tag]
     try:
-        return list(scripts_for(lock.client).renew(keys=keys, args=args)) == [1]
+        return list(run(lock.client, lock._scripts.renew, keys, args)) == [1]
     except Exception:  # not confirmed: the run's own acquire decides
         log.debug("redislock: could not confirm the run-on hand-over of %r", owner, exc_info=True)
         return False

@@ -77,8 +77,9 @@ class LockedRequest(Request):  # type: ignore[misc]
                 code = lock.release_all()
             else:
                 done_ttl = options.done_ttl if mode == "unstarted" else None
-                if mode == "all" and self.worker_pid:  # its holds only, not another copy's
-                    lock.by = f"{self.hostname}:{self.worker_pid}"
+                process = runon.dead_tag(self) if mode == "all" else None
+                if process is not None:  # its holds only, not another copy's
+                    lock.by = process
                 reply = lock.handoff(owner, mode, done_ttl)
                 code = reply.code
                 _publish_for_dead_run(task, lock.handed(reply))
