@@ -39,6 +39,11 @@
 --   is then it: a late release of a run that did end, retried in the background, has had
 --   that long to say so). grace_ms is at least twice the lease the record names. A run-on
 --   record whose run left its done marker (it ended keeping its hold) just goes.
+-- A run's done marker beside a mutex's hash, as LockKeys.done names it (the Python side
+-- passes the releasing run's own as a key; these are other runs' found in the records).
+local function done_key(lock, task_id)
+  return lock .. ':done:' .. task_id
+end
 local function pop_parked(parked, messages)
   while true do
     local task_id = redis.call('lpop', parked)
@@ -101,7 +106,7 @@ local function serve_parked(lock, fence, parked, messages, dispatched, lease, lo
     end
     -- Run on, the task is taken here, not by its own acquire: that acquire's check of its
     -- done marker is made here (a parked copy of a run that finished is dropped).
-    if inline and type(lock) ~= 'function' and redis.call('exists', lock .. ':done:' .. next_id) == 1 then
+    if inline and type(lock) ~= 'function' and redis.call('exists', done_key(lock, next_id)) == 1 then
       redis.call('hdel', messages, next_id)
       redis.call('hdel', dispatched, next_id)
       next_id = nil
@@ -152,7 +157,7 @@ local function dead_run_on(lock, parked, messages, dispatched, tag)
         redis.call('del', lock)
         freed = true
       end
-      if redis.call('exists', lock .. ':done:' .. task_id) == 1 then
+      if redis.call('exists', done_key(lock, task_id)) == 1 then
         run_over('', 0, messages, dispatched, task_id)
       else
         redis.call('hdel', dispatched, task_id)
@@ -175,7 +180,7 @@ local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reac
         redis.call('hset', dispatched, task_id, 'i' .. now .. '/' .. run_lease .. '/' .. tag)
       end
     elseif kind and not count then
-      if redis.call('exists', hold .. ':done:' .. task_id) == 1 then
+      if redis.call('exists', done_key(hold, task_id)) == 1 then
         run_over('', 0, messages, dispatched, task_id)  -- its run ended (a kept hold ran out)
       elseif kind == 'i' then
         redis.call('hset', dispatched, task_id, 'x' .. now .. '/' .. run_lease .. '/' .. tag)

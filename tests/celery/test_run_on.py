@@ -224,7 +224,7 @@ def test_the_sweeper_parks_again_a_run_on_task_whose_hold_is_gone(
 
     # A run-on record whose run left its done marker (it ended keeping its hold, which
     # then ran out) goes, and the task is not parked again.
-    r.set(lock + ":done:t3", 1)
+    r.set(LockKeys.for_lock(lock.encode()).done("t3"), 1)  # (as the run would name it)
     sweep(1)
     assert not r.hexists(lock + ":parked:dispatched", "t3")
     assert not r.hexists(lock + ":parked:messages", "t3")
