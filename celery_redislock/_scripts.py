@@ -327,13 +327,6 @@ def _kept_of(pool: Any) -> collections.deque[Any] | None:
 _RESP2 = (None, 2, "2")
 
 
-def lent(pool: Any) -> set[Any]:
-    """``pool``'s connections in use now, apart from those the scripts keep idle in this
-    process: one left mid-command would be among them."""
-    kept = _kept.peek(pool)
-    return set(pool._in_use_connections) - set(kept or ())
-
-
 def _take(pool: Any, kept: collections.deque[Any] | None) -> Any:
     """A connection of ``pool`` (one of ``kept`` if there is one), connected and with
     nothing left to read on it: what ``ConnectionPool.get_connection`` checks."""

@@ -31,10 +31,16 @@ from celery_redislock import (
     _scripts,
 )
 from celery_redislock._faultproxy import FaultProxy
-from celery_redislock._scripts import _direct_pool, _own_code, lent, run, scripts_for
+from celery_redislock._scripts import _direct_pool, _own_code, run, scripts_for
 from celery_redislock.testing import RedisServer
 
 from .._support import wait_until
+
+
+def lent(pool: Any) -> set[Any]:
+    """``pool``'s connections in use now, apart from those the scripts keep idle in this
+    process: one left mid-command would be among them."""
+    return set(pool._in_use_connections) - set(_scripts._kept.peek(pool) or ())
 
 
 def test_a_plain_client_runs_the_scripts_on_its_pool(redis_server: RedisServer) -> None:
