@@ -310,6 +310,9 @@ def _kept_of(pool: Any) -> collections.deque[Any] | None:
     it (``client.close()`` still disconnects it; it connects again on its next use) and
     is checked as the pool would check it before each use (:func:`_take`).
     """
+    found = _kept.peek(pool)  # (decided already for this pool and process)
+    if found is not None:
+        return found
     if (
         type(pool) is not redis.ConnectionPool
         or pool.max_connections < KEPT_MIN_POOL
