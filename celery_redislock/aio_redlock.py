@@ -309,8 +309,14 @@ class AsyncRedLock(QuorumBase, LockBase[AsyncLeaseLost], AsyncCalls, AsyncContex
         Otherwise they are closed without waiting when the lock is collected."""
         if self._in_flight:
             await asyncio.wait(set(self._in_flight), timeout=self.node_timeout * 2 + 0.1)
-        for client in private_clients(self._closer):
-            await aclose_private(client)
+        failed: list[Exception] = []
+        for client in private_clients(self._closer):  # each, whatever another's close raised
+            try:
+                await aclose_private(client)
+            except Exception as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
 
 _background_tasks: set[asyncio.Future[Any]] = set()

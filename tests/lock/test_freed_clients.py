@@ -241,3 +241,31 @@ async def test_an_asyncio_client_whose_lock_waited_is_freed_with_its_pool(
         assert pool() is None
     finally:
         holder.release()
+
+
+async def test_an_async_redlock_s_aclose_closes_every_private_client_if_one_fails(
+    servers: list[RedisServer], admins: list[redis.Redis]
+) -> None:
+    """One node's close failing (its connection's error) leaves none of the others open:
+    they are closed all the same, and the first error is raised after."""
+    mine = [redis.asyncio.Redis(port=s.port, client_name="afailed-quorum") for s in servers]
+    try:
+        lock = AsyncRedLock(mine, "afailed-quorum", auto_renew=False)
+        assert await lock.acquire(blocking=False)
+        await lock.release()
+        await asyncio.gather(*aio_redlock._background_tasks, return_exceptions=True)
+        first = lock._fast[0]
+
+        async def failing_close() -> None:
+            raise redis.ConnectionError("closing node 0 failed")
+
+        first.aclose = failing_close
+        with pytest.raises(redis.ConnectionError, match="node 0"):
+            await lock.aclose()
+        wait_until(lambda: named(admins, "afailed-quorum")[1:] == [0, 0], what="others closed")
+        del first.aclose
+        await first.aclose()
+        await first.connection_pool.disconnect()
+    finally:
+        for client in mine:
+            await client.aclose()
