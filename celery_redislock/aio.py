@@ -324,11 +324,13 @@ class AsyncSingle(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
         renew: bool,
     ) -> bool:
         started = time.monotonic()
-        if await self._try(owner, lease_millis, renew, owner_task=task) is True:
-            return True
-        self._contended(owner)
-        if not blocking:
-            return False
+        in_line_first = self._joins_line_first(blocking, owner)  # as RedisLock.acquire's
+        if not in_line_first:
+            if await self._try(owner, lease_millis, renew, owner_task=task) is True:
+                return True
+            self._contended(owner)
+            if not blocking:
+                return False
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
         async with async_waiter_for(self.client, self.keys.channel, owner, wait_limit) as waiter:
@@ -339,11 +341,24 @@ class AsyncSingle(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
                     sent_at = time.monotonic()
                     wake = waiter.next_wake_id() if direct else None
                     outcome = await self._try(
-                        owner, lease_millis, renew, started, line=True, wake=wake, owner_task=task
+                        owner,
+                        lease_millis,
+                        renew,
+                        started,
+                        line=True,
+                        wake=wake,
+                        owner_task=task,
+                        first=in_line_first,
                     )
                     if outcome is True:
                         acquired = True
+                        if in_line_first:
+                            self._expect_wait = False
                         return True
+                    if in_line_first:
+                        in_line_first = False
+                        self._contended(owner)
+                    self._expect_wait = self._first_in_line
                     pttl = outcome
                     bound = self._wait_for(outcome, deadline)
                     if bound is None:
@@ -378,10 +393,11 @@ class AsyncSingle(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
         *,
         line: bool = False,
         wake: bytes | None = None,
+        first: bool = False,
         owner_task: asyncio.Task[Any] | None = None,
     ) -> bool | int:
         sent_at = time.monotonic()
-        argv = self._with_wake(owner, self._acquire_argv(owner, lease, line), wake)
+        argv = self._attempt_argv(owner, lease, line, wake, first)
         if self.min_replicas:
             call = self._replicated(self._scripts.acquire, self._acquire_keys(), argv)
         else:

@@ -94,8 +94,8 @@ def request_owner(request: Any) -> str:
 class _ParkedRun(SyncSingle):
     """What the two task locks of one Redis share, the mutex's (:class:`TaskLock`) and the
     permit's (:class:`TaskSemaphore`): parking a run, and a run's end with its hand-over.
-    Each gives its scripts' keys and arguments (``_park_call``, ``handoff_args``,
-    ``_keep``); ``self._scripts`` names them alike (``park``, ``handoff``)."""
+    Each gives its scripts' keys and arguments (``_park_call``, ``handoff_args``, ``_keep``);
+    ``self._scripts`` names them alike (``park``, ``handoff``)."""
 
     pulled: str | None = None  # the queued task the last finish() handed the lock to
     run_on = ""  #: this process's tag (``runon.tag``) when a release may hand it a task to run

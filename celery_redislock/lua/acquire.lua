@@ -9,7 +9,8 @@
 -- owner: never "__fence__"; margin_ms: join the line when contended, keeping the place this
 -- long past the holder's lease ("": a single try); new_token "new-token": re-entry hands out a
 -- new token too; mode "task" (one hold per run: an existing hold is left alone, {2, ms}) or
--- "adopt" (take over the hold of `adopted` as one hold); wake_id: ask for a direct grant;
+-- "adopt" (take over the hold of `adopted` as one hold) or "first" (a blocked acquire's first
+-- attempt: a hold of the owner is a re-entry, never a grant to it); wake_id: a direct grant;
 -- attempt: this attempt's number, refused ({0, 0}: not taken) unless above the void record;
 -- by: a task run's process ("<node>:<pid>"), kept in "__by__" when it takes the lock.
 -- Replies: {1, token, count} taken or re-entered; {0, ms} not taken (the holder's lease left,
@@ -44,10 +45,11 @@ local function join_line(wait_ms)
   end
 end
 -- A grant to a wait of this owner (docs/concepts.md, "Direct grants") is one hold, not a
--- re-entry: for a blocked attempt, any hold of the owner; else a direct grant to this wait.
+-- re-entry: for a blocked attempt after its first, any hold of the owner; else a direct grant
+-- to this wait.
 local wait = ARGV[6] and string.match(ARGV[6], '^(.*)%.%d+$')
-if ARGV[6] and ARGV[6] ~= '' and redis.call('hexists', KEYS[1], ARGV[1]) == 1
-    and (margin or (wait and redis.call('hget', KEYS[1], '__grant__') == wait)) then
+if ARGV[6] and ARGV[6] ~= '' and redis.call('hexists', KEYS[1], ARGV[1]) == 1 and ((margin
+    and ARGV[5] ~= 'first') or (wait and redis.call('hget', KEYS[1], '__grant__') == wait)) then
   redis.call('hdel', KEYS[1], '__grant__')
   local count = tonumber(redis.call('hget', KEYS[1], ARGV[1]))
   if count == 0 then  -- granted the usual way (count 0): taken up
