@@ -5,8 +5,9 @@ Two tasks with the same short body, each called with a key of its own (no conten
 settings, ``lock_key="pt:{key}"``). The body counts itself done (``INCR``). The run that
 makes the count reach ``first`` records the time and ``INFO commandstats``, and so does
 the run that makes it reach ``last``: the parent reads both snapshots, so its own
-commands and the worker's start are outside the measured window. The last run also
-pushes to a list the parent waits on (``BLPOP``), so the parent does not poll.
+commands and the worker's start are outside the measured window. Both runs also push to
+a list the parent waits on (``BLPOP``: it reads the processes' CPU times then), so the
+parent does not poll.
 
 Configured from the environment (set by the benchmark): ``PERTASK_URL`` (broker and
 locks), ``PERTASK_PREFIX``, ``PERTASK_QUEUE``, ``PERTASK_PREFETCH``.
@@ -58,8 +59,8 @@ def _body(run: str, first: int, last: int) -> None:
         which = "first" if count == first else "last"
         stats = {k: int(v["calls"]) for k, v in r.info("commandstats").items()}
         r.set(mark_key(run, which), json.dumps({"t": time.monotonic(), "stats": stats}))
-        if which == "last":
-            r.rpush(mark_key(run, "finished"), "1")
+        # The parent waits on these to read the processes' CPU times at both ends.
+        r.rpush(mark_key(run, "finished" if which == "last" else "reached"), "1")
 
 
 @app.task(name="pertask.nolock")

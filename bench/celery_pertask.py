@@ -44,8 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("nolock", "locked")
 LABELS = {"nolock": "plain task", "locked": "LockedTask"}
-# Commands of the benchmark itself inside the window: the first mark's SET, the last INFO.
-OWN = {"set": 1, "info": 1}
+# Commands of the benchmark itself inside the window: the first mark's SET and RPUSH, the
+# last INFO.
+OWN = {"set": 1, "rpush": 1, "info": 1}
+#: The processes whose CPU time is read at both ends of the window (``cpu_times``).
+CPU_PARTS = ("main", "pool", "redis")
 monotonic = time.monotonic
 
 
@@ -57,6 +60,26 @@ def Worker(variant: str, env: dict[str, str], args: argparse.Namespace) -> Settl
     """The per-task app's worker on its queue (the settlement benchmark's worker class)."""
     queue = env["PERTASK_QUEUE"]
     return SettleWorker(variant, env, args, app="bench._pertask_app", queue=queue, tag="pertask")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_times(worker_pid: int, redis_pid: int) -> dict[str, float] | None:
+    """CPU seconds used so far by the worker's main process, its pool processes (its
+    children) and the redis-server; None where ``/proc`` cannot tell (not Linux)."""
+    try:
+        children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+        return {
+            "main": _cpu_seconds(worker_pid),
+            "pool": sum(_cpu_seconds(int(child)) for child in children),
+            "redis": _cpu_seconds(redis_pid),
+        }
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def script_names() -> dict[str, str]:
@@ -121,6 +144,7 @@ class Monitor(threading.Thread):
 def run_variant(
     variant: str,
     url: str,
+    redis_pid: int,
     store: redis.Redis,
     pa: Any,
     args: argparse.Namespace,
@@ -151,10 +175,14 @@ def run_variant(
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     worker = Worker(variant, env, args)
+    cpu: list[dict[str, float] | None] = []
     try:
-        got = store.blpop([pa.mark_key(run, "finished")], timeout=args.timeout)
-        if got is None:
-            raise SystemExit(f"{variant}: not done in {args.timeout}s:\n{worker.text()[-3000:]}")
+        for mark in ("reached", "finished"):
+            got = store.blpop([pa.mark_key(run, mark)], timeout=args.timeout)
+            if got is None:
+                text = worker.text()[-3000:]
+                raise SystemExit(f"{variant}: not {mark} in {args.timeout}s:\n{text}")
+            cpu.append(cpu_times(worker.process.pid, redis_pid))
         if monitor is not None and not monitor.ended.wait(30):
             raise SystemExit(f"{variant}: MONITOR did not see the window end")
     finally:
@@ -179,7 +207,14 @@ def run_variant(
         if delta > 0:
             per_kind[name.removeprefix("cmdstat_")] = delta / tasks
     done = int(store.get(pa.done_key(run)) or 0)
+    start_cpu, end_cpu = cpu
+    cpu_per_task = (
+        {part: (end_cpu[part] - start_cpu[part]) / tasks for part in CPU_PARTS}
+        if start_cpu is not None and end_cpu is not None
+        else {}
+    )
     res = {
+        "cpu_per_task": cpu_per_task,
         "tasks_per_s": tasks / seconds,
         "per_kind": per_kind,
         "per_task": sum(per_kind.values()),
@@ -237,12 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for _rep in range(args.repeat):
                 for variant in args.variant_list:
-                    runs[variant].append(run_variant(variant, url, store, pa, args))
+                    runs[variant].append(run_variant(variant, url, server.pid, store, pa, args))
             if args.count_tasks:
                 log(f"  counting run under MONITOR ({args.count_tasks} tasks each)")
                 for variant in args.variant_list:
                     counted[variant] = run_variant(
-                        variant, url, store, pa, args, args.count_tasks, monitored=True
+                        variant, url, server.pid, store, pa, args, args.count_tasks, monitored=True
                     )
         finally:
             pa.app.close()
@@ -250,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def med(variant: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[variant])
+
+    def cpu_med(variant: str, part: str) -> float:
+        return statistics.median(r["cpu_per_task"][part] for r in runs[variant])
 
     def kinds(variant: str) -> dict[str, float]:
         names = {k for r in runs[variant] for k in r["per_kind"]}
@@ -279,8 +317,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ran']}/{r['expected']}".rjust(width)
             for r in (runs[v][-1] for v in args.variant_list)
         ),
-        "  by kind (per task):",
     ]
+    if all(r["cpu_per_task"] for v in args.variant_list for r in runs[v]):
+        for part, title in (
+            ("main", "CPU us/task: worker main process"),
+            ("pool", "CPU us/task: pool processes"),
+            ("redis", "CPU us/task: redis-server"),
+        ):
+            lines.append(
+                f"  {title:32}"
+                + "".join(f"{cpu_med(v, part) * 1e6:>{width}.0f}" for v in args.variant_list)
+            )
+    lines.append("  by kind (per task):")
     for name in names:
         lines.append(
             f"    {name:30}"
@@ -319,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
                 "    within each run's pair: "
                 + ", ".join(f"{ratio:.2f}" for ratio in pairs)
                 + f" (median {statistics.median(pairs):.2f})"
+            )
+        if all(r["cpu_per_task"] for v in ("nolock", "locked") for r in runs[v]):
+            added_cpu = {p: cpu_med("locked", p) - cpu_med("nolock", p) for p in CPU_PARTS}
+            lines.append(
+                "  CPU the lock adds per task: "
+                + ", ".join(f"{p} {d * 1e6:+.0f} us" for p, d in added_cpu.items())
+                + f" (total {sum(added_cpu.values()) * 1e6:+.0f} us; the main process's "
+                "includes its event loop's own cost over a longer run)"
             )
         extra = med("locked", "per_task") - med("nolock", "per_task")
         lines.append(f"  Redis commands the lock adds per task = {extra:.2f}")
