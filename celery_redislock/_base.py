@@ -103,9 +103,16 @@ class LockBase(Generic[Signal]):
         self._callbacks: list[LostCallback] = []
         #: Redis's hold count for the owner after this object's last acquire (all objects).
         self._server_count = 0
-        self.min_replicas, self.replica_timeout = validate_replicas(
-            client, min_replicas, replica_timeout
-        )
+        if (
+            min_replicas.__class__ is int
+            and not min_replicas
+            and replica_timeout is DEFAULT_REPLICA_TIMEOUT
+        ):  # the defaults, valid with any client (validate_replicas gives the same)
+            self.min_replicas, self.replica_timeout = 0, DEFAULT_REPLICA_TIMEOUT
+        else:
+            self.min_replicas, self.replica_timeout = validate_replicas(
+                client, min_replicas, replica_timeout
+            )
         self._replica_timeout_ms = round(self.replica_timeout * 1000)
         warn_if_unbounded(client, self.name)
         self._attach(client)

@@ -80,6 +80,9 @@ def _in_range(value: object, low: float) -> bool:
 
     Compared as it is, never converted first: ``float()`` of a huge int overflows.
     """
+    kind = value.__class__
+    if kind is float or kind is int:  # (NaN and the infinities fail the comparison)
+        return low <= value <= MAX_SECONDS  # type: ignore[operator]
     if not _is_number(value):
         return False
     if isinstance(value, float) and not math.isfinite(value):

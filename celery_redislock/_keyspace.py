@@ -173,14 +173,9 @@ class LockKeys:
     @classmethod
     def for_lock(cls, lock: bytes) -> LockKeys:
         """The names of the lock whose hash is ``lock`` (a key :func:`lock_key` built)."""
-        return cls(
-            lock=lock,
-            fence=lock + _FENCE,
-            channel=lock + _CHANNEL,
-            waiters=lock + _WAITERS,
-            claims=lock + _CLAIMS,
-            wake=lock + _WAKE,
-        )
+        # (positional: a frozen dataclass's keyword call costs more, once per lock object)
+        fence, channel, waiters = lock + _FENCE, lock + _CHANNEL, lock + _WAITERS
+        return cls(lock, fence, channel, waiters, lock + _CLAIMS, lock + _WAKE)
 
     def acquire_keys(self) -> list[bytes]:
         """KEYS of acquire.lua (and of the lock part of park.lua), in order."""

@@ -17,6 +17,7 @@ import uuid
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _BYTE_TEXT = tuple(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in range(256))
+_ASCII_TEXT = {b: _BYTE_TEXT[b] for b in range(128) if b not in _UNRESERVED}
 _PLAIN = re.compile(r"[A-Za-z0-9_.\-]*")
 _INT_LIKE = re.compile(r"-?[0-9]+")
 #: Every character an encoded value can contain. A separator between two placeholders
@@ -35,6 +36,8 @@ def _pct(text: str) -> str:
     """
     if _PLAIN.fullmatch(text):
         return text
+    if text.isascii():  # one byte per character: the same text, translated in one call
+        return text.translate(_ASCII_TEXT)
     return "".join([_BYTE_TEXT[b] for b in text.encode("utf-8", "surrogatepass")])
 
 

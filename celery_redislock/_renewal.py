@@ -473,9 +473,9 @@ _schedulers: ProcessRegistry[Any, RenewalScheduler] = ProcessRegistry()
 
 def scheduler_for(client: Any) -> RenewalScheduler:
     """The watchdog shared by every lock on ``client``'s connection pool in this process."""
-    return _schedulers.get(
-        getattr(client, "connection_pool", client), lambda: RenewalScheduler(client)
-    )
+    key = getattr(client, "connection_pool", client)
+    found = _schedulers.peek(key)  # (made already, as a rule: no mutex then)
+    return found if found is not None else _schedulers.get(key, lambda: RenewalScheduler(client))
 
 
 _PerLoop = weakref.WeakKeyDictionary[Any, AsyncRenewalScheduler]

@@ -84,6 +84,11 @@ class AcquireReply(NamedTuple):
 def decode_acquire(reply: Any, script: str = "acquire") -> AcquireReply:
     """acquire.lua: ``{1, token, count}`` taken, ``{0, ms}`` not taken, ``{-1, 0}`` done,
     ``{2, ms}`` this run holds it; park.lua's ``{3, ms}`` is read as ``{2, ms}``."""
+    if reply.__class__ is list and len(reply) == 3:  # taken, as a rule: checked as below
+        code, token, count = reply
+        exact = code.__class__ is int and token.__class__ is int and count.__class__ is int
+        if exact and code == 1:
+            return AcquireReply(True, token, count)
     if not isinstance(reply, (list, tuple)) or not reply:
         raise _malformed(script, reply, "not a non-empty array")
     code = _number(reply[0], script, reply, "the code")

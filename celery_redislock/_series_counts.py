@@ -5,6 +5,7 @@ task name and queue, :func:`track_run`), counted into :data:`~._stats.STATS` as 
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import Any
 
@@ -66,6 +67,47 @@ def _observe(short: str, seconds: float, **labels: str) -> None:
     STATS.add(_field(found.name + "_sum", tuple(labels.items())), float(seconds))
 
 
+class _Histogram:
+    """One histogram's fields for one label set, built once: its bucket bounds, the field
+    of each bucket (the last: ``+Inf``) and of its sum (what :func:`_observe` writes)."""
+
+    __slots__ = ("bounds", "buckets", "sum")
+
+    def __init__(self, short: str, labels: tuple[tuple[str, str], ...]) -> None:
+        found = series.series(short)
+        self.bounds = found.buckets
+        les = [series.bucket_bound(found.buckets, bound) for bound in found.buckets]
+        self.buckets = tuple(
+            _field(found.name + "_bucket", (*labels, ("le", le))) for le in [*les, "+Inf"]
+        )
+        self.sum = _field(found.name + "_sum", labels)
+
+    def bucket(self, seconds: float) -> str:
+        """The field of the bucket ``seconds`` falls in (as :func:`series.bucket_bound`:
+        the first bound it is not above; NaN is above them all)."""
+        if seconds != seconds:  # NaN
+            return self.buckets[-1]
+        return self.buckets[bisect.bisect_left(self.bounds, seconds)]
+
+
+class _RunFields:
+    """A run's series fields for one task, queue and kind ("lock" or "limit"): what its
+    lock signals count, built once per label set (:func:`_fields_of`)."""
+
+    __slots__ = ("acquired", "hold", "wait")
+
+    def __init__(self, name: str, queue: str, kind: str) -> None:
+        labels = (("name", name), ("queue_name", queue), ("kind", kind))
+        self.acquired = _field(series.NAMESPACE + "task_acquired_total", labels)
+        self.wait = _Histogram("task_wait_seconds", labels)
+        self.hold = _Histogram("task_hold_seconds", labels)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fields_of(name: str, queue: str, kind: str) -> _RunFields:
+    return _RunFields(name, queue, kind)
+
+
 def _task_of(sender: Any, task_id: Any) -> tuple[str, str]:
     """A ``task_*`` signal's task name and queue: the queue from the task's current
     request when it is the run the signal is about (else "")."""
@@ -89,15 +131,17 @@ def _on_series_acquired(sender: Any = None, owner: str = "", waited: float = 0.0
         run.kind = "limit"
         return
     run.kind = "lock"
-    _count("task_acquired_total", name=run.name, queue_name=run.queue, kind="lock")
-    _observe("task_wait_seconds", waited, name=run.name, queue_name=run.queue, kind="lock")
+    fields = _fields_of(run.name, run.queue, "lock")
+    wait = fields.wait
+    STATS.add_each((fields.acquired, wait.bucket(waited)), wait.sum, float(waited))
 
 
 def _on_series_released(sender: Any = None, owner: str = "", held: float = 0.0, **_: Any) -> None:
     run = _runs.get(owner)
     if run is not None:
         kind = "limit" if _is_permit(sender) else "lock"
-        _observe("task_hold_seconds", held, name=run.name, queue_name=run.queue, kind=kind)
+        hold = _fields_of(run.name, run.queue, kind).hold
+        STATS.add_each((hold.bucket(held),), hold.sum, float(held))
 
 
 def _run_event(short: str, **extra: str) -> Any:

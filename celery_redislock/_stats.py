@@ -41,9 +41,12 @@ LIMIT_COUNTERS = ("limit_taken", "limit_parked", "limit_requeued")
 TASK_SEPARATOR = "@"
 
 
+#: The field of each wait-time bucket, the last +inf's.
+_BUCKET_FIELDS = (*(f"wait_le_{bound}" for bound in WAIT_BUCKETS), "wait_le_inf")
+
+
 def _bucket(seconds: float) -> str:
-    index = bisect.bisect_left(WAIT_BUCKETS, seconds)
-    return f"wait_le_{WAIT_BUCKETS[index]}" if index < len(WAIT_BUCKETS) else "wait_le_inf"
+    return _BUCKET_FIELDS[bisect.bisect_left(WAIT_BUCKETS, seconds)]
 
 
 def task_field(metric: str, task: str) -> str:
@@ -64,6 +67,14 @@ class LockStats:
     def add(self, field: str, amount: float = 1) -> None:
         with self._mutex:
             self._counts[field] = self._counts.get(field, 0) + amount
+
+    def add_each(self, fields: tuple[str, ...], total: str, amount: float) -> None:
+        """Add 1 to each of ``fields`` and ``amount`` to ``total``, under one lock."""
+        with self._mutex:
+            counts = self._counts
+            for field in fields:
+                counts[field] = counts.get(field, 0) + 1
+            counts[total] = counts.get(total, 0.0) + amount
 
     def observe_wait(self, seconds: float, task: str | None = None) -> None:
         """Count a wait; with ``task``, a limited task's wait for its permit."""

@@ -52,6 +52,7 @@ from ._stats import STATS as STATS
 from ._stats import TASK_SEPARATOR as TASK_SEPARATOR
 from ._stats import WAIT_BUCKETS as WAIT_BUCKETS
 from ._stats import LockStats as LockStats
+from ._stats import _bucket as _wait_bucket
 from ._stats import task_field as task_field
 from ._stats import task_name as task_name
 
@@ -59,8 +60,7 @@ log = logging.getLogger(__name__)
 
 
 def _on_acquired(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
-    STATS.add("acquired")
-    STATS.observe_wait(waited)
+    STATS.add_each(("acquired", _wait_bucket(waited)), "wait_sum", float(waited))
 
 
 def _counter(field: str, amount_key: str | None = None) -> Any:

@@ -299,7 +299,7 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
         owner = request_owner(request)
         lock = self.run_lock(args, kwargs, owner, options)  # a bad value fails the task here
         if isinstance(lock, TaskLock):  # its hold names this process, for its worker's release
-            lock.by = runon.tag(self)
+            lock.by = runon.tag(self, request)
         name = str(lock.name)  # (the rendered lock_key: a str)
         limit = lock.limit if isinstance(lock, TaskSemaphore) else None
         tried = _header(request, FIRST_TRY_HEADER) if limit is not None else None

@@ -59,25 +59,29 @@ def push_targets(app: Any) -> tuple[str, str]:
     and ARGV[11]): the first-read lists of the queues this worker consumes (as
     :class:`parking.Parker` names them) and this app's ``LockedTask`` names, one a line.
     An envelope for another list or task comes back to the worker, which checks it."""
+    queues = app.amqp.queues
+    consumed = queues.consume_from or queues
+    tasks = app.tasks
+    found = _push_targets.get(app)
+    # (built again when the queues consumed or the number of tasks change: the set of
+    # names compared as it is, not sorted first; a release asks at every hand-over)
+    if found is not None and found[1] == len(tasks) and found[0] == consumed.keys():
+        return found[2]
     from .base import LockedTask  # (base imports this module)
 
-    queues = app.amqp.queues
-    names = sorted(queues.consume_from or queues)
-    tasks = app.tasks
-    marker = (tuple(names), len(tasks))
-    found = _push_targets.get(app)
-    if found is None or found[0] != marker:
-        options = app.conf.broker_transport_options or {}
-        prefix = str(options.get("global_keyprefix") or "")
-        first = (options.get("priority_steps") or [0])[0]
-        after = f"{_PRIORITY_SEP}{first}" if first else ""  # kombu's _q_for_pri
-        lists = "\n".join(prefix + name + after for name in names if "\n" not in name)
-        locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
-        found = _push_targets[app] = (marker, (lists, "\n".join(locked)))
-    return found[1]
+    names = sorted(consumed)
+    options = app.conf.broker_transport_options or {}
+    prefix = str(options.get("global_keyprefix") or "")
+    first = (options.get("priority_steps") or [0])[0]
+    after = f"{_PRIORITY_SEP}{first}" if first else ""  # kombu's _q_for_pri
+    lists = "\n".join(prefix + name + after for name in names if "\n" not in name)
+    locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
+    targets = (lists, "\n".join(locked))
+    _push_targets[app] = (frozenset(names), len(tasks), targets)
+    return targets
 
 
-_push_targets: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[str, str]]]
+_push_targets: weakref.WeakKeyDictionary[Any, tuple[frozenset[str], int, tuple[str, str]]]
 _push_targets = weakref.WeakKeyDictionary()
 #: kombu's Redis transport: between a queue's name and its priority step in a list's name.
 _PRIORITY_SEP = "\x06\x16"

@@ -42,6 +42,7 @@ from .._renewal import scheduler_for
 from .._replies import AcquireReply
 from .._scripts import run, scripts_for
 from ..settings import LockOptions
+from . import tasklock as _tasklock
 from .clients import client_for
 from .envelope import _Handed, _text, envelope_body, push_targets
 from .lookahead import LOOKAHEAD_HEADER
@@ -116,10 +117,11 @@ def running_on() -> bool:
     return _state.running
 
 
-def tag(task: Any) -> str:
+def tag(task: Any, request: Any = None) -> str:
     """This worker process's run-on tag, ``<node name>:<pid>``: its run-on records name it,
-    so that its worker's main process finds them when it dies (``LockedRequest``)."""
-    return _tag(task.request.hostname, _process.current())
+    so that its worker's main process finds them when it dies (``LockedRequest``).
+    ``request``: the task's current request, if the caller has it at hand."""
+    return _tag((task.request if request is None else request).hostname, _process.current())
 
 
 def dead_tag(request: Any) -> str | None:
@@ -469,3 +471,4 @@ celery_signals.task_postrun.connect(_run_next, weak=False, dispatch_uid=_UID)
 celery_signals.worker_process_init.connect(_connect_last, weak=False)
 celery_signals.worker_init.connect(_connect_last, weak=False)
 celery_signals.celeryd_init.connect(_note_events, weak=False)
+_tasklock._took_handed = took_handed  # (TaskLock.take: tasklock cannot import this module)

@@ -74,6 +74,8 @@ def run_owner(task_id: str, retries: Any = 0, nesting: Any = 0) -> str:
     the same run (same owner: its duplicate is recognised); a retry or a replacement is
     a new run that waits for the previous one like any other task, and is not taken for
     a duplicate of it. The first run's owner is the task id itself."""
+    if not retries and not nesting:  # (0, None: no suffix, as below)
+        return task_id
     suffix = ""
     for tag, value in (("n", nesting), ("r", retries)):
         try:
@@ -89,6 +91,10 @@ def request_owner(request: Any) -> str:
     """:func:`run_owner` of a Celery request (or a message's headers, as a dict)."""
     get = request.get if isinstance(request, dict) else functools.partial(getattr, request)
     return run_owner(str(get("id", None)), get("retries", 0), get("replaced_task_nesting", 0))
+
+
+#: ``runon.took_handed``, set when :mod:`.runon` (which imports this module) is imported.
+_took_handed: Callable[[Any, str], bool] | None = None
 
 
 class _ParkedRun(SyncSingle):
@@ -163,10 +169,9 @@ class _ParkedRun(SyncSingle):
         ``adopt``: the owner of an earlier run of this task that kept the lock (permit)
         across ``self.retry()``; its hold, if still there, becomes this run's.
         """
-        from .runon import took_handed  # (runon imports this module)
-
         owner = self._current_owner()
-        if isinstance(self, TaskLock) and took_handed(self, owner):
+        took_handed = _took_handed
+        if took_handed is not None and isinstance(self, TaskLock) and took_handed(self, owner):
             return True  # run on: the release wrote the hold as this run's, taken
         self._adopt = adopt
         try:
@@ -539,15 +544,9 @@ class QuorumTaskLock(RedLock):
         the release when they answer, or the lease ends there)."""
         owner = self._current_owner()
         keys = self.keys.release_keys()
-        args: list[Any] = (
-            [owner, "hold", lease_ms(hold, "lock_hold")]
-            if hold > 0
-            else [
-                owner,
-                "all",
-                0,
-            ]
-        )
+        args: list[Any] = [owner, "all", 0]
+        if hold > 0:
+            args = [owner, "hold", lease_ms(hold, "lock_hold")]
         if done_ttl is not None:
             keys.append(self.done_key)
             args.append(lease_ms(done_ttl, "lock_done_ttl"))

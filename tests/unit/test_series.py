@@ -70,3 +70,21 @@ def test_histogram_buckets_are_cumulated_and_counts_never_negative() -> None:
     assert cumulative["3600.0"] == 3 and cumulative["+Inf"] == 4
     assert [c for _, c in buckets] == sorted(c for _, c in buckets)
     assert samples["celery_redislock_task_acquired_total"] == [(labels, 0.0)]
+
+
+def test_a_runs_cached_fields_are_the_ones_observe_writes() -> None:
+    from celery_redislock import _series_counts as counts
+    from celery_redislock._keyvalues import _BYTE_TEXT, _pct
+
+    labels = (("name", "t"), ("queue_name", "q"), ("kind", "lock"))
+    fields = counts._fields_of("t", "q", "lock")
+    assert fields.acquired == counts._field("celery_redislock_task_acquired_total", labels)
+    wait = series.series("task_wait_seconds")
+    for seconds in (0.0, -1.0, float("nan"), float("inf"), 1e9, *wait.buckets):
+        for value in (seconds, seconds * 0.999, seconds * 1.001):
+            bound = series.bucket_bound(wait.buckets, value)
+            expected = counts._field(wait.name + "_bucket", (*labels, ("le", bound)))
+            assert fields.wait.bucket(value) == expected
+    assert fields.wait.sum == counts._field(wait.name + "_sum", labels)
+    for text in ("a:b", "x y/%{}", "\x00\x7f~", "é:1", "\udc80"):  # (the translate fast path)
+        assert _pct(text) == "".join(_BYTE_TEXT[b] for b in text.encode("utf-8", "surrogatepass"))
