@@ -170,8 +170,9 @@ class _ParkedRun(SyncSingle):
         across ``self.retry()``; its hold, if still there, becomes this run's.
         """
         owner = self._current_owner()
-        took_handed = _took_handed
-        if took_handed is not None and isinstance(self, TaskLock) and took_handed(self, owner):
+        if _took_handed is None:
+            from . import runon  # noqa: F401  (sets _took_handed; it imports this module)
+        if isinstance(self, TaskLock) and _took_handed is not None and _took_handed(self, owner):
             return True  # run on: the release wrote the hold as this run's, taken
         self._adopt = adopt
         try:
