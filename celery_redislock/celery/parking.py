@@ -145,6 +145,8 @@ class Parker:
         self.held: dict[bytes, None] = {}
         #: Lock keys of the consumer's recent messages (every task type's alike).
         self.seen = seen if seen is not None else RecentKeys()
+        #: Whether this task type's keys come again: if not, most messages skip the check.
+        self.recurrence = Recurrence()
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -219,9 +221,13 @@ class Parker:
                 # Its release looks in the list for the next task of its lock.
                 message.headers[LOOKAHEAD_HEADER] = queue_list
             return False
+        if self.recurrence.skip():
+            return False  # no key came again lately: most messages go unchecked (Recurrence)
         args, kwargs, _embed = message.decode()
         key = task.run_key(args, kwargs)  # a bad value: the pool process fails the task
-        if key not in self.held and not self.seen.again(key):
+        recurred = key in self.held or self.seen.again(key)
+        self.recurrence.checked(recurred)
+        if not recurred:
             # The first message of its key among the last SEEN_KEYS keys here goes to a pool
             # process unchecked: contention needs a key that recurs, and the check would
             # cost every message of a key that does not one round trip in the main loop.
@@ -320,6 +326,45 @@ class Parker:
                 channel._lookup(exchange, routing_key)
             )
         return found
+
+
+#: A task type none of whose last QUIET_AFTER checked messages had a key that came again
+#: is checked at one message in QUIET_EVERY only, until one has (:class:`Recurrence`).
+QUIET_AFTER = 256
+QUIET_EVERY = 8
+
+
+class Recurrence:
+    """Whether one task type's lock keys come again, from the messages checked at delivery.
+
+    Finding a message's key costs the main loop its decoding and the key's rendering
+    (about as much as the rest of its delivery), and only a key that comes again can be
+    parked there. Once QUIET_AFTER checked messages in a row had new keys (one key per
+    order, say), only every QUIET_EVERY-th message is checked; the first whose key came
+    again brings back the check of every message. A message not checked goes to a pool
+    process, whose acquire decides and parks it if the lock is held, as a key's first
+    message does: what this saves is never a guarantee, only a shortcut.
+    """
+
+    __slots__ = ("quiet", "skipped")
+
+    def __init__(self) -> None:
+        self.quiet = 0  # checked messages in a row whose keys were new
+        self.skipped = 0  # messages skipped since the last one checked
+
+    def skip(self) -> bool:
+        """Whether the next message goes unchecked."""
+        if self.quiet < QUIET_AFTER:
+            return False
+        self.skipped += 1
+        if self.skipped < QUIET_EVERY:
+            return True
+        self.skipped = 0
+        return False
+
+    def checked(self, recurred: bool) -> None:
+        """Count a checked message: ``recurred``, its key came again."""
+        self.quiet = 0 if recurred else self.quiet + 1
 
 
 #: How many lock keys found held a Parker remembers (:attr:`Parker.held`).

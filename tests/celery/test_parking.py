@@ -158,6 +158,43 @@ def test_a_key_s_first_message_goes_to_a_pool_process_unchecked(broker: RedisSer
     ]
 
 
+def test_a_task_type_whose_keys_never_come_again_is_checked_at_one_message_in_a_few(
+    broker: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding a message's key costs the main loop its decoding and rendering: after
+    QUIET_AFTER checked messages in a row with new keys, only every QUIET_EVERY-th message
+    is checked; the first checked one whose key came again brings back the check of every
+    message, and a held key's messages are parked at delivery again."""
+    monkeypatch.setattr(parking_module, "QUIET_AFTER", 12)
+    every = parking_module.QUIET_EVERY
+    r = broker.client()
+    queue = "parking-quiet"
+    RedisLock(r, "job:quiet-hot", ttl=60, owner="holder", auto_renew=False).acquire()
+    for i in range(12):  # one key each: never again
+        ca.hold_for.apply_async((f"quiet-{i}", 0.01), queue=queue)
+    hot = [ca.hold_for.apply_async(("quiet-hot", 0.01), queue=queue) for _ in range(2 * every + 3)]
+    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    for _ in range(12):
+        _fetch(queue, parker=parker, parks=False)
+    assert parker.recurrence.quiet == 12
+    decoded = []
+    original = parker.task.run_key
+
+    def counting(args: Any, kwargs: Any) -> Any:
+        decoded.append(args)
+        return original(args, kwargs)
+
+    monkeypatch.setattr(parker.task, "run_key", counting)
+    # Checked: the every-th (its key new here), then the 2*every-th (it came again: parked).
+    parks = [i + 1 >= 2 * every for i in range(len(hot))]
+    got = [_fetch(queue, parker=parker, parks=p).headers["id"] for p in parks]
+    assert got == [h.id for h in hot]
+    assert len(decoded) == 2 + (len(hot) - 2 * every)  # two checks, then every message
+    assert parker.recurrence.quiet == 0
+    parked = [p.decode() for p in r.lrange(PARKED % "quiet-hot", 0, -1)]
+    assert parked == [h.id for h in hot[2 * every - 1 :]]
+
+
 def test_a_key_found_free_by_the_park_script_is_probed_with_exists_again(
     broker: RedisServer,
 ) -> None:
