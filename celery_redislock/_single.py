@@ -65,6 +65,18 @@ class SingleBase(LockBase[Signal]):
             return False
         return not abandoned_waits or abandoned_waits.get(self.keys.lock, owner) is None
 
+    def _answered_in_line(self, owner: str, first: bool, taken: bool) -> None:
+        """After an attempt in line: the hint kept up to date, and a refused first attempt
+        (a blocked acquire that joined the line at once) counted as the acquire's
+        contention, as a refused try alone is."""
+        if taken:
+            if first:  # free after all: the next acquire tries alone
+                self._expect_wait = False
+            return
+        if first:
+            self._contended(owner)
+        self._expect_wait = self._first_in_line
+
     def _attempt_argv(
         self, owner: str, lease: int, line: bool, wake: bytes | None, first: bool
     ) -> list[Any]:

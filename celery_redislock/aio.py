@@ -350,15 +350,11 @@ class AsyncSingle(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
                         owner_task=task,
                         first=in_line_first,
                     )
+                    self._answered_in_line(owner, in_line_first, outcome is True)
+                    in_line_first = False
                     if outcome is True:
                         acquired = True
-                        if in_line_first:
-                            self._expect_wait = False
                         return True
-                    if in_line_first:
-                        in_line_first = False
-                        self._contended(owner)
-                    self._expect_wait = self._first_in_line
                     pttl = outcome
                     bound = self._wait_for(outcome, deadline)
                     if bound is None:

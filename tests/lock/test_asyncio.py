@@ -28,15 +28,6 @@ from celery_redislock.testing import RedisServer
 from .test_lock import BAD_ACQUIRE_CALLS, in_thread
 
 
-@pytest_asyncio.fixture
-async def aclient(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis(port=redis_server.port, socket_timeout=5)
-    await client.flushall()
-    yield client
-    await aclose_background(client)
-    await client.aclose()
-
-
 def _public(cls: type) -> dict[str, object]:
     names = {n for n in dir(cls) if not n.startswith("_")}
     return {n: inspect.getattr_static(cls, n) for n in names}

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import redis
 import redis.asyncio as aioredis
 
 from celery_redislock import AsyncRedisLock, RedisLock, RedisSemaphore, signals
-from celery_redislock.aio import aclose_background
 from celery_redislock.celery.tasklock import TaskLock
-from celery_redislock.testing import RedisServer
 
 from .._support import wait_until
 
@@ -151,15 +148,6 @@ def test_only_a_plain_lock_joins_the_line_first(redis_client: redis.Redis) -> No
     assert RedisLock(redis_client, "linefirst:kinds")._first_in_line
     assert not RedisSemaphore(redis_client, "linefirst:kinds", limit=2)._first_in_line
     assert not TaskLock.__new__(TaskLock)._first_in_line  # (decided by its kind alone)
-
-
-@pytest.fixture
-async def aclient(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis(port=redis_server.port, socket_timeout=5)
-    await client.flushall()
-    yield client
-    await aclose_background(client)
-    await client.aclose()
 
 
 async def test_an_asyncio_lock_that_waited_joins_the_line_first_and_still_re_enters(
