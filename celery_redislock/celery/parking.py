@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import time
 import uuid
 import weakref
@@ -329,9 +330,11 @@ class Parker:
 
 
 #: A task type none of whose last QUIET_AFTER checked messages had a key that came again
-#: is checked at one message in QUIET_EVERY only, until one has (:class:`Recurrence`).
+#: has one message in QUIET_EVERY checked only, at random, until one has (:class:`Recurrence`).
 QUIET_AFTER = 256
 QUIET_EVERY = 8
+#: The sampled check's draw, from 0 to 1 (a module attribute: a test may seed it).
+_draw = random.random
 
 
 class Recurrence:
@@ -340,27 +343,24 @@ class Recurrence:
     Finding a message's key costs the main loop its decoding and the key's rendering
     (about as much as the rest of its delivery), and only a key that comes again can be
     parked there. Once QUIET_AFTER checked messages in a row had new keys (one key per
-    order, say), only every QUIET_EVERY-th message is checked; the first whose key came
-    again brings back the check of every message. A message not checked goes to a pool
-    process, whose acquire decides and parks it if the lock is held, as a key's first
-    message does: what this saves is never a guarantee, only a shortcut.
+    order, say), each message is checked with a chance of one in QUIET_EVERY; the first
+    whose key came again brings back the check of every message. A message not checked
+    goes to a pool process, whose acquire decides and parks it if the lock is held, as a
+    key's first message does: what this saves is never a guarantee, only a shortcut.
+
+    Drawn, not every QUIET_EVERY-th: a fixed stride never checks a hot key whose messages
+    come in step with it (first in each batch of 8 a producer sends, say), and would keep
+    them from being parked at delivery for as long as the other keys stay new.
     """
 
-    __slots__ = ("quiet", "skipped")
+    __slots__ = ("quiet",)
 
     def __init__(self) -> None:
         self.quiet = 0  # checked messages in a row whose keys were new
-        self.skipped = 0  # messages skipped since the last one checked
 
     def skip(self) -> bool:
         """Whether the next message goes unchecked."""
-        if self.quiet < QUIET_AFTER:
-            return False
-        self.skipped += 1
-        if self.skipped < QUIET_EVERY:
-            return True
-        self.skipped = 0
-        return False
+        return self.quiet >= QUIET_AFTER and _draw() * QUIET_EVERY >= 1.0
 
     def checked(self, recurred: bool) -> None:
         """Count a checked message: ``recurred``, its key came again."""

@@ -4,6 +4,7 @@ and the holder's release pushes it back to the head of its queue (Redis broker).
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 import time
@@ -162,17 +163,16 @@ def test_a_task_type_whose_keys_never_come_again_is_checked_at_one_message_in_a_
     broker: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding a message's key costs the main loop its decoding and rendering: after
-    QUIET_AFTER checked messages in a row with new keys, only every QUIET_EVERY-th message
-    is checked; the first checked one whose key came again brings back the check of every
-    message, and a held key's messages are parked at delivery again."""
+    QUIET_AFTER checked messages in a row with new keys, a message is checked with a
+    chance of one in QUIET_EVERY; the first checked one whose key came again brings back
+    the check of every message, and a held key's messages are parked at delivery again."""
     monkeypatch.setattr(parking_module, "QUIET_AFTER", 12)
-    every = parking_module.QUIET_EVERY
+    monkeypatch.setattr(parking_module, "_draw", random.Random(4).random)
     r = broker.client()
     queue = "parking-quiet"
     RedisLock(r, "job:quiet-hot", ttl=60, owner="holder", auto_renew=False).acquire()
     for i in range(12):  # one key each: never again
         ca.hold_for.apply_async((f"quiet-{i}", 0.01), queue=queue)
-    hot = [ca.hold_for.apply_async(("quiet-hot", 0.01), queue=queue) for _ in range(2 * every + 3)]
     parker = Parker(ca.hold_for, ca.app, revoked=set())
     for _ in range(12):
         _fetch(queue, parker=parker, parks=False)
@@ -185,14 +185,71 @@ def test_a_task_type_whose_keys_never_come_again_is_checked_at_one_message_in_a_
         return original(args, kwargs)
 
     monkeypatch.setattr(parker.task, "run_key", counting)
-    # Checked: the every-th (its key new here), then the 2*every-th (it came again: parked).
-    parks = [i + 1 >= 2 * every for i in range(len(hot))]
-    got = [_fetch(queue, parker=parker, parks=p).headers["id"] for p in parks]
-    assert got == [h.id for h in hot]
-    assert len(decoded) == 2 + (len(hot) - 2 * every)  # two checks, then every message
+    # Checked at random: its key new the first time, come again the second (parked).
+    delivered, hot, parks = [], [], []
+    while len(decoded) < 2 and len(delivered) < 400:
+        hot.append(ca.hold_for.apply_async(("quiet-hot", 0.01), queue=queue))
+        task_id, parked_now = _offer(queue, parker)
+        delivered.append(task_id)
+        parks.append(parked_now)
+    assert len(decoded) == 2 and 2 < len(delivered) < 400  # some went unchecked
+    assert parks == [False] * (len(parks) - 1) + [True]
     assert parker.recurrence.quiet == 0
+    for _ in range(3):  # then every message
+        hot.append(ca.hold_for.apply_async(("quiet-hot", 0.01), queue=queue))
+        delivered.append(_fetch(queue, parker=parker).headers["id"])
+    assert delivered == [h.id for h in hot] and len(decoded) == 5
     parked = [p.decode() for p in r.lrange(PARKED % "quiet-hot", 0, -1)]
-    assert parked == [h.id for h in hot[2 * every - 1 :]]
+    assert parked == [h.id for h in hot[-4:]]
+
+
+def _offer(queue: str, parker: Parker) -> tuple[str, bool]:
+    """The next message of ``queue`` offered to ``parker``: its id, and whether it parked."""
+    with ca.app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(queue)
+        try:
+            message = simple.get(timeout=5.0)
+            parked = parker.park(message)
+            message.ack()
+            return message.headers["id"], parked
+        finally:
+            simple.close()
+
+
+def test_a_hot_key_in_step_with_the_sampled_check_is_still_found(
+    broker: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a task type's keys have been new for QUIET_AFTER checks, its messages are
+    checked at a sample: a held key whose messages come in step with it (one in every
+    QUIET_EVERY messages, the others' keys new, as a producer's fixed-size batches send
+    them) is still checked again, and its messages parked at delivery, every message
+    delivered or parked once."""
+    monkeypatch.setattr(parking_module, "QUIET_AFTER", 8)
+    monkeypatch.setattr(parking_module, "_draw", random.Random(8).random)
+    every = parking_module.QUIET_EVERY
+    r = broker.client()
+    queue = "parking-in-step"
+    RedisLock(r, "job:step-hot", ttl=120, owner="holder", auto_renew=False).acquire()
+    parker = Parker(ca.hold_for, ca.app, revoked=set())
+    for i in range(8):  # new keys: the type turns quiet
+        ca.hold_for.apply_async((f"step-warm-{i}", 0.01), queue=queue)
+        assert _offer(queue, parker)[1] is False
+    assert parker.recurrence.quiet >= 8
+    sent: list[str] = []
+    delivered: list[str] = []
+    parked: list[str] = []
+    for batch in range(200):  # the hot key first in each batch of QUIET_EVERY messages
+        sent.append(ca.hold_for.apply_async(("step-hot", 0.01), queue=queue).id)
+        for i in range(every - 1):
+            sent.append(ca.hold_for.apply_async((f"step-{batch}-{i}", 0.01), queue=queue).id)
+        for _ in range(every):
+            task_id, was_parked = _offer(queue, parker)
+            (parked if was_parked else delivered).append(task_id)
+        if parked:
+            break
+    assert parked, "the hot key's messages were never checked again"
+    assert sorted(parked + delivered) == sorted(sent) and len(parked + delivered) == len(sent)
+    assert [p.decode() for p in r.lrange(PARKED % "step-hot", 0, -1)] == parked
 
 
 def test_a_key_found_free_by_the_park_script_is_probed_with_exists_again(
