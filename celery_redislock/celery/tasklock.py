@@ -74,8 +74,8 @@ def run_owner(task_id: str, retries: Any = 0, nesting: Any = 0) -> str:
     the same run (same owner: its duplicate is recognised); a retry or a replacement is
     a new run that waits for the previous one like any other task, and is not taken for
     a duplicate of it. The first run's owner is the task id itself."""
-    if not retries and not nesting:  # (0, None: no suffix, as below)
-        return task_id
+    if retries.__class__ is nesting.__class__ is int and not retries and not nesting:
+        return task_id  # (exact 0s; any other value's truth may raise: the loop's way)
     suffix = ""
     for tag, value in (("n", nesting), ("r", retries)):
         try:

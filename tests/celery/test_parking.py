@@ -983,6 +983,13 @@ def test_look_ahead_works_for_the_documented_lock_user(broker: RedisServer, lpos
         admin.execute_command("ACL", "DELUSER", user)
 
 
+class _NoTruth:
+    """A header value whose truth value raises (a numpy array, say, sent with pickle)."""
+
+    def __bool__(self) -> bool:
+        raise ValueError("ambiguous")
+
+
 @pytest.mark.parametrize(
     ("retries", "nesting", "owner"),
     [
@@ -995,6 +1002,10 @@ def test_look_ahead_works_for_the_documented_lock_user(broker: RedisServer, lpos
         ("x", [], "t"),
         (float("inf"), float("nan"), "t"),
         (10**30, 0, f"t~r{10**30}"),
+        (_NoTruth(), 0, "t"),  # a pickled header whose truth value raises
+        (0, _NoTruth(), "t"),
+        (0, [], "t"),
+        ({}, None, "t"),
     ],
 )
 def test_a_run_owner_comes_from_any_header_values_without_failing(
