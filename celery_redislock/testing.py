@@ -29,10 +29,28 @@ from ._faultproxy import Fault as Fault
 from ._faultproxy import FaultProxy as FaultProxy
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_port(*, cluster: bool = False) -> int:
+    """A free loopback port; ``cluster``: one whose cluster bus port (10,000 higher, at most
+    65535) is free too, as a cluster node needs both."""
+    for _attempt in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if not cluster:
+            return port
+        if port + CLUSTER_BUS_OFFSET > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bus:
+            try:
+                bus.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port with a free cluster bus port")
+
+
+#: A cluster node's bus port is its port plus this (redis-server's default).
+CLUSTER_BUS_OFFSET = 10000
 
 
 def _bulk_size(reply: bytes) -> int:
@@ -93,7 +111,7 @@ class RedisServer:
 
     def start(self, port: int | None = None) -> RedisServer:
         for _attempt in range(5):
-            self.port = port or self.port or free_port()
+            self.port = port or self.port or free_port(cluster="--cluster-enabled" in self.extra)
             args = [
                 redis_server_binary(),
                 "--port", str(self.port),
