@@ -11,6 +11,7 @@ touches a server it did not start.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -132,7 +133,17 @@ class RedisServer:
             self.stop()
             if port is None:
                 self.port = 0  # the port was taken meanwhile: try another
-        raise RuntimeError(f"redis-server did not start; see {self.dir / 'redis.log'}")
+                if "--cluster-enabled" in self.extra:  # its config names the port it had
+                    with contextlib.suppress(OSError):
+                        (self.dir / "nodes.conf").unlink()
+        raise RuntimeError(f"redis-server did not start; its log ends:\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            text = (self.dir / "redis.log").read_text(errors="replace")
+            return "\n".join(text.splitlines()[-lines:])
+        except OSError as exc:
+            return f"(no log: {exc})"
 
     def _wait_ready(self, within: float = 10.0) -> bool:
         deadline = time.monotonic() + within
