@@ -61,10 +61,8 @@ def _count(short: str, **labels: str) -> None:
 
 
 def _observe(short: str, seconds: float, **labels: str) -> None:
-    found = series.series(short)
-    bound = series.bucket_bound(found.buckets, seconds)
-    STATS.add(_field(found.name + "_bucket", (*labels.items(), ("le", bound))))
-    STATS.add(_field(found.name + "_sum", tuple(labels.items())), float(seconds))
+    histogram = _histogram(short, tuple(labels.items()))
+    STATS.add_each((histogram.bucket(seconds),), histogram.sum, float(seconds))
 
 
 class _Histogram:
@@ -90,6 +88,11 @@ class _Histogram:
         return self.buckets[bisect.bisect_left(self.bounds, seconds)]
 
 
+@functools.lru_cache(maxsize=4096)
+def _histogram(short: str, labels: tuple[tuple[str, str], ...]) -> _Histogram:
+    return _Histogram(short, labels)
+
+
 class _RunFields:
     """A run's series fields for one task, queue and kind ("lock" or "limit"): what its
     lock signals count, built once per label set (:func:`_fields_of`)."""
@@ -99,8 +102,8 @@ class _RunFields:
     def __init__(self, name: str, queue: str, kind: str) -> None:
         labels = (("name", name), ("queue_name", queue), ("kind", kind))
         self.acquired = _field(series.NAMESPACE + "task_acquired_total", labels)
-        self.wait = _Histogram("task_wait_seconds", labels)
-        self.hold = _Histogram("task_hold_seconds", labels)
+        self.wait = _histogram("task_wait_seconds", labels)
+        self.hold = _histogram("task_hold_seconds", labels)
 
 
 @functools.lru_cache(maxsize=4096)
