@@ -29,6 +29,7 @@ import redis.client
 from redis.exceptions import NoScriptError, ResponseError
 
 from ._core import MAX_MS
+from ._packing import packed
 from ._process import ProcessLocal, current, is_current
 
 SCRIPT_NAMES = (
@@ -200,14 +201,15 @@ def _run_direct(pool: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
     lost), and the scripts are not idempotent (a re-sent release gives back two holds).
     The connection drops itself on any error it raises (redis-py's ``Connection``).
     """
+    command = ("EVALSHA", script.sha, len(keys), *keys, *args)
     with _pooled(pool) as connection:
-        connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        connection.send_packed_command(packed(connection, command))
         try:
             return connection.read_response()
         except NoScriptError:  # nothing ran: load it (on this connection), run it
             connection.send_command("SCRIPT", "LOAD", script.script)
             connection.read_response()
-            connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            connection.send_packed_command(packed(connection, command))
             return connection.read_response()
 
 
@@ -507,15 +509,16 @@ async def _run_direct_async(
 ) -> Any:
     """:func:`_run_direct` for ``redis.asyncio`` (a cancelled read drops its connection:
     redis-py's asyncio ``Connection`` disconnects on any error it raises)."""
+    command = ("EVALSHA", script.sha, len(keys), *keys, *args)
     connection = await pool.get_connection(*_GET_CONNECTION_ARGS_ASYNC)
     try:
-        await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        await connection.send_packed_command(packed(connection, command))
         try:
             return await connection.read_response()
         except NoScriptError:
             await connection.send_command("SCRIPT", "LOAD", script.script)
             await connection.read_response()
-            await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            await connection.send_packed_command(packed(connection, command))
             return await connection.read_response()
     except ResponseError:
         raise

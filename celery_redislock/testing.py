@@ -382,4 +382,4 @@ class RedisSentinel(RedisServer):
         from redis.sentinel import Sentinel
 
         kwargs.setdefault("socket_timeout", 5.0)
-        return Sentinel([("127.0.0.1", self.port)], **kwargs)  # type: ignore[no-untyped-call]
+        return Sentinel([("127.0.0.1", self.port)], **kwargs)  # type: ignore[no-untyped-call,unused-ignore]

@@ -1,0 +1,69 @@
+"""A script call's command in RESP, packed with less work than redis-py's own packer does
+per argument (the lock's hot path: :func:`._scripts.run` and its asyncio twin)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.connection
+
+try:  # hiredis's packer, which redis-py uses too when it is installed
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - depends on the environment
+    _hiredis_pack = None  # type: ignore[assignment]
+
+
+def packed(connection: Any, command: tuple[Any, ...]) -> Any:
+    """``command`` in RESP, as ``connection.pack_command(*command)`` packs it, with less
+    work on the way (the scripts' hot path: about 14 µs of a call's Python here for some
+    25 arguments, against 2.5 µs through hiredis directly, 5 µs in :func:`_pack_plain`).
+
+    The short way is taken only where it gives the very bytes redis-py would: the
+    connection's own packer is redis-py's (hiredis's or its Python one), its encoder is
+    UTF-8 with strict errors, and hiredis takes every argument (``bytes``, ``str``, ``int``
+    and ``float``, written as redis-py writes them), or, without hiredis, every argument is
+    exactly ``bytes``, ``str`` or ``int``. Anything else (a ``bool``, a ``bytearray``, an
+    ``int`` subclass, another encoding) goes through the connection's packer, which
+    raises its own ``DataError`` where it refuses (tests/unit/test_packed.py holds the two
+    ways to the same bytes).
+    """
+    encoder = connection.encoder
+    if encoder.encoding in _UTF8 and encoder.encoding_errors == "strict":
+        kind = getattr(connection, "_command_packer", _MISSING).__class__
+        if kind is _HiredisSerializer and _hiredis_pack is not None:
+            try:
+                return [_hiredis_pack(command)]  # (a list: a sync connection sends each item)
+            except (TypeError, ValueError):
+                pass  # (refused: redis-py's packer says how, or packs it its own way)
+        elif kind in _PYTHON_PACKERS:
+            found = _pack_plain(command)
+            if found is not None:
+                return [found]
+    return connection.pack_command(*command)
+
+
+_UTF8 = ("utf-8", "utf8", "UTF-8")
+_MISSING = object()
+_HiredisSerializer = getattr(redis.connection, "HiredisRespSerializer", None)
+#: A connection without hiredis: redis-py's Python packer (a sync connection's), or none
+#: (an asyncio connection packs in its own method then).
+_PYTHON_PACKERS = tuple(
+    kind for kind in (getattr(redis.connection, "PythonRespSerializer", None), type(None)) if kind
+)
+
+
+def _pack_plain(command: tuple[Any, ...]) -> bytes | None:
+    """RESP for arguments that are all exactly ``bytes``, ``str`` or ``int`` (None: one
+    is not), as redis-py's Python packer writes them."""
+    out = [b"*%d\r\n" % len(command)]
+    add = out.append
+    for arg in command:
+        kind = arg.__class__
+        if kind is str:
+            arg = arg.encode()
+        elif kind is int:
+            arg = b"%d" % arg
+        elif kind is not bytes:
+            return None
+        add(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(out)
