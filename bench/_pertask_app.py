@@ -10,7 +10,12 @@ a list the parent waits on (``BLPOP``: it reads the processes' CPU times then), 
 parent does not poll.
 
 Configured from the environment (set by the benchmark): ``PERTASK_URL`` (broker and
-locks), ``PERTASK_PREFIX``, ``PERTASK_QUEUE``, ``PERTASK_PREFETCH``.
+locks), ``PERTASK_PREFIX``, ``PERTASK_QUEUE``, ``PERTASK_PREFETCH``; with
+``PERTASK_TIME_SCRIPTS`` (``--time-scripts``, a diagnostic run of its own), every lock
+script call of a pool process is timed, wall clock from the call to its reply, and each
+run adds the time its process spent in them since its last report to ``<run>:script_us``,
+and its body's ``INCR`` round trip to ``<run>:incr_us`` (two ``INCRBY`` per task more, in
+that run only).
 """
 
 from __future__ import annotations
@@ -43,6 +48,32 @@ app.conf.update(
 #: One client per process (a new one after the prefork fork).
 client = process_client(URL)
 
+#: ``PERTASK_TIME_SCRIPTS``: this process's wall time in lock script calls, µs, not yet
+#: reported (``_body`` adds it to ``<run>:script_us``).
+_script_us = [0.0]
+
+
+def _time_scripts() -> None:
+    """Time every script call the lock and the task lock make (their module-level ``run``)."""
+    from celery_redislock import _scripts, lock
+    from celery_redislock.celery import tasklock
+
+    untimed = _scripts.run
+
+    def timed(*args: object, **kwargs: object) -> object:
+        started = time.perf_counter()
+        try:
+            return untimed(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            _script_us[0] += (time.perf_counter() - started) * 1e6
+
+    lock.run = tasklock.run = timed  # type: ignore[assignment]
+
+
+TIMED = bool(os.environ.get("PERTASK_TIME_SCRIPTS"))
+if TIMED:
+    _time_scripts()
+
 
 def done_key(run: str) -> str:
     return f"{PREFIX}{run}:done"
@@ -54,7 +85,13 @@ def mark_key(run: str, which: str) -> str:
 
 def _body(run: str, first: int, last: int) -> None:
     r = client()
+    if _script_us[0]:
+        r.incrby(mark_key(run, "script_us"), int(_script_us[0]))
+        _script_us[0] -= int(_script_us[0])
+    started = time.perf_counter()
     count = int(r.incr(done_key(run)))
+    if TIMED:  # the body's own round trip, beside the scripts': one INCRBY more
+        r.incrby(mark_key(run, "incr_us"), int((time.perf_counter() - started) * 1e6))
     if count in (first, last):
         which = "first" if count == first else "last"
         stats = {k: int(v["calls"]) for k, v in r.info("commandstats").items()}

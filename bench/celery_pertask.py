@@ -151,6 +151,7 @@ def run_variant(
     tasks: int | None = None,
     *,
     monitored: bool = False,
+    timed: bool = False,
 ) -> dict[str, Any]:
     token = secrets.token_hex(3)
     queue = f"pertask-{variant}-{token}"
@@ -174,8 +175,12 @@ def run_variant(
         "PERTASK_PREFETCH": str(args.prefetch),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
+    if timed:
+        env["PERTASK_TIME_SCRIPTS"] = "1"
     worker = Worker(variant, env, args)
     cpu: list[dict[str, float] | None] = []
+    script_us: list[int] = []
+    incr_us: list[int] = []
     try:
         for mark in ("reached", "finished"):
             got = store.blpop([pa.mark_key(run, mark)], timeout=args.timeout)
@@ -183,6 +188,8 @@ def run_variant(
                 text = worker.text()[-3000:]
                 raise SystemExit(f"{variant}: not {mark} in {args.timeout}s:\n{text}")
             cpu.append(cpu_times(worker.process.pid, redis_pid))
+            script_us.append(int(store.get(pa.mark_key(run, "script_us")) or 0))
+            incr_us.append(int(store.get(pa.mark_key(run, "incr_us")) or 0))
         if monitor is not None and not monitor.ended.wait(30):
             raise SystemExit(f"{variant}: MONITOR did not see the window end")
     finally:
@@ -221,6 +228,9 @@ def run_variant(
         "ran": done,
         "expected": last,
     }
+    if timed:
+        res["script_wall_per_task"] = (script_us[1] - script_us[0]) / 1e6 / tasks
+        res["incr_wall_per_task"] = (incr_us[1] - incr_us[0]) / 1e6 / tasks
     log(
         f"  {LABELS[variant]:10s} {res['tasks_per_s']:7.0f} tasks/s  "
         f"{res['per_task']:5.2f} Redis commands per task  (ran {done} of {last})"
@@ -244,6 +254,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=2, help="worker processes (2)")
     ap.add_argument("--prefetch", type=int, default=4, help="worker_prefetch_multiplier (4)")
     ap.add_argument("--timeout", type=float, default=240.0, help="per run (240 s)")
+    ap.add_argument(
+        "--time-scripts",
+        action="store_true",
+        help="one more LockedTask run timing its script calls and its body's INCR in the pool "
+        "processes (wall clock, call to reply; two INCRBY per task more, in that run only)",
+    )
     ap.add_argument("--log-level", default="warning", help="worker log level (warning)")
     ap.add_argument("--no-json", action="store_true", help="do not write pertask.json")
     args = ap.parse_args(argv)
@@ -261,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     started = monotonic()
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variant_list}
     counted: dict[str, dict[str, Any]] = {}
+    timed_run: dict[str, Any] | None = None
     with RedisServer() as server:
         url = server.url
         os.environ.update({"PERTASK_URL": url, "PERTASK_PREFIX": f"pt:{secrets.token_hex(3)}:"})
@@ -273,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             for _rep in range(args.repeat):
                 for variant in args.variant_list:
                     runs[variant].append(run_variant(variant, url, server.pid, store, pa, args))
+            if args.time_scripts and "locked" in args.variant_list:
+                log("  timed run: the pool processes' wall time in lock scripts")
+                timed_run = run_variant("locked", url, server.pid, store, pa, args, timed=True)
             if args.count_tasks:
                 log(f"  counting run under MONITOR ({args.count_tasks} tasks each)")
                 for variant in args.variant_list:
@@ -376,6 +396,20 @@ def main(argv: list[str] | None = None) -> int:
                 + f" (total {sum(added_cpu.values()) * 1e6:+.0f} us; the main process's "
                 "includes its event loop's own cost over a longer run)"
             )
+        if timed_run is not None:
+            # A fair prefork pool hands a process its next task only when it is free: each
+            # process's cycle (concurrency / throughput) is its CPU plus what it waits for.
+            cycle = {
+                v: args.concurrency / med(v, "tasks_per_s") * 1e6 for v in ("nolock", "locked")
+            }
+            lines.append(
+                f"  a pool process's cycle per task: plain {cycle['nolock']:.0f} us, LockedTask "
+                f"{cycle['locked']:.0f} us ({cycle['locked'] - cycle['nolock']:+.0f} us); in "
+                f"the timed run (its own, {timed_run['tasks_per_s']:.0f} tasks/s), the lock's "
+                f"script calls took {timed_run['script_wall_per_task'] * 1e6:.0f} us of wall "
+                "time per task, call to reply (two calls), and the body's one INCR "
+                f"{timed_run['incr_wall_per_task'] * 1e6:.0f} us"
+            )
         extra = med("locked", "per_task") - med("nolock", "per_task")
         lines.append(f"  Redis commands the lock adds per task = {extra:.2f}")
         added = {k: per["locked"].get(k, 0.0) - per["nolock"].get(k, 0.0) for k in names}
@@ -392,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_json:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "pertask.json").write_text(
-            json.dumps({"args": vars(args), "runs": runs, "counted": counted}, indent=1)
+            json.dumps(
+                {"args": vars(args), "runs": runs, "counted": counted, "timed": timed_run}, indent=1
+            )
         )
         print("  results: bench/results/pertask.json")
     return 0
