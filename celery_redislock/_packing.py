@@ -20,17 +20,29 @@ def packed(connection: Any, command: tuple[Any, ...]) -> Any:
 
     The short way is taken only where it gives the very bytes redis-py would: the
     connection's own packer is redis-py's (hiredis's or its Python one), its encoder is
-    UTF-8 with strict errors, and hiredis takes every argument (``bytes``, ``str``, ``int``
-    and ``float``, written as redis-py writes them), or, without hiredis, every argument is
-    exactly ``bytes``, ``str`` or ``int``. Anything else (a ``bool``, a ``bytearray``, an
-    ``int`` subclass, another encoding) goes through the connection's packer, which
-    raises its own ``DataError`` where it refuses (tests/unit/test_packed.py holds the two
-    ways to the same bytes).
+    redis-py's ``Encoder``, UTF-8 with strict errors, and every argument is exactly
+    ``bytes``, ``str``, ``int`` or ``float`` for hiredis (written as redis-py writes them),
+    or, without hiredis, exactly ``bytes``, ``str`` or ``int``. Anything else (a ``bool``,
+    a ``bytearray``, a ``memoryview``, a ``str`` or ``int`` subclass, another encoding or
+    encoder class) goes through the connection's packer, which raises its own
+    ``DataError`` where it refuses (tests/unit/test_packed.py holds the two ways to the
+    same bytes).
     """
     encoder = connection.encoder
-    if encoder.encoding in _UTF8 and encoder.encoding_errors == "strict":
+    if (
+        encoder.__class__ is _Encoder  # (an asyncio connection's encoder_class may differ)
+        and encoder.encoding in _UTF8
+        and encoder.encoding_errors == "strict"
+    ):
         kind = getattr(connection, "_command_packer", _MISSING).__class__
-        if kind is _HiredisSerializer and _hiredis_pack is not None:
+        if (
+            kind is _HiredisSerializer
+            and _hiredis_pack is not None
+            # Exact types only: hiredis takes a str subclass without its own ``encode``
+            # (which redis-py calls), and any memoryview as if its buffer were contiguous
+            # bytes (redis-py sends the view itself: a strided one fails to send).
+            and _HIREDIS_TYPES.issuperset(map(type, command))
+        ):
             try:
                 return [_hiredis_pack(command)]  # (a list: a sync connection sends each item)
             except (TypeError, ValueError):
@@ -43,6 +55,10 @@ def packed(connection: Any, command: tuple[Any, ...]) -> Any:
 
 
 _UTF8 = ("utf-8", "utf8", "UTF-8")
+#: The argument types hiredis packs as redis-py's packer does (a float subclass too, by
+#: its repr, but it is rare enough to go redis-py's way).
+_HIREDIS_TYPES = frozenset((bytes, str, int, float))
+_Encoder = getattr(redis.connection, "Encoder", None)
 _MISSING = object()
 _HiredisSerializer = getattr(redis.connection, "HiredisRespSerializer", None)
 #: A connection without hiredis: redis-py's Python packer (a sync connection's), or none

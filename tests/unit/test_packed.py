@@ -3,14 +3,17 @@ packer gives, or refuses what it refuses, for every kind of connection and argum
 
 from __future__ import annotations
 
+import array
+
 import pytest
 import redis
 import redis.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis._parsers import Encoder
 from redis.connection import PythonRespSerializer
 
-from celery_redislock import _packing, _scripts
+from celery_redislock import AsyncRedisLock, RedisLock, _packing, _scripts
 from celery_redislock._packing import packed
 
 
@@ -28,29 +31,54 @@ def _async_python() -> redis.asyncio.Connection:
     return connection
 
 
+class _PrefixingEncoder(Encoder):
+    """An asyncio connection's ``encoder_class`` of its own: its packing is redis-py's."""
+
+    def encode(self, value):  # type: ignore[no-untyped-def]
+        if isinstance(value, str):
+            return b"p:" + value.encode()
+        return super().encode(value)
+
+
+def _async_own_encoder() -> redis.asyncio.Connection:
+    connection = redis.asyncio.Connection(encoder_class=_PrefixingEncoder)
+    connection._command_packer = None
+    return connection
+
+
 def _connections() -> list[object]:
     """Every packer a connection of redis-py's may have here: its Python one (sync and
-    asyncio), hiredis's where installed, and another encoding (redis-py's way only)."""
-    found: list[object] = [_sync_python(), _async_python(), redis.Connection(encoding="latin-1")]
+    asyncio), hiredis's where installed, another encoding and an encoder class of its
+    own (redis-py's way only)."""
+    found: list[object] = [
+        _sync_python(),
+        _async_python(),
+        redis.Connection(encoding="latin-1"),
+        _async_own_encoder(),
+    ]
     if _packing._hiredis_pack is not None:
-        found += [redis.Connection(), redis.asyncio.Connection()]
+        found += [
+            redis.Connection(),
+            redis.asyncio.Connection(),
+            redis.asyncio.Connection(encoder_class=_PrefixingEncoder),
+        ]
     return found
 
 
 def _redis_py(connection: object, command: tuple[object, ...]) -> bytes | type[BaseException]:
-    try:
+    try:  # (joined as the socket would take the parts: a strided memoryview fails)
         parts = connection.pack_command(*command)  # type: ignore[attr-defined]
+        return parts if isinstance(parts, bytes) else b"".join(parts)
     except Exception as exc:
         return type(exc)
-    return parts if isinstance(parts, bytes) else b"".join(parts)
 
 
 def _ours(connection: object, command: tuple[object, ...]) -> bytes | type[BaseException]:
     try:
         found = packed(connection, command)
+        return found if isinstance(found, bytes) else b"".join(found)
     except Exception as exc:
         return type(exc)
-    return found if isinstance(found, bytes) else b"".join(found)
 
 
 class _Str(str):
@@ -59,6 +87,13 @@ class _Str(str):
 
 class _Int(int):
     pass
+
+
+class _OwnEncode(str):
+    """A str that encodes itself its own way (redis-py calls ``value.encode``)."""
+
+    def encode(self, *args: object, **kwargs: object) -> bytes:
+        return b"own:" + str.encode(self)
 
 
 ARGUMENTS = st.one_of(
@@ -70,6 +105,11 @@ ARGUMENTS = st.one_of(
     st.binary(max_size=10).map(bytearray),
     st.binary(max_size=10).map(memoryview),
     st.text(max_size=5).map(_Str),
+    st.text(max_size=5).map(_OwnEncode),
+    # hiredis copies a memoryview's buffer as if contiguous bytes; redis-py sends it
+    # as it is (a strided one fails, one of wider items has its length in items)
+    st.binary(min_size=2, max_size=10).map(lambda b: memoryview(b)[::2]),
+    st.lists(st.integers(-5, 5), max_size=3).map(lambda i: memoryview(array.array("i", i))),
     st.integers(-5, 5).map(_Int),
     st.none(),
     st.just("\ud800"),  # not encodable: both refuse
@@ -99,3 +139,90 @@ def test_a_script_call_s_arguments_reach_the_server_as_sent(redis_server) -> Non
         assert client.ping()  # the refused call sent nothing: the connection is in step
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    "argument",
+    [
+        memoryview(b"abcdef")[::2],  # hiredis would send b"abc"; redis-py refuses to send it
+        memoryview(array.array("i", [1, 2])),
+        _OwnEncode("x"),
+        True,
+        _Int(3),
+    ],
+    ids=["strided-memoryview", "int-memoryview", "str-own-encode", "bool", "int-subclass"],
+)
+def test_what_hiredis_takes_its_own_way_goes_redis_py_s_way(argument: object) -> None:
+    command = ("EVALSHA", "f" * 40, 1, b"k", argument)
+    for connection in _connections():
+        assert _ours(connection, command) == _redis_py(connection, command), connection
+
+
+def test_an_encoder_class_of_its_own_packs_redis_py_s_way() -> None:
+    command = ("EVALSHA", "f" * 40, 1, "k", 5)
+    own = redis.asyncio.Connection(encoder_class=_PrefixingEncoder)
+    for connection in (_async_own_encoder(), own):
+        assert _ours(connection, command) == _redis_py(connection, command)
+        assert b"p:k" in _ours(connection, command)  # type: ignore[operator]
+
+
+def _counting_plain(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    plain = _packing._pack_plain
+
+    def counted(command: tuple[object, ...]) -> bytes | None:
+        calls.append(1)
+        return plain(command)
+
+    monkeypatch.setattr(_packing, "_pack_plain", counted)
+    return calls
+
+
+def test_a_flushed_script_cache_is_reloaded_through_the_plain_packer(
+    redis_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOSCRIPT on a connection with redis-py's Python packer: SCRIPT LOAD, EVALSHA again
+    (packed by ``_pack_plain``), the lock acquired and released, the connection in step."""
+    calls = _counting_plain(monkeypatch)
+    pool = redis.ConnectionPool(
+        port=redis_server.port,
+        socket_timeout=5.0,
+        command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
+    )
+    client = redis.Redis(connection_pool=pool)
+    try:
+        lock = RedisLock(client, "packed-noscript", auto_renew=False)
+        client.script_flush()
+        assert lock.acquire(blocking=False)
+        client.script_flush()
+        lock.release()
+        assert not client.exists(lock.keys.lock)
+        assert calls  # the plain packer's way, not the connection's
+        assert client.ping()
+    finally:
+        client.close()
+
+
+async def test_an_asyncio_flushed_script_cache_is_reloaded_without_hiredis(
+    redis_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _counting_plain(monkeypatch)
+    client = redis.asyncio.Redis(port=redis_server.port, socket_timeout=5.0)
+    real = client.connection_pool.get_connection
+
+    async def without_hiredis(*args: object, **kwargs: object) -> object:
+        connection = await real(*args, **kwargs)
+        connection._command_packer = None  # as without hiredis
+        return connection
+
+    monkeypatch.setattr(client.connection_pool, "get_connection", without_hiredis)
+    try:
+        lock = AsyncRedisLock(client, "packed-noscript-aio", auto_renew=False)
+        await client.script_flush()
+        assert await lock.acquire(blocking=False)
+        await client.script_flush()
+        await lock.release()
+        assert not await client.exists(lock.keys.lock)
+        assert calls
+    finally:
+        await client.aclose()
