@@ -203,13 +203,14 @@ def _run_direct(pool: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
     """
     command = ("EVALSHA", script.sha, len(keys), *keys, *args)
     with _pooled(pool) as connection:
-        connection.send_packed_command(packed(connection, command))
+        wire = packed(connection, command)  # (a bad argument raises here: nothing sent)
+        connection.send_packed_command(wire)
         try:
             return connection.read_response()
         except NoScriptError:  # nothing ran: load it (on this connection), run it
             connection.send_command("SCRIPT", "LOAD", script.script)
             connection.read_response()
-            connection.send_packed_command(packed(connection, command))
+            connection.send_packed_command(wire)
             return connection.read_response()
 
 
@@ -512,13 +513,14 @@ async def _run_direct_async(
     command = ("EVALSHA", script.sha, len(keys), *keys, *args)
     connection = await pool.get_connection(*_GET_CONNECTION_ARGS_ASYNC)
     try:
-        await connection.send_packed_command(packed(connection, command))
+        wire = packed(connection, command)
+        await connection.send_packed_command(wire)
         try:
             return await connection.read_response()
         except NoScriptError:
             await connection.send_command("SCRIPT", "LOAD", script.script)
             await connection.read_response()
-            await connection.send_packed_command(packed(connection, command))
+            await connection.send_packed_command(wire)
             return await connection.read_response()
     except ResponseError:
         raise
