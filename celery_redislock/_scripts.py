@@ -29,7 +29,7 @@ import redis.client
 from redis.exceptions import NoScriptError, ResponseError
 
 from ._core import MAX_MS
-from ._packing import packed
+from ._packing import own_send, packed
 from ._process import ProcessLocal, current, is_current
 
 SCRIPT_NAMES = (
@@ -203,15 +203,25 @@ def _run_direct(pool: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
     """
     command = ("EVALSHA", script.sha, len(keys), *keys, *args)
     with _pooled(pool) as connection:
-        wire = packed(connection, command)  # (a bad argument raises here: nothing sent)
-        connection.send_packed_command(wire)
+        # (a bad argument raises here: nothing sent)
+        wire = packed(connection, command) if own_send(connection) else None
+        _send(connection, wire, command)
         try:
             return connection.read_response()
         except NoScriptError:  # nothing ran: load it (on this connection), run it
             connection.send_command("SCRIPT", "LOAD", script.script)
             connection.read_response()
-            connection.send_packed_command(wire)
+            _send(connection, wire, command)
             return connection.read_response()
+
+
+def _send(connection: Any, wire: Any, command: tuple[Any, ...]) -> Any:
+    """Send ``command``: packed as ``wire`` already, or (None) through the connection's
+    own ``send_command`` (:func:`._packing.own_send`). Returns what the send returns (an
+    asyncio connection's: an awaitable)."""
+    if wire is None:
+        return connection.send_command(*command)
+    return connection.send_packed_command(wire)
 
 
 #: A box read shorter than this ends on the client's clock, not the server's tick.
@@ -513,14 +523,14 @@ async def _run_direct_async(
     command = ("EVALSHA", script.sha, len(keys), *keys, *args)
     connection = await pool.get_connection(*_GET_CONNECTION_ARGS_ASYNC)
     try:
-        wire = packed(connection, command)
-        await connection.send_packed_command(wire)
+        wire = packed(connection, command) if own_send(connection) else None
+        await _send(connection, wire, command)
         try:
             return await connection.read_response()
         except NoScriptError:
             await connection.send_command("SCRIPT", "LOAD", script.script)
             await connection.read_response()
-            await connection.send_packed_command(wire)
+            await _send(connection, wire, command)
             return await connection.read_response()
     except ResponseError:
         raise

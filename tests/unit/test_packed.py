@@ -4,6 +4,7 @@ packer gives, or refuses what it refuses, for every kind of connection and argum
 from __future__ import annotations
 
 import array
+from typing import ClassVar
 
 import pytest
 import redis
@@ -226,3 +227,69 @@ async def test_an_asyncio_flushed_script_cache_is_reloaded_without_hiredis(
         assert calls
     finally:
         await client.aclose()
+
+
+class _Recording(redis.Connection):
+    """A connection class with a ``send_command`` of its own (as one that logs or traces
+    commands has): it sees every command its connections send."""
+
+    sent: ClassVar[list[bytes]] = []
+
+    def send_command(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        _Recording.sent.append(str(args[0]).encode())
+        return super().send_command(*args, **kwargs)
+
+
+class _AsyncRecording(redis.asyncio.Connection):
+    """An asyncio connection class with a ``pack_command`` of its own (redis-py's asyncio
+    ``send_command`` packs through it)."""
+
+    packed_names: ClassVar[list[str]] = []
+
+    def pack_command(self, *args):  # type: ignore[no-untyped-def]
+        _AsyncRecording.packed_names.append(str(args[0]))
+        return super().pack_command(*args)
+
+
+def test_a_connection_class_s_own_send_command_sends_the_scripts(redis_server) -> None:
+    """The direct path packs a script call itself only for redis-py's own way of sending;
+    a class with its own ``send_command`` gets every script call (and its NOSCRIPT reload)
+    through it, with the lock working as ever."""
+    _Recording.sent = []
+    pool = redis.ConnectionPool(
+        port=redis_server.port, socket_timeout=5.0, connection_class=_Recording
+    )
+    client = redis.Redis(connection_pool=pool)
+    try:
+        assert _scripts._direct_pool(client) is pool
+        lock = RedisLock(client, "own-send", auto_renew=False)
+        client.script_flush()
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert not client.exists(lock.keys.lock)
+        # acquire: EVALSHA (NOSCRIPT), SCRIPT LOAD, EVALSHA; release: EVALSHA (NOSCRIPT),
+        # SCRIPT LOAD, EVALSHA
+        assert _Recording.sent.count(b"EVALSHA") == 4
+        assert _Recording.sent.count(b"SCRIPT") == 2
+        assert client.ping()
+    finally:
+        client.close()
+        pool.disconnect()
+
+
+async def test_an_asyncio_connection_class_s_own_packer_packs_the_scripts(redis_server) -> None:
+    _AsyncRecording.packed_names = []
+    pool = redis.asyncio.ConnectionPool(
+        port=redis_server.port, socket_timeout=5.0, connection_class=_AsyncRecording
+    )
+    client = redis.asyncio.Redis(connection_pool=pool)
+    try:
+        assert _scripts._direct_pool(client) is pool
+        lock = AsyncRedisLock(client, "own-pack-aio", auto_renew=False)
+        assert await lock.acquire(blocking=False)
+        await lock.release()
+        assert not await client.exists(lock.keys.lock)
+        assert _AsyncRecording.packed_names.count("EVALSHA") >= 2
+    finally:
+        await client.aclose()
+        await pool.disconnect()
