@@ -143,6 +143,22 @@ def test_the_celery_rate_benchmark_runs_at_tiny_sizes() -> None:
     assert "ours (lock_rate): bound kept" in out
 
 
+def test_the_hand_over_parts_benchmark_runs_at_tiny_sizes() -> None:
+    out = _run(
+        "bench.handoff_parts",
+        "--procs", "2",
+        "--duration", "0.5",
+        "--rounds", "1",
+        "--calls", "20",
+        timeout=120,
+    )  # fmt: skip
+    # (bench.handoff_parts exits non-zero on an overlap, or a kind with no section)
+    assert "overlapping sections: ours 0, token 0" in out
+    assert "gap / token floor, within each round" in out
+    assert float(_row(out, "release granting to a box")[0]) > 0
+    assert float(_row(out, "LPUSH")[0]) > 0
+
+
 def test_the_per_task_cost_benchmark_runs_every_locked_task_once() -> None:
     out = _run(
         "bench.celery_pertask",
