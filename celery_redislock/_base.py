@@ -270,33 +270,34 @@ class LockBase(Generic[Signal]):
             until = time.monotonic() + keep_ms / 1000.0
             abandoned_waits.add(self.keys.lock, owner, grant_name, until)
 
-    def _take_grant(
-        self,
-        owner: str,
-        token: int,
-        sent_at: float,
-        lease: int,
-        started: float,
-        owner_task: Any = None,
-    ) -> bool:
-        """Count a direct grant as acquired, if its short lease can still be trusted.
+    def _grant_hold(self, owner: str, sent_at: float, lease: int, owner_task: Any = None) -> Hold:
+        """The hold a direct grant answering the attempt sent at ``sent_at`` would be, built
+        before the wait (:meth:`_take_grant` only fills in its token and records it): the
+        waiter's first microseconds after waking, when it runs cold, are the hand-over's.
 
-        The release granted it after this waiter's last attempt (sent at ``sent_at``)
-        reached Redis, so the grant's lease (``GRANT_MS``, or the hold's lease if
-        shorter) ends after ``sent_at`` plus that lease at the earliest. With less than
-        half of it left, False: the caller takes the lock up with a round trip instead.
-        """
-        grant_ms = min(GRANT_MS, lease)  # what release.lua gives a direct grant
-        deadline = validity_deadline(sent_at, grant_ms)
-        if deadline - time.monotonic() < grant_ms / 2000.0 or self._live_hold(owner):
-            return False
-        hold, is_new = self._record_acquired(
-            owner, AcquireReply(True, token, 1), sent_at, lease, True, started, owner_task
-        )
-        hold.deadline = deadline
+        The release granted it after that attempt reached Redis, so the grant's lease
+        (``GRANT_MS``, or the hold's lease if shorter: what release.lua gives a direct
+        grant) ends after ``sent_at`` plus that lease at the earliest: the hold's deadline.
+        The watchdog's first renewal is due at a third of it."""
+        grant_ms = min(GRANT_MS, lease)
+        hold = self._new_hold(owner, 0, sent_at, lease, True, owner_task)
+        hold.deadline = validity_deadline(sent_at, grant_ms)
         hold.next_due = sent_at + grant_ms / 3000.0  # full lease well before the grant's ends
-        if is_new:
-            self._renewals().add(hold, renew_by=sent_at + grant_ms / 2000.0)
+        return hold
+
+    def _take_grant(self, hold: Hold, token: int, started: float) -> bool:
+        """Count a direct grant (fencing token ``token``) as acquired, as ``hold``
+        (:meth:`_grant_hold`), if its short lease can still be trusted: with less than half
+        of it left, False (the caller takes the lock up with a round trip instead), as when
+        the owner holds it already."""
+        grant_ms = min(GRANT_MS, hold.lease)
+        owner = hold.owner
+        if hold.deadline - time.monotonic() < grant_ms / 2000.0 or self._live_hold(owner):
+            return False
+        hold.token = token
+        self._server_count = 1
+        self._install(hold, started)
+        self._renewals().add(hold, renew_by=hold.acquired_at + grant_ms / 2000.0)
         return True
 
     def _renewals(self) -> Any:
@@ -336,35 +337,48 @@ class LockBase(Generic[Signal]):
             self._forget(hold)
             hold.mark_lost("expired")
             hold = None
-        if hold is None and (_deferred._deferred.peek() is not None or _deferred._async_tasks):
-            _deferred.cancel_deferred(self.keys.lock, owner)  # see DeferredReleases.cancel
         if hold is None:
-            signal = self._signal_type()
-            self._signals[owner] = signal
-            hold = Hold(
-                self._hold_keys(owner),
-                owner,
-                token=reply.token,
-                lease=lease,
-                renew=renew,
-                sent_at=sent_at,
-                lost=signal,
-                notify=self._report_lost,
-                owner_task=None if owner_task is None else weakref.ref(owner_task),
-                fenced=self._fenced_renewals,
-            )
-            hold.count = 1
-            self._holds[owner] = hold
-            log.debug("lock %r acquired by %s (token %d)", self.name, owner, reply.token)
-            if signals.lock_acquired.receivers:
-                waited = 0.0 if started is None else max(0.0, sent_at - started)
-                signals.lock_acquired.send(
-                    self, name=self.name, owner=owner, token=reply.token, waited=waited
-                )
+            hold = self._new_hold(owner, reply.token, sent_at, lease, renew, owner_task)
+            self._install(hold, started)
             return hold, True
         hold.count += 1
         hold.renewed(sent_at)
         return hold, False
+
+    def _new_hold(
+        self, owner: str, token: int, sent_at: float, lease: int, renew: bool, owner_task: Any
+    ) -> Hold:
+        """A hold of ``owner`` (count 1, a loss signal of its own), not yet recorded."""
+        hold = Hold(
+            self._hold_keys(owner),
+            owner,
+            token=token,
+            lease=lease,
+            renew=renew,
+            sent_at=sent_at,
+            lost=self._signal_type(),
+            notify=self._report_lost,
+            owner_task=None if owner_task is None else weakref.ref(owner_task),
+            fenced=self._fenced_renewals,
+        )
+        hold.count = 1
+        return hold
+
+    def _install(self, hold: Hold, started: float | None) -> None:
+        """Record a new hold (:meth:`_new_hold`) as its owner's: the hold table, its loss
+        signal, the log and ``lock_acquired``."""
+        owner = hold.owner
+        if _deferred._deferred.peek() is not None or _deferred._async_tasks:
+            _deferred.cancel_deferred(self.keys.lock, owner)  # see DeferredReleases.cancel
+        self._signals[owner] = hold.lost  # type: ignore[assignment]
+        self._holds[owner] = hold
+        log.debug("lock %r acquired by %s (token %d)", self.name, owner, hold.token)
+        if signals.lock_acquired.receivers:
+            sent_at = hold.acquired_at
+            waited = 0.0 if started is None else max(0.0, sent_at - started)
+            signals.lock_acquired.send(
+                self, name=self.name, owner=owner, token=hold.token, waited=waited
+            )
 
     def _record_released(self, owner: str, code: int) -> Hold | None:
         """Apply a release reply; returns the hold to stop renewing (or None). Raises on loss."""

@@ -77,13 +77,24 @@ class BoxWaiter(WaiterBase):
     """
 
     __slots__ = (
-        "_answered", "_box_id", "_client", "_fallback", "_pool", "_read_for", "_within", "box"
+        "_answered", "_box_id", "_client", "_fallback", "_pool", "_pool_box", "_read_for",
+        "_within", "box",
     )  # fmt: skip
 
-    def __init__(self, client: Any, pool: Any, name: bytes, owner: str, within: float | None):
+    def __init__(
+        self,
+        client: Any,
+        pool: Any,
+        name: bytes,
+        owner: str,
+        within: float | None,
+        pool_box: _PoolBox | None = None,
+    ):
         super().__init__(None, name, owner, None, None)
         self._client = client
         self._pool = pool
+        #: The pool's lone wait this waiter took (:func:`_box_waiter`), given back on exit.
+        self._pool_box = _pool_box(pool) if pool_box is None else pool_box
         self._box_id = b"L" + secrets.token_hex(8).encode()
         self.box = name + grant_channel_tail(self._box_id)
         self._fallback: Waiter | None = None
@@ -107,7 +118,7 @@ class BoxWaiter(WaiterBase):
             if self._fallback is not None:
                 self._fallback.__exit__(None, None, None)
         finally:
-            _pool_box(self._pool).done()
+            self._pool_box.done()
 
     @property
     def grant_name(self) -> bytes:
@@ -151,7 +162,7 @@ class BoxWaiter(WaiterBase):
         try:
             reply = pop_box(self._pool, self.box, read_for)
         except NoPermissionError as exc:
-            _pool_box(self._pool).refuse(exc)
+            self._pool_box.refuse(exc)
             return self._fall_back()
         except (*BROKEN, ResponseError) as exc:
             # The read failed (its grant, if any, may be lost with it), or Redis refused it
@@ -223,6 +234,7 @@ def _box_waiter(client: Any, name: bytes, owner: str, within: float | None) -> B
         getattr(pool, "max_connections", 0) < BOX_MIN_CONNECTIONS
     ):
         return None
-    if not _pool_box(pool).take():
+    pool_box = _pool_box(pool)
+    if not pool_box.take():
         return None
-    return BoxWaiter(client, pool, name, owner, within)
+    return BoxWaiter(client, pool, name, owner, within, pool_box)

@@ -359,10 +359,14 @@ class AsyncSingle(SingleBase[AsyncLeaseLost], AsyncCalls, AsyncContext):
                     bound = self._wait_for(outcome, deadline)
                     if bound is None:
                         return False
+                    # A direct grant's hold is built before the wait, not after waking.
+                    grant = self._grant_hold(owner, sent_at, lease_millis, task) if direct else None
                     await waiter.wait(bound)
                     token = waiter.take_grant()
-                    if token is not None and self._take_grant(
-                        owner, token, sent_at, lease_millis, started, task
+                    if (
+                        token is not None
+                        and grant is not None
+                        and self._take_grant(grant, token, started)
                     ):
                         acquired = True
                         return True

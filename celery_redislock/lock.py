@@ -120,6 +120,7 @@ class SyncSingle(SingleBase[LeaseLost], SyncContext):
         deadline = None if wait_limit is None else time.monotonic() + wait_limit
         acquired = False
         direct = self._direct(renew)
+        thread = _owner_thread() if direct else None
         with waiter_for(self.client, self.keys.channel, owner, wait_limit, lone=direct) as waiter:
             direct = direct and waiter.direct
             pttl = 0  # the holder's lease at the last attempt (how long our place is kept)
@@ -145,10 +146,16 @@ class SyncSingle(SingleBase[LeaseLost], SyncContext):
                     bound = self._wait_for(outcome, deadline)
                     if bound is None:
                         return False
+                    # A direct grant's hold is built before the wait, not after waking.
+                    grant = (
+                        self._grant_hold(owner, sent_at, lease_millis, thread) if direct else None
+                    )
                     waiter.wait(bound)
                     token = waiter.take_grant()
-                    if token is not None and self._take_grant(
-                        owner, token, sent_at, lease_millis, started, _owner_thread()
+                    if (
+                        token is not None
+                        and grant is not None
+                        and self._take_grant(grant, token, started)
                     ):
                         acquired = True
                         return True

@@ -489,21 +489,33 @@ BAD_ACQUIRE_CALLS: list[tuple[dict[str, Any], str]] = [
 ]
 
 
-def evalsha_calls(client: redis.Redis) -> int:
-    """Scripts run on ``client``'s server since its stats were last reset."""
-    stats: dict[str, Any] = client.info("commandstats")  # type: ignore[assignment]
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+class _CountingConnection(redis.Connection):
+    """Counts what its connections send (this client's alone: the session's server is
+    shared, and another test's watchdog may run a renewal there at any time)."""
+
+    sent = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        _CountingConnection.sent += 1
+        super().send_packed_command(command, check_health)
 
 
 @pytest.mark.parametrize(("kwargs", "argument"), BAD_ACQUIRE_CALLS)
 def test_bad_acquire_arguments_are_refused_before_any_io(
-    redis_client: redis.Redis, kwargs: dict[str, Any], argument: str
+    redis_server: RedisServer, kwargs: dict[str, Any], argument: str
 ) -> None:
-    lock = RedisLock(redis_client, "job")
-    redis_client.config_resetstat()
-    with pytest.raises(LockConfigurationError, match=f"^{argument} must"):
-        lock.acquire(**kwargs)
-    assert evalsha_calls(redis_client) == 0 and not lock.locked()
+    pool = redis.ConnectionPool(port=redis_server.port, connection_class=_CountingConnection)
+    client = redis.Redis(connection_pool=pool)
+    try:
+        lock = RedisLock(client, f"job-{argument}")
+        _CountingConnection.sent = 0
+        with pytest.raises(LockConfigurationError, match=f"^{argument} must"):
+            lock.acquire(**kwargs)
+        assert _CountingConnection.sent == 0
+        assert not lock.locked()
+    finally:
+        client.close()
+        pool.disconnect()
 
 
 def test_bad_call_arguments_are_refused_before_any_io(redis_client: redis.Redis) -> None:
@@ -755,10 +767,16 @@ def test_a_grant_too_old_to_trust_is_taken_up_with_a_round_trip(
     enough ago that the grant's lease may be nearly over, it takes the lock with a
     round trip (which also sets the full lease) instead."""
     lock = RedisLock(redis_client, "stale-grant", ttl=30, owner="w")
-    assert lock._take_grant("w", 1, time.monotonic() - 1.5, 30000, time.monotonic()) is False
+    stale = lock._grant_hold("w", time.monotonic() - 1.5, 30000)
+    assert lock._take_grant(stale, 1, time.monotonic()) is False
     assert lock.token is None
-    assert lock._take_grant("w", 7, time.monotonic(), 30000, time.monotonic()) is True
+    fresh = lock._grant_hold("w", time.monotonic(), 30000)
+    assert lock._take_grant(fresh, 7, time.monotonic()) is True
     assert lock.token == 7
+    # The hold built before the wait is the one recorded: its lease dated from the attempt.
+    assert lock._holds["w"] is fresh and fresh.count == 1 and not fresh.lost
+    assert lock._take_grant(lock._grant_hold("w", time.monotonic(), 30000), 8, 0.0) is False
+    assert lock.token == 7  # held already: a second grant is not counted over it
     lock.close()  # no such lock in Redis: stop the watchdog's renewals of it
 
 
