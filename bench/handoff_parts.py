@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--procs 1 to 16, --duration up to 60 s, --rounds 1 to 20")
     if not 10 <= args.calls <= 100_000:
         ap.error("--calls 10 to 100000")
+    if not (0 <= args.hold_ms <= 1000 and 0 <= args.work_ms <= 1000):
+        ap.error("--hold-ms and --work-ms 0 to 1000")
     ctx = mp.get_context("spawn")
     with RedisServer() as server:
         client = server.client()

@@ -88,13 +88,13 @@ class BoxWaiter(WaiterBase):
         name: bytes,
         owner: str,
         within: float | None,
-        pool_box: _PoolBox | None = None,
+        pool_box: _PoolBox,
     ):
         super().__init__(None, name, owner, None, None)
         self._client = client
         self._pool = pool
         #: The pool's lone wait this waiter took (:func:`_box_waiter`), given back on exit.
-        self._pool_box = _pool_box(pool) if pool_box is None else pool_box
+        self._pool_box = pool_box
         self._box_id = b"L" + secrets.token_hex(8).encode()
         self.box = name + grant_channel_tail(self._box_id)
         self._fallback: Waiter | None = None

@@ -17,16 +17,16 @@ except ImportError:  # pragma: no cover - depends on the environment
 def own_send(connection: Any) -> bool:
     """Whether ``connection`` sends a command the way redis-py's connections do: packed by
     redis-py's packer, then ``send_packed_command`` (the scripts' direct path then packs
-    it itself: :func:`packed`). A connection class with a ``send_command`` or
-    ``pack_command`` of its own (a subclass that logs, traces or rewrites commands) is
-    sent every command through its ``send_command`` instead (False)."""
+    it itself: :func:`packed`). A connection with a ``send_command`` or ``pack_command``
+    of its own (its class's, or one set on it: a subclass or instrumentation that logs,
+    traces or rewrites commands) is sent every command through its ``send_command``
+    instead (False). Looked up at each call, as redis-py would: such a method may be
+    installed at any time."""
     kind = connection.__class__
-    found = _OWN_SEND.get(kind)
-    if found is None:
-        send = getattr(kind, "send_command", None)
-        pack = getattr(kind, "pack_command", None)
-        found = _OWN_SEND[kind] = (send, pack) in _REDIS_SENDS
-    return found
+    if (kind.send_command, kind.pack_command) not in _REDIS_SENDS:
+        return False
+    own = getattr(connection, "__dict__", None)
+    return not own or ("send_command" not in own and "pack_command" not in own)
 
 
 def packed(connection: Any, command: tuple[Any, ...]) -> Any:
@@ -70,13 +70,11 @@ def packed(connection: Any, command: tuple[Any, ...]) -> Any:
     return connection.pack_command(*command)
 
 
-#: redis-py's own ``send_command`` and ``pack_command`` (sync, asyncio), and per
-#: connection class whether it has that pair (:func:`own_send`).
+#: redis-py's own ``send_command`` and ``pack_command`` (sync, asyncio): :func:`own_send`.
 _REDIS_SENDS = tuple(
-    (getattr(kind, "send_command", None), getattr(kind, "pack_command", None))
+    (kind.send_command, kind.pack_command)
     for kind in (redis.connection.AbstractConnection, redis.asyncio.connection.AbstractConnection)
 )
-_OWN_SEND: dict[type, bool] = {}
 _UTF8 = ("utf-8", "utf8", "UTF-8")
 #: The argument types hiredis packs as redis-py's packer does (a float subclass too, by
 #: its repr, but it is rare enough to go redis-py's way).

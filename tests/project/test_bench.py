@@ -159,6 +159,19 @@ def test_the_hand_over_parts_benchmark_runs_at_tiny_sizes() -> None:
     assert float(_row(out, "LPUSH")[0]) > 0
 
 
+@pytest.mark.parametrize("bad", [["--hold-ms", "-1"], ["--work-ms", "nan"], ["--calls", "0"]])
+def test_the_hand_over_parts_benchmark_refuses_bad_sizes(bad: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.handoff_parts", *bad],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and bad[0] in done.stderr, done.stderr
+
+
 def test_the_per_task_cost_benchmark_runs_every_locked_task_once() -> None:
     out = _run(
         "bench.celery_pertask",

@@ -293,3 +293,37 @@ async def test_an_asyncio_connection_class_s_own_packer_packs_the_scripts(redis_
     finally:
         await client.aclose()
         await pool.disconnect()
+
+
+def test_a_send_command_installed_later_or_on_one_connection_is_honoured(redis_server) -> None:
+    """Instrumentation may patch a connection class after the scripts first ran, or set a
+    ``send_command`` on one connection: either is looked up at each call."""
+
+    class Late(redis.Connection):
+        pass
+
+    pool = redis.ConnectionPool(port=redis_server.port, socket_timeout=5.0, connection_class=Late)
+    client = redis.Redis(connection_pool=pool)
+    seen: list[object] = []
+    try:
+        lock = RedisLock(client, "own-send-late", auto_renew=False)
+        assert lock.acquire(blocking=False)  # the direct path's own packing, as ever
+        lock.release()
+        assert _packing.own_send(Late())
+
+        def traced(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            seen.append(args[0])
+            return redis.Connection.send_command(self, *args, **kwargs)
+
+        Late.send_command = traced  # type: ignore[method-assign]
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert seen.count("EVALSHA") == 2
+        del Late.send_command
+        connection = Late()
+        assert _packing.own_send(connection)
+        connection.send_command = traced  # type: ignore[method-assign]
+        assert not _packing.own_send(connection)
+    finally:
+        client.close()
+        pool.disconnect()
