@@ -50,6 +50,7 @@ SCRIPT_NAMES = (
     "rate_drain",
     "rate_resend",
     "latest_due",
+    "queue",
 )
 #: Shared Lua functions prepended to the scripts that use them (``lua/<prelude>.lua``), in
 #: this order: ``args`` checks numeric arguments (every script taking a duration uses it);
@@ -79,6 +80,7 @@ PRELUDES: dict[str, tuple[str, ...]] = {
     "rate_drain": ("args", "gcra"),
     "rate_resend": ("args",),
     "latest_due": ("args", "lock"),
+    "queue": ("envelope",),
 }
 #: The name in ``lua/args.lua`` that stands for the longest duration the scripts accept.
 MAX_MS_NAME = "MAX_MS"
@@ -160,6 +162,8 @@ class Scripts:
         self.rate_resend = client.register_script(text("rate_resend"))
         #: A debounced task's pending call, sent when due (``celery.latest``).
         self.latest_due = client.register_script(text("latest_due"))
+        #: A command on a queue list in another database of this server (``celery.queuelists``).
+        self.queue = client.register_script(text("queue"))
 
 
 class _Registering:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from .celery.parking import Parker as Parker
 from .celery.parking import _parked_as as _parked_as
-from .celery.parking import _probe as _probe
-from .celery.parking import _same as _same
 from .celery.parking import _same_redis as _same_redis
 from .celery.parking import _writable as _writable
 from .celery.parking import accept_handed_over as accept_handed_over

@@ -26,6 +26,7 @@ from ..settings import LockOptions
 from . import signing
 from .clients import client_for, settings_for
 from .envelope import _dumps
+from .queuelists import broker_place
 from .tasklock import AnyTaskLock, TaskLock, TaskSemaphore, request_owner
 
 log = logging.getLogger(__name__)
@@ -344,14 +345,18 @@ _rng = random.Random()
 def _park_fallback(app: Any) -> bool:
     """Whether parked tasks also get a delayed fallback copy in the broker.
 
-    Parked messages live in the lock Redis. If that is the broker's own Redis, they share
-    its fate and the sweeper covers a dead releasing worker; a separate lock Redis could
-    lose them alone (a restart without persistence), so a copy is kept in the broker.
+    Parked messages live in the lock Redis. If that is the broker's own Redis server (its
+    database or another: ``queuelists``), they share its fate and the sweeper covers a dead
+    releasing worker; a separate lock Redis could lose them alone (a restart without
+    persistence), so a copy is kept in the broker.
     """
     settings = settings_for(app)
     if settings.park_fallback == "auto":
-        return not settings.url_source.startswith("broker_url") and (
-            settings.url != (getattr(app.conf, "broker_url", None) or app.conf.get("broker_url"))
+        return (
+            not settings.url_source.startswith("broker_url")
+            and settings.url
+            != (getattr(app.conf, "broker_url", None) or app.conf.get("broker_url"))
+            and broker_place(app) is None
         )
     return bool(settings.park_fallback)
 

@@ -19,6 +19,7 @@ from kombu.utils import json as kombu_json
 from .._core import LockKeys
 from .._replies import Handed
 from . import signing
+from .queuelists import SEP, broker_place
 
 
 class _Handed(NamedTuple):
@@ -58,7 +59,8 @@ def push_targets(app: Any) -> tuple[str, str]:
     """Where a hand-over script may push a parked envelope itself (handoff.lua's ARGV[10]
     and ARGV[11]): the first-read lists of the queues this worker consumes (as
     :class:`parking.Parker` names them) and this app's ``LockedTask`` names, one a line.
-    An envelope for another list or task comes back to the worker, which checks it."""
+    An envelope for another list or task comes back to the worker, which checks it.
+    A list in another database of the locks' server is named as ``queuelists`` says."""
     queues = app.amqp.queues
     consumed = queues.consume_from or queues
     tasks = app.tasks
@@ -74,7 +76,10 @@ def push_targets(app: Any) -> tuple[str, str]:
     prefix = str(options.get("global_keyprefix") or "")
     first = (options.get("priority_steps") or [0])[0]
     after = f"{_PRIORITY_SEP}{first}" if first else ""  # kombu's _q_for_pri
-    lists = "\n".join(prefix + name + after for name in names if "\n" not in name)
+    place = broker_place(app)  # (another database of the locks' server: lists named so)
+    plain = [prefix + name + after for name in names]
+    named = [place.name(q) if place is not None else q for q in plain if SEP not in q]
+    lists = "\n".join(q for q in named if q is not None and "\n" not in q)
     locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
     targets = (lists, "\n".join(locked))
     _push_targets[app] = (frozenset(names), len(tasks), targets)

@@ -34,6 +34,7 @@ from .envelope import (
     envelope_lock_key,
     push_targets,
 )
+from .queuelists import queue_call
 from .tasklock import request_owner, run_owner
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,9 @@ def _checked(app: Any, handed: _Handed) -> tuple[Callable[[], Any], tuple[bytes,
             return functools.partial(publish_to_handoff_queue, app, signature), (b"", signature)
         if message[:1] == ENVELOPE.encode():
             queue_list, pushed, envelope = _checked_envelope(app, key, handed)
-            push = functools.partial(client_for(app).rpush, queue_list, pushed)
+            push = functools.partial(
+                queue_call, client_for(app), "RPUSH", queue_list.decode(), pushed
+            )
             return push, (queue_list, envelope)
     except signing.Refused:
         raise

@@ -19,6 +19,7 @@ from .._keyspace import lookahead_chain as lookahead_chain
 from .._process import ProcessLocal
 from .clients import settings_for
 from .envelope import _bytes, envelope_entry, envelope_lock_key
+from .queuelists import SEP, queue_call
 from .tasklock import TaskLock, request_owner
 
 log = logging.getLogger(__name__)
@@ -97,15 +98,17 @@ def _search_queue(
     start = read = 0
     while start < limit and read < LOOKAHEAD_BYTES:
         end = min(start + LOOKAHEAD_CHUNK, limit)
-        if start == 0:
+        if start == 0 and SEP not in queue_list:
             pipe = lock.client.pipeline(transaction=False)
             pipe.llen(lock.parked)
             pipe.lrange(queue_list, -end, -1)
             parked, raws = pipe.execute()
             if parked:
                 return None  # the release hands the lock to a parked task
-        else:
-            raws = lock.client.lrange(queue_list, -end, -start - 1)
+        else:  # (a list in another database: read through the queue script)
+            if start == 0 and lock.client.llen(lock.parked):
+                return None
+            raws = queue_call(lock.client, "LRANGE", queue_list, -end, -start - 1)
         for position, raw in enumerate(map(_bytes, reversed(raws)), start):  # oldest first
             read += len(raw)
             digest = hashlib.blake2b(raw, digest_size=16).digest()

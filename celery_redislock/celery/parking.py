@@ -9,12 +9,12 @@ hands the lock to the first parked task and pushes its envelope back to the head
 queue's first-read (priority 0) list in the same atomic step, so the next fetch of any
 worker consuming that queue takes it at once.
 
-It applies only where it is exact: a Redis broker on the same server and database as the
-locks (checked once per worker and broker URL, with a probe key), a queue list the locks'
-Redis user may write, messages of task protocol 2 without ``eta`` or ``expires``,
-``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
-``redislock_urls``), no parked-task fallback copies, and ``redislock_park_at_delivery``
-left on; and only for a key that comes again (:class:`RecentKeys`): a key's first message
+It applies only where it is exact: a Redis broker on the same server as the locks, in
+their database or another one (checked once per worker and broker URL, with a probe key:
+``queuelists``), a queue list the locks' Redis user may write, messages of task protocol 2
+without ``eta`` or ``expires``, ``on_contention="requeue"`` with re-queues left, a
+single-Redis lock (not ``redislock_urls``), no parked-task fallback copies, and
+``redislock_park_at_delivery`` left on; and only for a key that comes again (:class:`RecentKeys`): a key's first message
 among the consumer's recent keys costs the main loop no round trip. Everything else (and
 any error here) goes the usual way: the pool process takes the lock, or parks the task
 itself.
@@ -39,7 +39,7 @@ from celery.worker.strategy import default as default_strategy
 
 from .. import signals
 from .._core import OwnerFinished, lease_ms
-from .._keyspace import parked_under, probe_key
+from .._keyspace import parked_under
 from . import signing
 from .base import LockedTask
 from .clients import client_for, settings_for
@@ -47,6 +47,7 @@ from .contention import FIRST_TRY_HEADER, REQUEUE_HEADER, _park_fallback, first_
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
+from .queuelists import SEP, Place, place_of, queue_call
 from .tasklock import PARKABLE, TaskLock, TaskSemaphore, request_owner
 
 log = logging.getLogger(__name__)
@@ -133,8 +134,11 @@ class Parker:
         *,
         slots: int | None = None,
         seen: RecentKeys | None = None,
+        place: Place | None = None,
     ) -> None:
         self.task = task
+        #: Where the broker's queue lists are (None: in the locks' database).
+        self.place = place
         self.app = app
         self.revoked = revoked
         #: Look-ahead needs two worker slots here at least: a lock's tasks moved ahead
@@ -163,12 +167,10 @@ class Parker:
             return None  # last call wins: decided in the pool process (celery.latest)
         try:
             settings = settings_for(app)
-            if (
-                not settings.park_at_delivery
-                or settings.urls
-                or _park_fallback(app)
-                or not _same_redis(app, consumer)
-            ):
+            if not settings.park_at_delivery or settings.urls or _park_fallback(app):
+                return None
+            place = _broker_place(app, consumer)
+            if place is None:
                 return None
         except Exception:
             log.debug("redislock: parking at delivery is off for %s", task.name, exc_info=True)
@@ -183,6 +185,7 @@ class Parker:
             consumer.controller.state.revoked,
             slots=slots if isinstance(slots, int) else None,
             seen=_recent_keys(consumer),
+            place=place,
         )
 
     def park(self, message: Any) -> bool:
@@ -294,20 +297,28 @@ class Parker:
         if len(queues) != 1 or queues[0] not in getattr(channel, "_active_queues", ()):
             return None
         first = channel.priority_steps[0]
-        queue_list = channel.global_keyprefix + channel._q_for_pri(queues[0], first)
-        if "\n" in queue_list or not self._may_push(client_for(self.app), queue_list):
+        queue_list = str(channel.global_keyprefix + channel._q_for_pri(queues[0], first))
+        if "\n" in queue_list or SEP in queue_list:
             return None
-        return str(queue_list)
+        if self.place is not None:
+            named = self.place.name(queue_list)
+            if named is None:
+                return None
+            queue_list = named
+        if not self._may_push(client_for(self.app), queue_list):
+            return None
+        return queue_list
 
     def _may_push(self, client: Any, queue_list: str) -> bool:
         """Whether the lock's Redis user may write ``queue_list`` (the hand-over pushes
         to it from a script): an ``LREM`` of a value that is never there, once a list per
-        app in a process (every task type asks; the ``LREM`` scans the whole list)."""
+        app in a process (every task type asks; the ``LREM`` scans the whole list). In
+        another database, through the script that selects it (``queuelists.queue_call``)."""
         writable = _writable.setdefault(self.app, {})
         found = writable.get(queue_list)
         if found is None:
             try:
-                client.lrem(queue_list, 0, "redislock-probe-" + uuid.uuid4().hex)
+                queue_call(client, "LREM", queue_list, 0, "redislock-probe-" + uuid.uuid4().hex)
                 found = True
             except redis.ResponseError as exc:  # NOPERM: a lock user confined to its keys
                 found = False
@@ -414,37 +425,20 @@ def _recent_keys(consumer: Any) -> RecentKeys:
         return RecentKeys()
 
 
-_same: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 #: Per app: queue lists the locks' Redis user may write (True) or not (False).
 _writable: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
-def _same_redis(app: Any, consumer: Any) -> bool:
-    """Whether the broker is a Redis on the same server and database as the locks: a
-    key the lock client writes (under the locks' prefix) is read back by the broker's.
-    Asked once per app and broker URL in a process (every task type asks)."""
+def _broker_place(app: Any, consumer: Any) -> Place | None:
+    """Where the consumer's broker keeps its queue lists, if it is a Redis on the locks'
+    server (``queuelists.place_of``); None: not such a Redis."""
     connection = consumer.connection
     if connection is None or connection.transport.driver_type != "redis":
-        return False
-    uri = connection.as_uri(include_password=True)
-    if not uri.startswith(("redis://", "rediss://", "unix://")):
-        return False
-    known = _same.setdefault(app, {})
-    if uri not in known:
-        known[uri] = _probe(app, uri)
-    return known[uri]
+        return None
+    return place_of(app, connection.as_uri(include_password=True))
 
 
-def _probe(app: Any, uri: str) -> bool:
-    locks = client_for(app)
-    probe = probe_key(settings_for(app).defaults.prefix, uuid.uuid4().hex)
-    nonce = uuid.uuid4().hex
-    broker = redis.Redis.from_url(uri, socket_timeout=5, socket_connect_timeout=5)
-    try:
-        locks.set(probe, nonce, px=10_000)
-        try:
-            return bool(broker.get(probe) == nonce.encode())
-        finally:
-            locks.delete(probe)
-    finally:
-        broker.close()
+def _same_redis(app: Any, consumer: Any) -> bool:
+    """Whether the broker is a Redis on the same server and database as the locks."""
+    place = _broker_place(app, consumer)
+    return place is not None and place.db == place.own

@@ -81,12 +81,19 @@ class Sweeper(threading.Thread):
         stale = lease_ms(max(self.ttl / 2, MIN_SECONDS), "stale")
         return [lease_ms(self.ttl, "redislock_ttl"), stale, QUEUE_REACH]
 
+    def _own_db(self, client: Any) -> str:
+        """The locks' database, as the sweep scripts take it (``parked.lua``'s
+        ``resend_stale``): "" where the client does not say."""
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+        return str(int(kwargs.get("db") or 0)) if isinstance(kwargs, dict) else ""
+
     def _sweep_lock(self, client: Any, scripts: Any, registry: str, lock_key: bytes) -> int:
         keys, args = LockKeys.for_lock(lock_key).sweep_keys(registry), self._sweep_args()
         # A run-on task whose hold is gone without its run's end goes back to the line this
         # long after the sweeper first sees it (sweep.lua): the background retries of a
         # release that could not reach Redis (max(60 s, 2 x lock_ttl)) land first.
         args.append(lease_ms(max(RUN_ON_GRACE, 2 * self.ttl), "run-on grace"))
+        args.append(self._own_db(client))
         handed = decode_sweep(scripts.sweep(keys=keys, args=args)).handed
         return self._send(_handed(lock_key, handed), args[0])
 
@@ -97,7 +104,8 @@ class Sweeper(threading.Thread):
         holders gone): one script run hands out one, so it runs again while it does. The
         messages are sent last first: each goes to the read end of its queue, so the first
         parked is the first fetched."""
-        keys, args = semaphore.sweep_keys(registry), [*self._sweep_args(), semaphore.permits]
+        keys = semaphore.sweep_keys(registry)
+        args = [*self._sweep_args(), semaphore.permits, self._own_db(client)]
         found = []
         for _ in range(MAX_HANDED_PER_PASS):
             handed = decode_sweep(scripts.semaphore.sweep(keys=keys, args=args)).handed

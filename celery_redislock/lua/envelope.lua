@@ -6,6 +6,11 @@
 -- pushed_envelope(message, tag)    -> queue list, the envelope as pushed: delivery tag
 --                                     "<placeholder>h<tag>" (nil: malformed)
 -- pushable(message, lock key, task id, lists, tasks) -> whether a hand-over may push it
+-- list_pcall(spec, command, ...)   -> redis.pcall(command, <list>, ...) on the queue list spec
+--                                     names; list_call: the same, an error raised
+-- A queue list is named "<list>" (in the locks' database) or "<list>\r<db>\r<own>": list <list>
+-- in database <db> of this server (a Redis broker in another database than the locks', found
+-- so by the worker: celery/queuelists.py), <own> the locks' database, selected again after.
 local function envelope_parts(message)
   local first = string.find(message, '\n', 1, true)
   local second = first and string.find(message, '\n', first + 1, true)
@@ -56,4 +61,28 @@ local function pushable(message, lock_key, task_id, lists, tasks)
   return decoded.properties.delivery_tag == placeholder and run
     and listed(headers.task, tasks) and type(parked) == 'table' and parked.lock == lock_key
     and parked.list == queue_list
+end
+local function list_place(spec)
+  local name, db, own = string.match(spec, '^(.*)\r(%d+)\r(%d+)$')
+  return name or spec, db, own
+end
+local function list_pcall(spec, command, ...)
+  local name, db, own = list_place(spec)
+  if not db then
+    return redis.pcall(command, name, ...)
+  end
+  local moved = redis.pcall('select', db)
+  if type(moved) == 'table' and moved.err then
+    return moved
+  end
+  local reply = redis.pcall(command, name, ...)
+  redis.call('select', own)
+  return reply
+end
+local function list_call(spec, command, ...)
+  local reply = list_pcall(spec, command, ...)
+  if type(reply) == 'table' and reply.err then
+    error(reply)
+  end
+  return reply
 end

@@ -66,8 +66,8 @@ local chain = KEYS[13] and redis.call('hget', KEYS[13], 'lock')  -- look-ahead: 
 if chain and chain ~= KEYS[1] and redis.pcall('hget', chain, '__chain__') == KEYS[11] then
   -- another lock's chain goes on in this list: this one is not served ahead
 elseif pulled and redis.call('exists', KEYS[14]) == 0
-    and redis.pcall('lpos', KEYS[11], ARGV[6], 'RANK', -1, 'MAXLEN', reach) ~= false
-    and redis.call('lrem', KEYS[11], -1, ARGV[6]) == 1 then
+    and list_pcall(KEYS[11], 'lpos', ARGV[6], 'RANK', -1, 'MAXLEN', reach) ~= false
+    and list_pcall(KEYS[11], 'lrem', -1, ARGV[6]) == 1 then
   redis.call('hset', KEYS[13], 'lock', KEYS[1])
   redis.call('pexpire', KEYS[13], lease)
   local token = hand_to(KEYS[1], KEYS[3], KEYS[7], ARGV[5], lease, run_on)
@@ -81,7 +81,7 @@ elseif pulled and redis.call('exists', KEYS[14]) == 0
     return {code, ARGV[7], ARGV[5], token}
   end
   local queue_list, envelope = pushed_envelope(ARGV[7], token)
-  redis.call('rpush', queue_list, envelope)
+  list_call(queue_list, 'rpush', envelope)
   return {code, false, ARGV[5], 1}
 elseif chain == KEYS[1] then
   redis.call('del', KEYS[13])  -- this lock's chain ends: the next busy lock may start one

@@ -28,7 +28,7 @@
 -- ran_on_over(messages, dispatched, task_id): the end of a run-on run (dispatched "i"/"x")
 --   whose release found the lock another owner's (its lease ran out): its records go all the
 --   same, so that the sweeper does not park it again for a second run
--- resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now, parked, grace_ms)
+-- resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now, parked, grace_ms, own)
 --   -> nil | message, task id, tag: a handed-over task not started stale_ms after its
 --   hand-over whose envelope no longer waits in its queue list, to send again (its hold's
 --   lease renewed; tag "<token>s<now>"). hold_of(task id): the key its hold is in. A task id
@@ -37,7 +37,9 @@
 --   died, its lease ran out) it is marked "x<now>", and grace_ms later, if its run's end has
 --   still not removed it, it goes back to the head of the parked line (the lock's next holder
 --   is then it: a late release of a run that did end, retried in the background, has had
---   that long to say so). grace_ms is at least twice the lease the record names. A run-on
+--   that long to say so). grace_ms is at least twice the lease the record names. own: the
+--   locks' database (a string; nil: unknown), the only one an envelope's queue list in another
+--   database may name to be looked for (envelope.lua's list_pcall; any other: sent again). A run-on
 --   record whose run left its done marker (it ended keeping its hold) just goes.
 -- A run's done marker beside a mutex's hash, as LockKeys.done names it (the Python side
 -- passes the releasing run's own as a key; these are other runs' found in the records).
@@ -115,21 +117,25 @@ local function serve_parked(lock, fence, parked, messages, dispatched, lease, lo
   local token = hand_to(lock, fence, dispatched, next_id, lease, inline)
   if string.sub(message, 1, 1) == 'E' and pushable(message, lock_key, next_id, lists, tasks) then
     local queue_list, envelope = pushed_envelope(message, token)
-    redis.call('rpush', queue_list, envelope)  -- next for BRPOP
-    return false, next_id
+    local pushed = list_pcall(queue_list, 'rpush', envelope)  -- next for BRPOP
+    if type(pushed) == 'number' then
+      return false, next_id
+    end  -- (not pushed: the worker sends it)
   end
   return message, next_id, token
 end
 -- Whether the envelope pushed for a hand-over (tag "<token>") or re-sent at <sent> (tag
 -- "<token>s<sent>") still waits within `reach` of its queue list's read end (LPOS MAXLEN;
 -- pcall: a lock user without LPOS just sends it again).
-local function still_queued(message, token, sent, reach)
+local function still_queued(message, token, sent, reach, own)
   if string.sub(message, 1, 1) ~= 'E' then
     return false
   end
   for _, tag in ipairs({token, token .. 's' .. sent}) do
     local queue_list, pushed = pushed_envelope(message, tag)
-    local found = queue_list and redis.pcall('lpos', queue_list, pushed, 'RANK', -1, 'MAXLEN', reach)
+    local _, db, list_own = list_place(queue_list or '')
+    local found = queue_list and (not db or list_own == own)
+      and list_pcall(queue_list, 'lpos', pushed, 'RANK', -1, 'MAXLEN', reach)
     if type(found) == 'number' then
       return true
     end
@@ -168,7 +174,7 @@ local function dead_run_on(lock, parked, messages, dispatched, tag)
   return freed
 end
 local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reach, now, parked,
-    grace_ms)
+    grace_ms, own)
   local handed = redis.call('hgetall', dispatched)
   for i = 1, #handed, 2 do
     local task_id = handed[i]
@@ -197,7 +203,7 @@ local function resend_stale(hold_of, messages, dispatched, lease, stale_ms, reac
         if message then  -- (its record gone: nothing to send; the hand-over's lease runs out)
           redis.call('pexpire', hold, lease)  -- the hand-over's lease, renewed either way
           local token = redis.call('hget', hold, '__fence__') or '0'
-          if not still_queued(message, token, handed[i + 1], reach) then
+          if not still_queued(message, token, handed[i + 1], reach, own) then
             redis.call('hset', dispatched, task_id, now)  -- the time a re-sent copy's tag names
             return message, task_id, token .. 's' .. now
           end

@@ -1,5 +1,5 @@
 -- sem_sweep(keys=[holders, channel, fence, parked, messages, limits, dispatched, registry],
---           args=[lease_ms, stale_ms, reach?, permit_prefix]) -> {0} | {-1} | {1, message, task id, tag}
+--           args=[lease_ms, stale_ms, reach?, permit_prefix, own?]) -> {0} | {-1} | {1, message, task id, tag}
 -- sweep.lua for a semaphore with parked tasks (docs/concepts.md, "The sweeper"): while fewer
 -- permits are held than the limit the parked tasks left (limit_key; 1 if gone or not a limit),
 -- hand one to the first parked task (one per call: the sweeper calls again); then send again
@@ -10,6 +10,7 @@ local lease = ms_arg(ARGV[1], 'lease')
 local stale_ms = ms_arg(ARGV[2], 'hand-over staleness')
 local reach = whole_arg(ARGV[3] or '1000', 'queue reach', 1, 2147483647)
 local prefix = ARGV[4]
+local own = ARGV[5] ~= '' and ARGV[5] or nil  -- the locks' database (parked.lua's resend_stale)
 local now = now_ms()
 local held = live_permits(KEYS[1], prefix)
 local fits, parked_limit = parked_fits(KEYS[4], KEYS[5], KEYS[6], held, prefix)
@@ -25,7 +26,7 @@ local function hold_of(task_id)
   return prefix .. task_id
 end
 local message, task_id, tag = resend_stale(hold_of, KEYS[5], KEYS[7], lease, stale_ms, reach, now,
-  KEYS[4], stale_ms)
+  KEYS[4], stale_ms, own)
 if message then
   return {1, message, task_id, tag}
 end

@@ -1,0 +1,135 @@
+"""Where a Redis broker's queue lists are, as the locks' scripts reach them.
+
+kombu's Redis transport keeps each queue in a list of the broker's database. When the
+broker is the locks' server, a task parked at delivery (``parking``) is pushed back into
+its queue list by the release that hands it the lock, in the same atomic step, and the
+look-ahead (``lookahead``) moves a queued task of a busy lock ahead in that list. That
+holds in the locks' own database and in any other database of the same server: a script
+may ``SELECT`` another database for a command and select its own again after.
+
+A queue list is therefore named, wherever the scripts and the workers pass it (a parked
+envelope's entry and signature, the push targets, the look-ahead header), either as it is
+(the broker in the locks' database) or as ``"<list>\\r<db>\\r<own>"``: list ``<list>`` in
+database ``<db>`` of the locks' server, ``<own>`` the locks' database (``envelope.lua``'s
+``list_call``; :func:`queue_call` for the worker's own reads and pushes).
+
+Which it is, is found once per app and broker URL in a process (:func:`place_of`): a key
+the locks' client writes under the locks' prefix is read back through the broker's URL
+with the locks' database selected. Anything else (another server, a Sentinel or Cluster
+client, an error) is out of reach: no parking at delivery, the pool process parks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+import weakref
+from typing import Any, NamedTuple
+
+import redis
+
+from .._keyspace import probe_key
+from .._scripts import run, scripts_for
+from .clients import client_for, settings_for
+
+log = logging.getLogger(__name__)
+
+#: Between a queue list's name and its database in a qualified name (never in a queue list
+#: a worker qualifies).
+SEP = "\r"
+
+
+class Place(NamedTuple):
+    """The broker's database and the locks' on one server."""
+
+    db: int
+    own: int
+
+    def name(self, queue_list: str) -> str | None:
+        """``queue_list`` as the scripts name it (None: it cannot be named so)."""
+        if self.db == self.own:
+            return queue_list
+        if SEP in queue_list:
+            return None
+        return f"{queue_list}{SEP}{self.db}{SEP}{self.own}"
+
+
+#: Per app: broker URI -> its place (None: out of reach), for answers the probe gave.
+_places: weakref.WeakKeyDictionary[Any, dict[str, Place | None]] = weakref.WeakKeyDictionary()
+#: Per app: the app's broker_url setting -> the URI of the connection it gives.
+_uris: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
+_mutex = threading.Lock()
+
+
+def place_of(app: Any, uri: str) -> Place | None:
+    """The place of the Redis broker at ``uri`` (with its password) relative to the app's
+    locks, or None. Probed once per app and URI in a process; a probe that failed (an
+    error, not an answer) is tried again next time."""
+    if not uri.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    with _mutex:
+        known = _places.setdefault(app, {})
+        if uri in known:
+            return known[uri]
+    found = _probe(app, uri)
+    with _mutex:
+        known[uri] = found
+    return found
+
+
+def broker_place(app: Any) -> Place | None:
+    """:func:`place_of` the app's own broker (its ``broker_url``), or None; never raises
+    (a pool process asks: it has no consumer connection to ask about)."""
+    try:
+        setting = app.conf.broker_url
+        with _mutex:
+            uri = _uris.setdefault(app, {}).get(setting)
+        if uri is None:
+            connection = app.connection_for_read()
+            try:
+                driver = connection.transport.driver_type
+                uri = connection.as_uri(include_password=True) if driver == "redis" else ""
+            finally:
+                connection.release()
+            with _mutex:
+                _uris[app][setting] = uri
+        return place_of(app, uri) if uri else None
+    except Exception:
+        log.debug("redislock: where the broker's queue lists are is not known", exc_info=True)
+        return None
+
+
+def _probe(app: Any, uri: str) -> Place | None:
+    locks = client_for(app)
+    pool = getattr(locks, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return None  # a Cluster client, or one of a kind this does not know
+    own = int(kwargs.get("db") or 0)
+    broker_pool = redis.ConnectionPool.from_url(uri, socket_timeout=5, socket_connect_timeout=5)
+    db = int(broker_pool.connection_kwargs.get("db") or 0)
+    options = {**broker_pool.connection_kwargs, "db": own}
+    kind = broker_pool.connection_class
+    reader = redis.Redis(connection_pool=redis.ConnectionPool(connection_class=kind, **options))
+    probe = probe_key(settings_for(app).defaults.prefix, uuid.uuid4().hex)
+    nonce = uuid.uuid4().hex
+    try:
+        locks.set(probe, nonce, px=10_000)
+        try:
+            same = reader.get(probe) == nonce.encode()
+        finally:
+            locks.delete(probe)
+    finally:
+        reader.close()
+        broker_pool.disconnect()
+    return Place(db, own) if same else None
+
+
+def queue_call(client: Any, command: str, queue_list: str, *args: Any) -> Any:
+    """``command`` (``LRANGE``, ``LREM`` or ``RPUSH``) on the queue list named
+    ``queue_list`` (:class:`Place`), sent by the locks' ``client``: as it is in the locks'
+    database, through the ``queue`` script in another one (one round trip either way)."""
+    if SEP not in queue_list:
+        return client.execute_command(command, queue_list, *args)
+    return run(client, scripts_for(client).queue, [queue_list], [command.lower(), *args])
