@@ -14,8 +14,9 @@ their database or another one (checked once per worker and broker URL, with a pr
 ``queuelists``), a queue list the locks' Redis user may write, messages of task protocol 2
 without ``eta`` or ``expires``, ``on_contention="requeue"`` with re-queues left, a
 single-Redis lock (not ``redislock_urls``), no parked-task fallback copies, and
-``redislock_park_at_delivery`` left on; and only for a key that comes again (:class:`RecentKeys`): a key's first message
-among the consumer's recent keys costs the main loop no round trip. Everything else (and
+``redislock_park_at_delivery`` left on; and only for a key that comes again
+(:class:`RecentKeys`): a key's first message among the consumer's recent keys costs the
+main loop no round trip. Everything else (and
 any error here) goes the usual way: the pool process takes the lock, or parks the task
 itself.
 
