@@ -60,6 +60,8 @@ app.conf.update(
 if os.environ.get("SETTLE_FALLBACK"):  # redislock_park_fallback: "auto" (default), 0, 1
     fallback = os.environ["SETTLE_FALLBACK"]
     app.conf.redislock_park_fallback = fallback if fallback == "auto" else fallback == "1"
+if BROKER.startswith("redis") and BROKER.rsplit("/", 1)[-1] != URL.rsplit("/", 1)[-1]:
+    app.conf.redislock_queues_in_other_db = True  # (every worker here runs this release)
 if os.environ.get("SETTLE_LOOKAHEAD"):
     app.conf.redislock_lookahead = int(os.environ["SETTLE_LOOKAHEAD"])
 

@@ -60,6 +60,13 @@ Settings (task attributes of the same meaning override them per task):
   process before dispatch, where the broker is the locks' own Redis, for keys that come
   again (``False``: pool processes park them, one round trip less per such message in the
   main loop).
+* ``redislock_queues_in_other_db`` (``False``) — where the Redis broker is another database
+  of the locks' server: park contended messages at delivery and let a release push the
+  next one into its queue list there, as in the locks' own database (queue lists named
+  ``"<list>\\r<db>\\r<own>"``, ``celery.queuelists``). Turn it on once every worker runs a
+  release that has it: an older worker's release would push such a message into a list
+  of that name in the locks' database, which nobody reads. ``False``: those brokers are
+  treated as another server (pool processes park, with fallback copies).
 * ``redislock_signing_key`` (derived from ``broker_url``) — the key the workers sign parked
   messages with and check them against before sending them on or running them (a ``str``
   or ``bytes`` of at least 16 bytes, the same on every worker). See docs/security.md.
@@ -267,6 +274,9 @@ class LockSettings:
     defaults: LockOptions = LockOptions()
     park_fallback: bool | str = "auto"
     park_at_delivery: bool = True
+    #: Whether a Redis broker in another database of the locks' server is reached there
+    #: (``redislock_queues_in_other_db``).
+    queues_in_other_db: bool = False
     #: With ``redislock_urls``: the quorum's nodes (empty: one Redis at ``url``).
     urls: tuple[str, ...] = ()
     node_timeout: float = 0.25
@@ -309,6 +319,11 @@ class LockSettings:
             raise LockConfigurationError(
                 f"redislock_park_at_delivery must be True or False, got {at_delivery!r}"
             )
+        other_db = conf.get("redislock_queues_in_other_db", False)
+        if not isinstance(other_db, bool):
+            raise LockConfigurationError(
+                f"redislock_queues_in_other_db must be True or False, got {other_db!r}"
+            )
         defaults = LockOptions(**values)
         if urls and defaults.rate is not None:
             raise LockConfigurationError(
@@ -343,6 +358,7 @@ class LockSettings:
             defaults=defaults,
             park_fallback=fallback,
             park_at_delivery=at_delivery,
+            queues_in_other_db=other_db,
             urls=urls,
             node_timeout=node_timeout,
             signing_key=signing_key,

@@ -65,6 +65,8 @@ if os.environ.get("REDISLOCK_TEST_AMQP_QUEUES"):  # queues of named exchanges, q
     app.conf.task_queues = amqp_queues(json.loads(os.environ["REDISLOCK_TEST_AMQP_QUEUES"]))
 if os.environ.get("REDISLOCK_TEST_RESULT_BACKEND"):  # e.g. file://<dir>: a polling backend
     app.conf.result_backend = os.environ["REDISLOCK_TEST_RESULT_BACKEND"]
+if os.environ.get("REDISLOCK_TEST_QUEUES_IN_OTHER_DB"):  # a broker's lists in another db
+    app.conf.redislock_queues_in_other_db = True
 if os.environ.get("REDISLOCK_TEST_NO_FALLBACK"):
     app.conf.redislock_park_fallback = False
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):  # locks in a Redis of their own

@@ -19,7 +19,7 @@ from kombu.utils import json as kombu_json
 from .._core import LockKeys
 from .._replies import Handed
 from . import signing
-from .queuelists import SEP, broker_place
+from .queuelists import SEP, Place, broker_place
 
 
 class _Handed(NamedTuple):
@@ -64,10 +64,17 @@ def push_targets(app: Any) -> tuple[str, str]:
     queues = app.amqp.queues
     consumed = queues.consume_from or queues
     tasks = app.tasks
+    place = broker_place(app)  # (another database of the locks' server: lists named so)
     found = _push_targets.get(app)
-    # (built again when the queues consumed or the number of tasks change: the set of
-    # names compared as it is, not sorted first; a release asks at every hand-over)
-    if found is not None and found[1] == len(tasks) and found[0] == consumed.keys():
+    # (built again when the queues consumed, the number of tasks or the broker's place
+    # change: the set of names compared as it is, not sorted first; a release asks at every
+    # hand-over, and a place not known yet may be found later)
+    if (
+        found is not None
+        and found[1] == len(tasks)
+        and found[3] == place
+        and found[0] == consumed.keys()
+    ):
         return found[2]
     from .base import LockedTask  # (base imports this module)
 
@@ -76,17 +83,17 @@ def push_targets(app: Any) -> tuple[str, str]:
     prefix = str(options.get("global_keyprefix") or "")
     first = (options.get("priority_steps") or [0])[0]
     after = f"{_PRIORITY_SEP}{first}" if first else ""  # kombu's _q_for_pri
-    place = broker_place(app)  # (another database of the locks' server: lists named so)
     plain = [prefix + name + after for name in names]
     named = [place.name(q) if place is not None else q for q in plain if SEP not in q]
     lists = "\n".join(q for q in named if q is not None and "\n" not in q)
     locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
     targets = (lists, "\n".join(locked))
-    _push_targets[app] = (frozenset(names), len(tasks), targets)
+    _push_targets[app] = (frozenset(names), len(tasks), targets, place)
     return targets
 
 
-_push_targets: weakref.WeakKeyDictionary[Any, tuple[frozenset[str], int, tuple[str, str]]]
+_PushTargets = tuple[frozenset[str], int, tuple[str, str], Place | None]
+_push_targets: weakref.WeakKeyDictionary[Any, _PushTargets]
 _push_targets = weakref.WeakKeyDictionary()
 #: kombu's Redis transport: between a queue's name and its priority step in a list's name.
 _PRIORITY_SEP = "\x06\x16"

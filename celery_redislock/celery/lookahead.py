@@ -73,7 +73,9 @@ def _next_queued(
     """
     try:
         return _search_queue(app, lock, queue_list, limit, lease_ms(keep_for, "parking lifetime"))
-    except redis.exceptions.NoPermissionError as exc:
+    except redis.exceptions.ResponseError as exc:
+        if not _denied(exc):
+            raise
         _lookahead_denied.add(queue_list)
         log.warning(
             "redislock: look-ahead is off for queue list %r in this process: the locks' Redis "
@@ -86,6 +88,14 @@ def _next_queued(
 
 #: Queue lists the locks' Redis user may not read (this process stops searching them).
 _lookahead_denied: set[str] = set()
+
+
+def _denied(exc: redis.exceptions.ResponseError) -> bool:
+    """Whether ``exc`` says the locks' Redis user may not run a command or reach a key: a
+    NOPERM error, or (Redis 7.0, from a script) a plain ERR saying the user can't run it."""
+    return isinstance(exc, redis.exceptions.NoPermissionError) or (
+        "user executing the script can't" in str(exc)  # run this command / access a key
+    )
 
 
 def _search_queue(

@@ -16,13 +16,17 @@ database ``<db>`` of the locks' server, ``<own>`` the locks' database (``envelop
 Which it is, is found once per app and broker URL in a process (:func:`place_of`): a key
 the locks' client writes under the locks' prefix is read back through the broker's URL
 with the locks' database selected. Anything else (another server, a Sentinel or Cluster
-client, an error) is out of reach: no parking at delivery, the pool process parks.
+client) is out of reach: no parking at delivery, the pool process parks. A probe that
+fails (an error, not an answer) counts as out of reach for ``RETRY_AFTER`` seconds, then
+runs again. Another database is reached only with ``redislock_queues_in_other_db`` (a
+release before it would push such a list's message into the locks' database).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 import weakref
 from typing import Any, NamedTuple
@@ -57,25 +61,51 @@ class Place(NamedTuple):
 
 #: Per app: broker URI -> its place (None: out of reach), for answers the probe gave.
 _places: weakref.WeakKeyDictionary[Any, dict[str, Place | None]] = weakref.WeakKeyDictionary()
+#: Per app: broker URI -> when a probe that failed may run again (``time.monotonic``).
+_retry_at: weakref.WeakKeyDictionary[Any, dict[str, float]] = weakref.WeakKeyDictionary()
 #: Per app: the app's broker_url setting -> the URI of the connection it gives.
 _uris: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
 _mutex = threading.Lock()
+#: Seconds a probe that failed is not tried again (each try is a connection to the broker
+#: and three commands on the locks: a parking or a rate deferral must not pay it each time).
+RETRY_AFTER = 60.0
 
 
 def place_of(app: Any, uri: str) -> Place | None:
     """The place of the Redis broker at ``uri`` (with its password) relative to the app's
-    locks, or None. Probed once per app and URI in a process; a probe that failed (an
-    error, not an answer) is tried again next time."""
+    locks, or None: out of reach, or another database without
+    ``redislock_queues_in_other_db``. Probed once per app and URI in a process; a probe that
+    failed is tried again after ``RETRY_AFTER`` seconds (None until then)."""
     if not uri.startswith(("redis://", "rediss://", "unix://")):
         return None
     with _mutex:
         known = _places.setdefault(app, {})
         if uri in known:
-            return known[uri]
-    found = _probe(app, uri)
+            return _reached(app, known[uri])
+        retry = _retry_at.setdefault(app, {})
+        if time.monotonic() < retry.get(uri, 0.0):
+            return None
+        retry[uri] = time.monotonic() + RETRY_AFTER  # (one probe at a time per URI)
+    try:
+        found = _probe(app, uri)
+    except Exception as exc:
+        log.warning(
+            "redislock: could not find whether the broker is the locks' Redis server (%s); "
+            "taken as another server for %.0f s",
+            exc,
+            RETRY_AFTER,
+        )
+        return None
     with _mutex:
         known[uri] = found
-    return found
+        retry.pop(uri, None)
+    return _reached(app, found)
+
+
+def _reached(app: Any, place: Place | None) -> Place | None:
+    if place is None or place.db == place.own or settings_for(app).queues_in_other_db:
+        return place
+    return None
 
 
 def broker_place(app: Any) -> Place | None:
@@ -122,6 +152,7 @@ def _probe(app: Any, uri: str) -> Place | None:
             locks.delete(probe)
     finally:
         reader.close()
+        reader.connection_pool.disconnect()  # (a pool passed in is not closed with it)
         broker_pool.disconnect()
     return Place(db, own) if same else None
 

@@ -76,33 +76,54 @@ def _release_as(r: redis.Redis, name: str, owner: str, lists: str) -> list[Any]:
     return list(scripts_for(r).handoff(keys=keys, args=args))
 
 
+@pytest.fixture
+def other_db_app(broker: RedisServer) -> Iterator[Celery]:
+    """An app of the locks in database 0 of the session's server, its broker's lists in
+    other databases reached there (``redislock_queues_in_other_db``)."""
+    app = Celery("other-db-on", broker=_db(broker.url, 1))
+    app.conf.redislock_url = broker.url
+    app.conf.redislock_queues_in_other_db = True
+    yield app
+    app.close()
+
+
 def test_the_broker_s_place_is_probed_not_guessed(
-    broker: RedisServer, redis_server_factory: Any
+    broker: RedisServer, redis_server_factory: Any, other_db_app: Celery
 ) -> None:
-    assert place_of(ca.app, broker.url) == Place(0, 0)
-    assert place_of(ca.app, _db(broker.url, 5)) == Place(5, 0)
+    app = other_db_app
+    assert place_of(app, broker.url) == Place(0, 0)
+    assert place_of(app, _db(broker.url, 5)) == Place(5, 0)
     other = redis_server_factory()
-    assert place_of(ca.app, _db(other.url, 5)) is None  # another server, whatever its db
-    assert place_of(ca.app, "amqp://guest@127.0.0.1:5672//") is None
+    assert place_of(app, _db(other.url, 5)) is None  # another server, whatever its db
+    assert place_of(app, "amqp://guest@127.0.0.1:5672//") is None
     assert Place(5, 0).name("celery") == "celery\r5\r0"
     assert Place(0, 0).name("celery") == "celery"
     assert Place(5, 0).name("odd\rname") is None  # never qualified twice
     consumer = SimpleNamespace(connection=Celery(broker=_db(broker.url, 3)).connection_for_read())
     try:
-        assert _broker_place(ca.app, consumer) == Place(3, 0)
-        assert not _same_redis(ca.app, consumer)  # (the same database only)
+        assert _broker_place(app, consumer) == Place(3, 0)
+        assert not _same_redis(app, consumer)  # (the same database only)
+        # By default another database is out of reach (a release before the setting
+        # would push its lists' messages into the locks' database): as another server.
+        assert place_of(ca.app, broker.url) == Place(0, 0)
+        assert place_of(ca.app, _db(broker.url, 5)) is None
+        assert _broker_place(ca.app, consumer) is None
     finally:
         consumer.connection.release()
 
 
-def test_a_broker_on_the_locks_server_needs_no_fallback_copies(broker: RedisServer) -> None:
-    app = Celery("fallback-db1", broker=_db(broker.url, 1))
-    app.conf.redislock_url = broker.url
-    assert not _park_fallback(app)  # same server: parked tasks share the broker's fate
-    app.conf.broker_url = "amqp://guest@127.0.0.1:5672//"
+def test_a_broker_on_the_locks_server_needs_no_fallback_copies(
+    broker: RedisServer, other_db_app: Celery
+) -> None:
+    assert not _park_fallback(other_db_app)  # same server: parked tasks share its fate
+    off = Celery("fallback-db1", broker=_db(broker.url, 1))
+    off.conf.redislock_url = broker.url
+    assert _park_fallback(off)  # by default: another database is as another server
     other = Celery("fallback-amqp", broker="amqp://guest@127.0.0.1:5672//")
     other.conf.redislock_url = broker.url
     assert _park_fallback(other)  # the locks' Redis could lose them alone
+    off.close()
+    other.close()
 
 
 def test_the_queue_script_reaches_another_database_and_nothing_else(
@@ -228,7 +249,7 @@ def test_a_worker_parks_at_delivery_and_looks_ahead_with_its_broker_in_database_
     the backlog by the release before them (look-ahead). Every task runs once, the lock's in
     order and one at a time; no fallback copy; nothing left behind in either database."""
     r = broker.client()
-    env = {"REDISLOCK_TEST_BROKER": _db(broker.url, 1)}
+    env = {"REDISLOCK_TEST_BROKER": _db(broker.url, 1), "REDISLOCK_TEST_QUEUES_IN_OTHER_DB": "1"}
     proc = worker(broker.url, tmp_path / "w.log", concurrency=2, env=env)
     try:
 
@@ -261,5 +282,39 @@ def test_a_worker_parks_at_delivery_and_looks_ahead_with_its_broker_in_database_
         assert not r.hlen(PARKED % "busy" + ":messages")
         assert not r.hlen(PARKED % "busy" + ":dispatched")
         assert db1.llen("celery") == 0 and not r.exists("celery")
+    finally:
+        proc.kill()
+
+
+def test_by_default_a_worker_with_its_broker_in_database_1_parks_in_its_pool(
+    broker: RedisServer, broker_db1: Celery, db1: redis.Redis, tmp_path: Path
+) -> None:
+    """Without ``redislock_queues_in_other_db`` the broker in database 1 is as another
+    server: what a release before the setting understands. Nothing parks at delivery, no
+    name of a list in another database is written anywhere, every task of the hot key runs
+    once, one at a time."""
+    r = broker.client()
+    env = {"REDISLOCK_TEST_BROKER": _db(broker.url, 1)}
+    proc = worker(broker.url, tmp_path / "w.log", concurrency=2, env=env)
+    try:
+
+        def send(name: str, seconds: float) -> Any:
+            return broker_db1.send_task(ca.hold_for.name, args=(name, seconds), queue="celery")
+
+        send("plain", 0.0).get(timeout=60)
+        r.delete("started:plain")
+        RedisLock(r, "job:plain", ttl=60, owner="holder", auto_renew=False).acquire()
+        sent = [send("plain", 0.1) for _ in range(4)]
+        wait_until(lambda: r.llen(PARKED % "plain") >= 1, timeout=30)
+        entries = list(r.hvals(PARKED % "plain" + ":messages"))
+        assert all(b"\r" not in e.split(b"\n", 1)[0] for e in entries), entries
+        RedisLock(r, "job:plain", ttl=60, owner="holder", auto_renew=False).release()
+        tokens = [result.get(timeout=60) for result in sent]
+        assert tokens == sorted(tokens) and len(set(tokens)) == 4  # one at a time
+        started = sorted(line.split()[0].decode() for line in r.lrange("started:plain", 0, -1))
+        assert started == sorted(result.id for result in sent)  # each once
+        assert "before dispatch" not in proc.text()
+        for client in (r, db1):
+            assert not [k for k in client.scan_iter(count=1000) if b"\r" in k]
     finally:
         proc.kill()

@@ -678,6 +678,7 @@ SETTING_NAMES = [
     "redislock_done_ttl",
     "redislock_park_fallback",
     "redislock_park_at_delivery",
+    "redislock_queues_in_other_db",
     "redislock_unknown",
 ]
 setting_values = st.one_of(

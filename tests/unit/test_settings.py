@@ -128,6 +128,16 @@ def test_park_at_delivery_is_a_bool() -> None:
         LockSettings.from_conf({**conf, "redislock_park_at_delivery": "no"})
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, 0, "True"])
+def test_queues_in_other_db_is_a_bool_off_by_default(bad: object) -> None:
+    conf = {"broker_url": "redis://localhost"}
+    assert LockSettings.from_conf(conf).queues_in_other_db is False
+    on = {**conf, "redislock_queues_in_other_db": True}
+    assert LockSettings.from_conf(on).queues_in_other_db is True
+    with pytest.raises(LockConfigurationError, match=r"queues_in_other_db.*True or False"):
+        LockSettings.from_conf({**conf, "redislock_queues_in_other_db": bad})
+
+
 @pytest.mark.parametrize(
     ("urls", "match"),
     [

@@ -1,0 +1,195 @@
+"""Attacks on the queue lists in another database (``celery.queuelists``): a probe that
+fails is not run at every parking, nor left open, nor kept in the push targets; an older
+release is never handed a list name it does not know."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import LockConfigurationError
+from celery_redislock.celery import queuelists
+from celery_redislock.celery.clients import _settings, client_for, settings_for
+from celery_redislock.celery.contention import _park_fallback
+from celery_redislock.celery.envelope import push_targets
+from celery_redislock.celery.lookahead import _lookahead_denied, _next_queued
+from celery_redislock.celery.parking import Parker
+from celery_redislock.celery.queuelists import Place, broker_place, place_of
+from celery_redislock.celery.tasklock import TaskLock
+from celery_redislock.testing import RedisServer
+
+from .. import celery_app as ca
+from .test_broker_db import broker_db1 as broker_db1
+
+
+@pytest.fixture(autouse=True)
+def _collect_leaked_probe_connections() -> Iterator[None]:
+    """Connections left for the collector (these apps' lock clients) are collected here,
+    not in a later test, whose ResourceWarning would fail it."""
+    yield
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
+def _db(url: str, db: int) -> str:
+    return url.rsplit("/", 1)[0] + f"/{db}"
+
+
+def _stat(client: redis.Redis, section: str, name: str) -> int:
+    return int(client.info(section).get(name, 0))
+
+
+def _calls(client: redis.Redis, command: str) -> int:
+    return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+@pytest.fixture
+def two_servers(redis_server_factory: Any) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """The locks' server, and a broker on another server that has only database 0 (a
+    managed Redis, say): the probe's SELECT of the locks' database fails there."""
+    locks = redis_server_factory()
+    broker = redis_server_factory(extra=["--databases", "1"])
+    yield locks, broker
+
+
+def test_a_probe_that_raises_is_not_run_again_at_every_parking(
+    two_servers: tuple[RedisServer, RedisServer],
+) -> None:
+    """contention._park_fallback runs at every parking in a pool process (and at every rate
+    deferral) and asks broker_place each time. A probe that raises for a lasting reason
+    must not be run again each time (a new TCP connection to the broker plus SET/GET/DEL on
+    the locks per contended task): here the locks are in database 2 of their server and the
+    broker is another server with one database (SELECT 2 fails). The same would hold for a
+    broker user that may not GET the lock prefix (NOPERM), a rediss broker whose TLS options
+    kombu's as_uri drops, or a credential_provider. A failure is kept for RETRY_AFTER."""
+    locks, broker = two_servers
+    app = Celery("attack-reprobe", broker=broker.url)
+    app.conf.redislock_url = _db(locks.url, 2)
+    app.conf.redislock_queues_in_other_db = True
+    b, lk = broker.client(), locks.client()
+    try:
+        connections, sets = _stat(b, "stats", "total_connections_received"), _calls(lk, "set")
+        for _ in range(20):
+            assert _park_fallback(app) is True  # another server: copies are right
+        probes = _stat(b, "stats", "total_connections_received") - connections
+        written = _calls(lk, "set") - sets
+        assert probes <= 1 and written <= 1, f"{probes} probe connections, {written} SETs"
+    finally:
+        b.close()
+        lk.close()
+        app.close()
+
+
+def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
+    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """envelope.push_targets caches its lists per app. Built while a probe had failed (a
+    timeout, a broker user briefly without GET) they name "celery" in the locks' database;
+    once a probe succeeds, _park_fallback and Parker go on with Place(1, 0) and park
+    envelopes for "celery\\r1\\r0", and the push targets must follow: else no release in
+    that process pushes a parked envelope itself (each comes back to the worker: a round
+    trip more per hand-over) and run-on (runon._next_of checks the list against
+    push_targets) never applies there. The cache is keyed by the place too."""
+    server = redis_server_factory()
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "brk", "on", ">pw", "~*", "&*", "+@all", "-get")
+    app = Celery("attack-stale-targets", broker=_db(server.url, 1).replace("://", "://brk:pw@"))
+    app.conf.redislock_url = server.url
+    app.conf.redislock_queues_in_other_db = True
+    monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.0)  # (a failed probe: tried again)
+    try:
+        first = push_targets(app)[0]  # the probe's GET is refused: no place
+        assert first == "celery"
+        admin.execute_command("ACL", "SETUSER", "brk", "+get")
+        assert broker_place(app) == Place(1, 0)  # probed again: found now
+        assert not _park_fallback(app)  # and parking goes on with qualified names
+        assert push_targets(app)[0] == Place(1, 0).name("celery")
+    finally:
+        admin.close()
+        app.close()
+
+
+def test_by_default_no_list_of_another_database_is_named(
+    broker: RedisServer, broker_db1: Celery
+) -> None:
+    """A worker of the release before ``redislock_queues_in_other_db`` that releases a lock
+    whose parked envelope names "<list>\\r1\\r0" pushes it, as it always did, to a key of
+    that name in the locks' database, which nobody reads (the task stalls until a sweep,
+    or for good with an old sweeper). So by default nothing names such a list: the broker in
+    database 1 is as another server, as that release takes it (the setting is turned on
+    once every worker runs a release that has it)."""
+    app = Celery("default-off", broker=_db(broker.url, 1))
+    app.conf.redislock_url = broker.url
+    try:
+        assert broker_place(app) is None
+        assert _park_fallback(app) is True
+        assert "\r" not in push_targets(app)[0]
+        consumer = SimpleNamespace(connection=app.connection_for_read(), controller=None)
+        try:
+            assert Parker.for_consumer(ca.hold_for, app, consumer) is None
+        finally:
+            consumer.connection.release()
+        app.conf.redislock_queues_in_other_db = "yes"
+        _settings.pop(app, None)
+        with pytest.raises(LockConfigurationError, match="redislock_queues_in_other_db"):
+            settings_for(app)
+    finally:
+        app.close()
+
+
+def test_a_probe_closes_its_connection(redis_server_factory: Any) -> None:
+    """queuelists._probe reads through ``redis.Redis(connection_pool=ConnectionPool(...))``;
+    ``reader.close()`` does not disconnect a pool it was given, so the probe disconnects it
+    itself: no connection to the broker is left open until the collector runs (a
+    ResourceWarning then)."""
+    server = redis_server_factory()
+    app = Celery("attack-probe-leak", broker=_db(server.url, 1))
+    app.conf.redislock_url = server.url
+    app.conf.redislock_queues_in_other_db = True
+    watcher = server.client()
+    try:
+        client_for(app).ping()
+        before = int(watcher.info("clients")["connected_clients"])
+        assert place_of(app, _db(server.url, 1)) == Place(1, 0)
+        after = int(watcher.info("clients")["connected_clients"])
+        assert after == before, f"{after - before} connection(s) left open by the probe"
+    finally:
+        watcher.close()
+        app.close()
+
+
+def test_a_look_ahead_in_another_database_the_user_may_not_read_is_turned_off(
+    broker: RedisServer, broker_db1: Celery, caplog: Any
+) -> None:
+    """In another database the look-ahead reads through a script (``queue.lua``), and a
+    script's denied command is a plain ``ERR The user executing the script can't run this
+    command...`` on Redis 7.0, not NOPERM: it is taken as the denial it is (look-ahead off
+    for that list in this process, the release goes on), not as a failed release."""
+    admin = broker.client()
+    queue = "db1-lookahead-acl"
+    admin.execute_command("ACL", "SETUSER", "noread1", "on", ">pw", "~*", "&*", "+@all", "-lrange")
+    port = broker.url.rsplit(":", 1)[1].split("/")[0]
+    user = redis.Redis.from_url(f"redis://noread1:pw@127.0.0.1:{port}/0")
+    spec = f"{queue}\r1\r0"
+    try:
+        lock = TaskLock(user, "job:acl-db1", task_id="holder", options=ca.hold_for.lock_options())
+        assert lock.take() is True
+        broker_db1.send_task(ca.hold_for.name, args=("acl-db1", 0.01), queue=queue)
+        assert _next_queued(ca.app, lock, spec, 64, 60) is None
+        assert f"look-ahead is off for queue list {spec!r}" in caplog.text
+        assert spec in _lookahead_denied
+        lock.finish(hold=0, done_ttl=60)
+        assert not admin.exists("redislock:{job:acl-db1}")
+    finally:
+        _lookahead_denied.discard(spec)
+        user.close()
+        admin.execute_command("ACL", "DELUSER", "noread1")
+        admin.close()
+        redis.Redis.from_url(_db(broker.url, 1)).delete(queue)
