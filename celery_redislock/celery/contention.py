@@ -346,9 +346,9 @@ def _park_fallback(app: Any) -> bool:
     """Whether parked tasks also get a delayed fallback copy in the broker.
 
     Parked messages live in the lock Redis. If that is the broker's own Redis server (its
-    database or another: ``queuelists``), they share its fate and the sweeper covers a dead
-    releasing worker; a separate lock Redis could lose them alone (a restart without
-    persistence), so a copy is kept in the broker.
+    database, or another with ``redislock_queues_in_other_db``: ``queuelists``), they
+    share its fate and the sweeper covers a dead releasing worker; a separate lock Redis
+    could lose them alone (a restart without persistence), so a copy is kept in the broker.
     """
     settings = settings_for(app)
     if settings.park_fallback == "auto":

@@ -10,11 +10,12 @@ queue's first-read (priority 0) list in the same atomic step, so the next fetch 
 worker consuming that queue takes it at once.
 
 It applies only where it is exact: a Redis broker on the same server as the locks, in
-their database or another one (checked once per worker and broker URL, with a probe key:
-``queuelists``), a queue list the locks' Redis user may write, messages of task protocol 2
-without ``eta`` or ``expires``, ``on_contention="requeue"`` with re-queues left, a
-single-Redis lock (not ``redislock_urls``), no parked-task fallback copies, and
-``redislock_park_at_delivery`` left on; and only for a key that comes again
+their database or (``redislock_queues_in_other_db``) another one (checked once per worker
+and broker URL, with a probe key: ``queuelists``), a queue list the locks' Redis user
+may write, messages of task protocol 2 without ``eta`` or ``expires``,
+``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
+``redislock_urls``), no parked-task fallback copies, and ``redislock_park_at_delivery``
+left on; and only for a key that comes again
 (:class:`RecentKeys`): a key's first message among the consumer's recent keys costs the
 main loop no round trip. Everything else (and
 any error here) goes the usual way: the pool process takes the lock, or parks the task

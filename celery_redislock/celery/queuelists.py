@@ -66,6 +66,9 @@ _retry_at: weakref.WeakKeyDictionary[Any, dict[str, float]] = weakref.WeakKeyDic
 #: Per app: the app's broker_url setting -> the URI of the connection it gives.
 _uris: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
 _mutex = threading.Lock()
+#: One probe at a time in a process: a caller that comes while one runs waits for its
+#: answer (a consumer starting decides its parking at delivery once, from it).
+_probing = threading.Lock()
 #: Seconds a probe that failed is not tried again (each try is a connection to the broker
 #: and three commands on the locks: a parking or a rate deferral must not pay it each time).
 RETRY_AFTER = 60.0
@@ -73,39 +76,42 @@ RETRY_AFTER = 60.0
 
 def place_of(app: Any, uri: str) -> Place | None:
     """The place of the Redis broker at ``uri`` (with its password) relative to the app's
-    locks, or None: out of reach, or another database without
-    ``redislock_queues_in_other_db``. Probed once per app and URI in a process; a probe that
-    failed is tried again after ``RETRY_AFTER`` seconds (None until then)."""
+    locks, or None: out of reach (another server; an error reply, such as a database the
+    broker's server does not have or a broker user refused the probe key; another database
+    without ``redislock_queues_in_other_db``, not probed). Probed once per app and URI in a
+    process; a probe that failed to get an answer (a connection error, a timeout) counts as
+    None and runs again after ``RETRY_AFTER`` seconds."""
     if not uri.startswith(("redis://", "rediss://", "unix://")):
         return None
     with _mutex:
         known = _places.setdefault(app, {})
         if uri in known:
-            return _reached(app, known[uri])
-        retry = _retry_at.setdefault(app, {})
-        if time.monotonic() < retry.get(uri, 0.0):
+            return known[uri]
+    with _probing:
+        with _mutex:
+            if uri in known:  # (found while this caller waited)
+                return known[uri]
+            retry = _retry_at.setdefault(app, {})
+            again = retry.get(uri)
+            if again is not None and time.monotonic() < again:
+                return None
+        try:
+            found = _probe(app, uri)
+        except Exception as exc:
+            with _mutex:
+                retry[uri] = time.monotonic() + RETRY_AFTER
+            log.log(
+                logging.WARNING if again is None else logging.DEBUG,
+                "redislock: could not find whether the broker is the locks' Redis server "
+                "(%s); taken as another server, asked again in %.0f s",
+                exc,
+                RETRY_AFTER,
+            )
             return None
-        retry[uri] = time.monotonic() + RETRY_AFTER  # (one probe at a time per URI)
-    try:
-        found = _probe(app, uri)
-    except Exception as exc:
-        log.warning(
-            "redislock: could not find whether the broker is the locks' Redis server (%s); "
-            "taken as another server for %.0f s",
-            exc,
-            RETRY_AFTER,
-        )
-        return None
-    with _mutex:
-        known[uri] = found
-        retry.pop(uri, None)
-    return _reached(app, found)
-
-
-def _reached(app: Any, place: Place | None) -> Place | None:
-    if place is None or place.db == place.own or settings_for(app).queues_in_other_db:
-        return place
-    return None
+        with _mutex:
+            known[uri] = found
+            retry.pop(uri, None)
+        return found
 
 
 def broker_place(app: Any) -> Place | None:
@@ -139,6 +145,8 @@ def _probe(app: Any, uri: str) -> Place | None:
     own = int(kwargs.get("db") or 0)
     broker_pool = redis.ConnectionPool.from_url(uri, socket_timeout=5, socket_connect_timeout=5)
     db = int(broker_pool.connection_kwargs.get("db") or 0)
+    if db != own and not settings_for(app).queues_in_other_db:
+        return None  # (whatever the server: another database is out of reach then)
     options = {**broker_pool.connection_kwargs, "db": own}
     kind = broker_pool.connection_class
     reader = redis.Redis(connection_pool=redis.ConnectionPool(connection_class=kind, **options))
@@ -148,6 +156,9 @@ def _probe(app: Any, uri: str) -> Place | None:
         locks.set(probe, nonce, px=10_000)
         try:
             same = reader.get(probe) == nonce.encode()
+        except redis.ResponseError as exc:  # an answer: a database the broker's server lacks,
+            same = False  # a broker user refused the key; this is no server to reach then
+            log.warning("redislock: the broker is taken as another server (%s)", exc)
         finally:
             locks.delete(probe)
     finally:

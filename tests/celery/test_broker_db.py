@@ -310,7 +310,7 @@ def test_by_default_a_worker_with_its_broker_in_database_1_parks_in_its_pool(
         assert all(b"\r" not in e.split(b"\n", 1)[0] for e in entries), entries
         RedisLock(r, "job:plain", ttl=60, owner="holder", auto_renew=False).release()
         tokens = [result.get(timeout=60) for result in sent]
-        assert tokens == sorted(tokens) and len(set(tokens)) == 4  # one at a time
+        assert len(set(tokens)) == 4  # each its own hold (parked by two processes: any order)
         started = sorted(line.split()[0].decode() for line in r.lrange("started:plain", 0, -1))
         assert started == sorted(result.id for result in sent)  # each once
         assert "before dispatch" not in proc.text()

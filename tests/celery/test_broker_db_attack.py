@@ -91,7 +91,7 @@ def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
     redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """envelope.push_targets caches its lists per app. Built while a probe had failed (a
-    timeout, a broker user briefly without GET) they name "celery" in the locks' database;
+    timeout, a broker user briefly disabled) they name "celery" in the locks' database;
     once a probe succeeds, _park_fallback and Parker go on with Place(1, 0) and park
     envelopes for "celery\\r1\\r0", and the push targets must follow: else no release in
     that process pushes a parked envelope itself (each comes back to the worker: a round
@@ -99,21 +99,49 @@ def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
     push_targets) never applies there. The cache is keyed by the place too."""
     server = redis_server_factory()
     admin = server.client()
-    admin.execute_command("ACL", "SETUSER", "brk", "on", ">pw", "~*", "&*", "+@all", "-get")
+    admin.execute_command("ACL", "SETUSER", "brk", "off", ">pw", "~*", "&*", "+@all")
     app = Celery("attack-stale-targets", broker=_db(server.url, 1).replace("://", "://brk:pw@"))
     app.conf.redislock_url = server.url
     app.conf.redislock_queues_in_other_db = True
     monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.0)  # (a failed probe: tried again)
     try:
-        first = push_targets(app)[0]  # the probe's GET is refused: no place
+        first = push_targets(app)[0]  # the probe cannot log in (a user disabled): no place
         assert first == "celery"
-        admin.execute_command("ACL", "SETUSER", "brk", "+get")
+        admin.execute_command("ACL", "SETUSER", "brk", "on")
         assert broker_place(app) == Place(1, 0)  # probed again: found now
         assert not _park_fallback(app)  # and parking goes on with qualified names
         assert push_targets(app)[0] == Place(1, 0).name("celery")
     finally:
         admin.close()
         app.close()
+
+
+def test_a_broker_user_refused_the_probe_key_is_an_answer_not_asked_again(
+    redis_server_factory: Any,
+) -> None:
+    """A broker user confined to the broker's keys (NOPERM on the probe key) is an answer
+    (another server, as far as this process can tell), kept: no probe per parking, one
+    warning; a probe of another database is not even made with the setting off."""
+    server = redis_server_factory()
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "conf", "on", ">pw", "~celery*", "&*", "+@all")
+    app = Celery("attack-noperm", broker=_db(server.url, 1).replace("://", "://conf:pw@"))
+    app.conf.redislock_url = server.url
+    app.conf.redislock_queues_in_other_db = True
+    off = Celery("attack-not-probed", broker=_db(server.url, 1))
+    off.conf.redislock_url = server.url
+    try:
+        before = _stat(admin, "stats", "total_connections_received")
+        for _ in range(5):
+            assert broker_place(app) is None and _park_fallback(app) is True
+            assert broker_place(off) is None and _park_fallback(off) is True
+        probes = _stat(admin, "stats", "total_connections_received") - before
+        assert probes <= 2, f"{probes} connections"  # the lock client's, one probe's
+        assert _calls(admin, "set") == 1  # one probe key, for the app with the setting
+    finally:
+        admin.close()
+        app.close()
+        off.close()
 
 
 def test_by_default_no_list_of_another_database_is_named(
