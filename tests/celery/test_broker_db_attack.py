@@ -87,6 +87,18 @@ def test_a_probe_that_raises_is_not_run_again_at_every_parking(
         app.close()
 
 
+def _broker_user(server: RedisServer, user: str, *rules: str) -> tuple[redis.Redis, Celery]:
+    """An admin client of ``server``, and an app whose broker is its database 1 as ACL
+    ``user`` (``rules`` besides all commands and channels), its locks database 0 with the
+    setting on."""
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", user, *rules, ">pw", "&*", "+@all")
+    app = Celery(f"attack-{user}", broker=_db(server.url, 1).replace("://", f"://{user}:pw@"))
+    app.conf.redislock_url = server.url
+    app.conf.redislock_queues_in_other_db = True
+    return admin, app
+
+
 def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
     redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -98,11 +110,7 @@ def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
     trip more per hand-over) and run-on (runon._next_of checks the list against
     push_targets) never applies there. The cache is keyed by the place too."""
     server = redis_server_factory()
-    admin = server.client()
-    admin.execute_command("ACL", "SETUSER", "brk", "off", ">pw", "~*", "&*", "+@all")
-    app = Celery("attack-stale-targets", broker=_db(server.url, 1).replace("://", "://brk:pw@"))
-    app.conf.redislock_url = server.url
-    app.conf.redislock_queues_in_other_db = True
+    admin, app = _broker_user(server, "brk", "off", "~*")
     monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.0)  # (a failed probe: tried again)
     try:
         first = push_targets(app)[0]  # the probe cannot log in (a user disabled): no place
@@ -123,11 +131,7 @@ def test_a_broker_user_refused_the_probe_key_is_an_answer_not_asked_again(
     (another server, as far as this process can tell), kept: no probe per parking, one
     warning; a probe of another database is not even made with the setting off."""
     server = redis_server_factory()
-    admin = server.client()
-    admin.execute_command("ACL", "SETUSER", "conf", "on", ">pw", "~celery*", "&*", "+@all")
-    app = Celery("attack-noperm", broker=_db(server.url, 1).replace("://", "://conf:pw@"))
-    app.conf.redislock_url = server.url
-    app.conf.redislock_queues_in_other_db = True
+    admin, app = _broker_user(server, "conf", "on", "~celery*")
     off = Celery("attack-not-probed", broker=_db(server.url, 1))
     off.conf.redislock_url = server.url
     try:
