@@ -16,7 +16,9 @@ only in how (whether) they lock the account:
   releasing process runs the account's next parked task itself.
 
 Configured from the environment (set by the benchmark): ``SETTLE_URL`` (locks and data:
-one private redis-server), ``SETTLE_BROKER`` (the broker; default ``SETTLE_URL``),
+one private redis-server), ``SETTLE_BROKER`` (the broker; default ``SETTLE_URL``; in
+another database of that server, ``redislock_queues_in_other_db`` is on unless
+``SETTLE_QUEUES_IN_OTHER_DB=0``),
 ``SETTLE_PREFIX`` (key prefix of the data),
 ``SETTLE_QUEUE`` (the worker's queue), ``SETTLE_WORK`` (seconds), ``SETTLE_PREFETCH``,
 ``SETTLE_TASKS`` (comma-separated variants to register; default all), ``SETTLE_LOOKAHEAD``
@@ -61,7 +63,8 @@ if os.environ.get("SETTLE_FALLBACK"):  # redislock_park_fallback: "auto" (defaul
     fallback = os.environ["SETTLE_FALLBACK"]
     app.conf.redislock_park_fallback = fallback if fallback == "auto" else fallback == "1"
 if BROKER.startswith("redis") and BROKER.rsplit("/", 1)[-1] != URL.rsplit("/", 1)[-1]:
-    app.conf.redislock_queues_in_other_db = True  # (every worker here runs this release)
+    # (every worker here runs this release; SETTLE_QUEUES_IN_OTHER_DB=0: the default, off)
+    app.conf.redislock_queues_in_other_db = os.environ.get("SETTLE_QUEUES_IN_OTHER_DB") != "0"
 if os.environ.get("SETTLE_LOOKAHEAD"):
     app.conf.redislock_lookahead = int(os.environ["SETTLE_LOOKAHEAD"])
 
