@@ -22,7 +22,8 @@ another database of that server, ``redislock_queues_in_other_db`` is on unless
 ``SETTLE_PREFIX`` (key prefix of the data),
 ``SETTLE_QUEUE`` (the worker's queue), ``SETTLE_WORK`` (seconds), ``SETTLE_PREFETCH``,
 ``SETTLE_TASKS`` (comma-separated variants to register; default all), ``SETTLE_LOOKAHEAD``
-(``redislock_lookahead``; default: the package's).
+(``redislock_lookahead``; default: the package's), ``SETTLE_PARTS`` (a file: record the
+hand-overs' parts there, ``bench/_handover_parts.py``).
 """
 
 from __future__ import annotations
@@ -172,3 +173,10 @@ def _count_parked(sender: Any = None, **_: Any) -> None:
 
 # Counted through the package's own signal, as an operator would.
 redislock_signals.task_parked.connect(_count_parked)
+
+if os.environ.get("SETTLE_PARTS"):  # bench.celery_settlement --parts
+    import sys
+
+    from bench import _handover_parts
+
+    _handover_parts.install(os.environ["SETTLE_PARTS"], sys.modules[__name__])

@@ -36,6 +36,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -444,6 +445,10 @@ def run_variant(
         "SETTLE_TASKS": variant,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
+    parts_file = None
+    if args.parts and variant in ("locked", "runon") and "W2" in WORKLOADS:
+        parts_file = Path(tempfile.mkdtemp(prefix="settle-parts-")) / "events"
+        env["SETTLE_PARTS"] = str(parts_file)
     task = sa.TASKS[variant]
     worker = Worker(variant, env, args)
     out: dict[str, Any] = {}
@@ -486,6 +491,8 @@ def run_variant(
         if args.keep_logs:
             keep = Path(args.keep_logs) / f"{variant}-r{repeat + 1}.log"
         worker.stop(keep)
+        if parts_file is not None:
+            print_parts(parts_file, f"{token}-W2:hot", variant, broker, repeat)
         names = [queue, f"{queue}.redislock"]
         # (LockedTask's fallback copies' queue)
         if variant in ("locked", "runon") and broker.startswith("amqp"):
@@ -495,6 +502,29 @@ def run_variant(
             names.append(f"{DELAY_QUEUE_PREFIX}{delay}.{queue}")
         delete_queues(broker, names)
     return out
+
+
+def print_parts(path: Path, hot: str, variant: str, broker: str, repeat: int) -> None:
+    """``--parts``: the hot account's hand-overs, step by step."""
+    from bench import _handover_parts as hp
+
+    try:
+        found = hp.parts(path, hot) if path.exists() else ({}, {})
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
+    where = broker.split("@")[-1]
+    for kind, medians, steps in (
+        ("through the broker", found[0], hp.STEPS),
+        ("run on", found[1], hp.RUN_ON_STEPS),
+    ):
+        if not medians:
+            continue
+        log(
+            f"  [{repeat + 1}] {LABELS[variant]} W2: a hand-over {kind}, part by part "
+            f"({int(medians['hand-overs'])} of them, medians, ms; broker {where}):"
+        )
+        for label, what in steps:
+            log(f"      {label:38s} {medians[label]:6.2f}   {what}")
 
 
 # --------------------------------------------------------------------------- report
@@ -730,6 +760,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--start-timeout", type=float, default=60.0, help="worker start + warm-up")
     ap.add_argument("--log-level", default="warning", help="worker log level (warning)")
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each worker's log in DIR")
+    ap.add_argument(
+        "--parts",
+        action="store_true",
+        help="time W2's hot-key hand-overs part by part inside the worker (LockedTask, run on)",
+    )
     ap.add_argument("--no-json", action="store_true", help="do not write settlement.json")
     ap.add_argument("--no-plot", action="store_true", help="do not draw bench/results/hotkey.png")
     args = ap.parse_args(argv)

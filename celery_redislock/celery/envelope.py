@@ -18,8 +18,8 @@ from kombu.utils import json as kombu_json
 
 from .._core import LockKeys
 from .._replies import Handed
-from . import signing
-from .queuelists import SEP, Place, broker_place
+from . import queuelists, signing
+from .queuelists import SEP, broker_place
 
 
 class _Handed(NamedTuple):
@@ -64,19 +64,21 @@ def push_targets(app: Any) -> tuple[str, str]:
     queues = app.amqp.queues
     consumed = queues.consume_from or queues
     tasks = app.tasks
-    place = broker_place(app)  # (another database of the locks' server: lists named so)
     found = _push_targets.get(app)
-    # (built again when the queues consumed, the number of tasks or the broker's place
-    # change: the set of names compared as it is, not sorted first; a release asks at every
-    # hand-over, and a place not known yet may be found later)
+    # (built again when the queues consumed or the number of tasks change, or a probe found
+    # a broker's place since (one not known yet may be found later): the set of names
+    # compared as it is, not sorted first; a release asks at every hand-over)
     if (
         found is not None
         and found[1] == len(tasks)
-        and found[3] == place
+        and found[3] == queuelists.found_count
         and found[0] == consumed.keys()
     ):
         return found[2]
     from .base import LockedTask  # (base imports this module)
+
+    place = broker_place(app)  # (another database of the locks' server: lists named so)
+    probed = queuelists.found_count
 
     names = sorted(consumed)
     options = app.conf.broker_transport_options or {}
@@ -88,11 +90,11 @@ def push_targets(app: Any) -> tuple[str, str]:
     lists = "\n".join(q for q in named if q is not None and "\n" not in q)
     locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
     targets = (lists, "\n".join(locked))
-    _push_targets[app] = (frozenset(names), len(tasks), targets, place)
+    _push_targets[app] = (frozenset(names), len(tasks), targets, probed)
     return targets
 
 
-_PushTargets = tuple[frozenset[str], int, tuple[str, str], Place | None]
+_PushTargets = tuple[frozenset[str], int, tuple[str, str], int]
 _push_targets: weakref.WeakKeyDictionary[Any, _PushTargets]
 _push_targets = weakref.WeakKeyDictionary()
 #: kombu's Redis transport: between a queue's name and its priority step in a list's name.

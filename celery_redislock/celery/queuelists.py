@@ -69,6 +69,9 @@ _mutex = threading.Lock()
 #: One probe at a time in a process: a caller that comes while one runs waits for its
 #: answer (a consumer starting decides its parking at delivery once, from it).
 _probing = threading.Lock()
+#: How many places probes have found in this process (push targets built before one was
+#: found are built again: ``envelope.push_targets``).
+found_count = 0
 #: Seconds a probe that failed is not tried again (each try is a connection to the broker
 #: and three commands on the locks: a parking or a rate deferral must not pay it each time).
 RETRY_AFTER = 60.0
@@ -108,9 +111,11 @@ def place_of(app: Any, uri: str) -> Place | None:
                 RETRY_AFTER,
             )
             return None
+        global found_count
         with _mutex:
             known[uri] = found
             retry.pop(uri, None)
+            found_count += found is not None
         return found
 
 

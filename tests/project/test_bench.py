@@ -194,3 +194,42 @@ def test_the_last_call_wins_benchmark_runs_the_calls_each_policy_says() -> None:
     assert _row(out, "requeue")[:2] == ["5", "0"]  # every call runs
     assert _row(out, "replace")[:3] == ["2", "3", "1/1"]
     assert _row(out, "debounce")[:3] == ["1", "4", "1/1"]
+
+
+def test_the_hand_over_parts_split_each_gap_into_its_steps(tmp_path: Path) -> None:
+    """``bench.celery_settlement --parts``: records of two hand-overs of the hot account,
+    one through the broker (the main process checks its envelope) and one run on."""
+    from bench._handover_parts import RUN_ON_STEPS, STEPS, parts
+
+    events = tmp_path / "events"
+    events.write_text(
+        "\n".join(
+            [
+                "1 section r-W2:hot 1.000 1.020",
+                "1 finish - 1.0202 1.0207",
+                "1 script - 1.0203 1.0206",
+                "1 postrun t1 1.0208 0",
+                "2 accept t2 1.0222 1.0224",
+                "1 prerun t2 1.0230 0",
+                "1 script - 1.0231 1.0233",
+                "1 section r-W2:hot 1.0236 1.0436",
+                "1 section other 1.0437 1.0438",
+                "1 finish - 1.0440 1.0444",
+                "1 script - 1.0441 1.0443",
+                "1 prerun t3 1.0450 0",
+                "1 section r-W2:hot 1.0452 1.0652",
+            ]
+        )
+        + "\n"
+    )
+    broker, ran_on = parts(events, "W2:hot")
+    assert broker["hand-overs"] == 1 and ran_on["hand-overs"] == 1
+    assert set(broker) == {label for label, _ in STEPS} | {"hand-overs"}
+    assert set(ran_on) == {label for label, _ in RUN_ON_STEPS} | {"hand-overs"}
+    assert abs(broker["gap"] - 3.6) < 1e-6
+    assert abs(broker["release end -> main process has it"] - 1.5) < 1e-6
+    assert abs(broker["main process: the envelope's check"] - 0.2) < 1e-6
+    assert abs(broker["  the acquire's script call"] - 0.2) < 1e-6
+    assert abs(ran_on["gap"] - 1.6) < 1e-6
+    assert abs(ran_on["release end -> task_prerun"] - 0.6) < 1e-6
+    assert parts(tmp_path / "events", "nothing") == ({}, {})

@@ -1,0 +1,186 @@
+"""A hot key's hand-over, part by part, from timestamps inside the worker's processes
+(``bench.celery_settlement --parts``).
+
+With ``SETTLE_PARTS=<file>`` the settlement app's worker records, in every process, on
+the system-wide monotonic clock: each section (start, end), each ``TaskLock.finish`` (the
+release and what surrounds it), each lock script call, each ``task_prerun`` and
+``task_postrun``, and in the worker's main process each check of a pushed envelope
+(``parking.accept_handed_over``: the first step of a hand-over there). Each process
+appends its records to the file when it exits. :func:`parts` then splits every gap
+between two sections of the hot account into its steps, as the work sees them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+_events: list[str] = []
+_mutex = threading.Lock()
+monotonic = time.monotonic
+
+
+def _record(kind: str, name: Any, start: float, end: float = 0.0) -> None:
+    _events.append(f"{os.getpid()} {kind} {name} {start!r} {end!r}")
+
+
+def _dump(path: str) -> None:
+    with _mutex:
+        lines, _events[:] = list(_events), []
+    if lines:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write("".join(line + "\n" for line in lines))
+
+
+def install(path: str, app_module: Any) -> None:
+    """Record the parts in this process (and the pool processes it forks)."""
+    from celery import signals
+
+    from celery_redislock import _scripts
+    from celery_redislock import lock as core_lock
+    from celery_redislock.celery import parking, tasklock
+
+    accept = parking.accept_handed_over
+
+    def timed_accept(task: Any, app: Any, message: Any) -> bool:
+        started = monotonic()
+        try:
+            return accept(task, app, message)
+        finally:
+            _record("accept", message.headers.get("id"), started, monotonic())
+
+    parking.accept_handed_over = timed_accept
+    finish = tasklock.TaskLock.finish
+
+    def timed_finish(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = monotonic()
+        try:
+            return finish(self, *args, **kwargs)
+        finally:
+            _record("finish", "-", started, monotonic())
+
+    tasklock.TaskLock.finish = timed_finish  # type: ignore[method-assign]
+    script_run = _scripts.run
+
+    def timed_run(*args: Any, **kwargs: Any) -> Any:
+        started = monotonic()
+        try:
+            return script_run(*args, **kwargs)
+        finally:
+            _record("script", "-", started, monotonic())
+
+    core_lock.run = tasklock.run = timed_run  # type: ignore[attr-defined]
+    section = app_module._section
+
+    def timed_section(run: str, account: str) -> None:
+        started = monotonic()
+        section(run, account)
+        _record("section", account, started, monotonic())
+
+    app_module._section = timed_section
+
+    def prerun(task_id: Any = None, **_: Any) -> None:
+        _record("prerun", task_id, monotonic())
+
+    def postrun(task_id: Any = None, **_: Any) -> None:
+        _record("postrun", task_id, monotonic())
+
+    signals.task_prerun.connect(prerun, weak=False)
+    signals.task_postrun.connect(postrun, weak=False)
+    signals.worker_process_shutdown.connect(lambda **_: _dump(path), weak=False)
+    atexit.register(_dump, path)
+
+
+#: The steps of a hand-over, in order, as :func:`parts` names them.
+STEPS = (
+    ("section end -> release call", "the task's return (its log write is in the section)"),
+    ("release (TaskLock.finish)", "the release and its Python"),
+    ("  the release's script call", "call to reply"),
+    ("release end -> main process has it", "result to the main process, ack, fetch"),
+    ("main process: the envelope's check", "signature, lock key (accept_handed_over)"),
+    ("check -> task_prerun", "dispatch to a pool process, Celery's tracer"),
+    ("task_prerun -> section", "LockedTask's acquire and Python"),
+    ("  the acquire's script call", "call to reply"),
+    ("gap", "next section's start - previous one's end"),
+)
+#: The steps of a run-on hand-over (the next task run by the releasing process itself).
+RUN_ON_STEPS = (
+    ("section end -> release call", "the task's return (its log write is in the section)"),
+    ("release (TaskLock.finish)", "the release and its Python"),
+    ("  the release's script call", "call to reply"),
+    (
+        "release end -> task_prerun",
+        "the releasing trace's end, the message's check, the next trace",
+    ),
+    ("task_prerun -> section", "LockedTask's acquire (no round trip) and Python"),
+    ("gap", "next section's start - previous one's end"),
+)
+
+
+def parts(path: Path, hot_suffix: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms of each step over the hand-overs of the account whose name ends with
+    ``hot_suffix``, from the records at ``path``: through the broker (:data:`STEPS`), and
+    run on (:data:`RUN_ON_STEPS`); each with its count (``"hand-overs"``), empty if none."""
+    events: list[tuple[float, float, str, str, str]] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        pid, kind, name, start, end = line.split()
+        events.append((float(start), float(end), kind, name, pid))
+    events.sort()
+    by_pid: dict[str, list[tuple[float, float, str, str, str]]] = defaultdict(list)
+    for event in events:
+        by_pid[event[4]].append(event)
+    checked = {e[3]: e for e in events if e[2] == "accept"}
+    hot = [e for e in events if e[2] == "section" and e[3].endswith(hot_suffix)]
+    found: dict[str, list[float]] = defaultdict(list)
+    ran_on: dict[str, list[float]] = defaultdict(list)
+    for before, after in zip(hot, hot[1:]):
+        tail = [e for e in by_pid[before[4]] if e[0] >= before[1]][:8]
+        release = next((e for e in tail if e[2] == "finish"), None)
+        head = [e for e in by_pid[after[4]] if e[0] <= after[0]][-8:]
+        prerun = next((e for e in reversed(head) if e[2] == "prerun"), None)
+        check = checked.get(prerun[3]) if prerun else None
+        if release is None or prerun is None:
+            continue  # a record missing
+        calls = [e for e in tail if e[2] == "script" and release[0] <= e[0] <= release[1]]
+        if check is None:  # no message: run on by the releasing process (or a record lost)
+            if before[4] == after[4] and release[1] <= prerun[0]:
+                steps: tuple[float, ...] = (
+                    release[0] - before[1],
+                    release[1] - release[0],
+                    sum(e[1] - e[0] for e in calls),
+                    prerun[0] - release[1],
+                    after[0] - prerun[0],
+                    after[0] - before[1],
+                )
+                for (label, _), seconds in zip(RUN_ON_STEPS, steps):
+                    ran_on[label].append(seconds * 1e3)
+            continue
+        acquire = [e for e in head if e[2] == "script" and e[0] >= prerun[0]]
+        steps = (
+            release[0] - before[1],
+            release[1] - release[0],
+            sum(e[1] - e[0] for e in calls),
+            check[0] - release[1],
+            check[1] - check[0],
+            prerun[0] - check[1],
+            after[0] - prerun[0],
+            sum(e[1] - e[0] for e in acquire),
+            after[0] - before[1],
+        )
+        for (label, _), seconds in zip(STEPS, steps):
+            found[label].append(seconds * 1e3)
+    return _medians(found), _medians(ran_on)
+
+
+def _medians(found: dict[str, list[float]]) -> dict[str, float]:
+    if not found:
+        return {}
+    medians = {label: statistics.median(values) for label, values in found.items()}
+    medians["hand-overs"] = float(len(found["gap"]))
+    return medians
