@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import secrets
+import time
 import weakref
 from typing import Any, NamedTuple
 
@@ -65,20 +66,24 @@ def push_targets(app: Any) -> tuple[str, str]:
     consumed = queues.consume_from or queues
     tasks = app.tasks
     found = _push_targets.get(app)
-    # (built again when the queues consumed or the number of tasks change, or a probe found
-    # a broker's place since (one not known yet may be found later): the set of names
-    # compared as it is, not sorted first; a release asks at every hand-over)
+    # (built again when the queues consumed or the number of tasks change, when a probe
+    # found a broker's place since, or once a failed probe may be tried again: a pool
+    # process's releases are what asks it again there; the set of names compared as it
+    # is, not sorted first; a release asks at every hand-over)
     if (
         found is not None
         and found[1] == len(tasks)
         and found[3] == queuelists.found_count
         and found[0] == consumed.keys()
+        and (found[4] is None or time.monotonic() < found[4])
     ):
         return found[2]
     from .base import LockedTask  # (base imports this module)
 
-    place = broker_place(app)  # (another database of the locks' server: lists named so)
+    # (the count read first: a place found by another thread meanwhile builds them again)
     probed = queuelists.found_count
+    place = broker_place(app)  # (another database of the locks' server: lists named so)
+    retry = queuelists.retry_due(app) if place is None else None
 
     names = sorted(consumed)
     options = app.conf.broker_transport_options or {}
@@ -90,11 +95,11 @@ def push_targets(app: Any) -> tuple[str, str]:
     lists = "\n".join(q for q in named if q is not None and "\n" not in q)
     locked = sorted(n for n, t in tasks.items() if isinstance(t, LockedTask) and "\n" not in n)
     targets = (lists, "\n".join(locked))
-    _push_targets[app] = (frozenset(names), len(tasks), targets, probed)
+    _push_targets[app] = (frozenset(names), len(tasks), targets, probed, retry)
     return targets
 
 
-_PushTargets = tuple[frozenset[str], int, tuple[str, str], int]
+_PushTargets = tuple[frozenset[str], int, tuple[str, str], int, float | None]
 _push_targets: weakref.WeakKeyDictionary[Any, _PushTargets]
 _push_targets = weakref.WeakKeyDictionary()
 #: kombu's Redis transport: between a queue's name and its priority step in a list's name.

@@ -32,8 +32,10 @@ import weakref
 from typing import Any, NamedTuple
 
 import redis
+from billiard.exceptions import SoftTimeLimitExceeded
 
 from .._keyspace import probe_key
+from .._process import on_fork
 from .._scripts import run, scripts_for
 from .clients import client_for, settings_for
 
@@ -77,6 +79,15 @@ found_count = 0
 RETRY_AFTER = 60.0
 
 
+@on_fork
+def _forked() -> None:
+    """A child forked while another thread of its parent probed (the sweeper's, say)
+    would find ``_probing`` held for good, and ``_mutex`` held for a moment: new ones."""
+    global _mutex, _probing
+    _mutex = threading.Lock()
+    _probing = threading.Lock()
+
+
 def place_of(app: Any, uri: str) -> Place | None:
     """The place of the Redis broker at ``uri`` (with its password) relative to the app's
     locks, or None: out of reach (another server; an error reply, such as a database the
@@ -100,6 +111,8 @@ def place_of(app: Any, uri: str) -> Place | None:
                 return None
         try:
             found = _probe(app, uri)
+        except SoftTimeLimitExceeded:
+            raise  # the task's time ran out, not the probe's: no window for it
         except Exception as exc:
             with _mutex:
                 retry[uri] = time.monotonic() + RETRY_AFTER
@@ -117,6 +130,15 @@ def place_of(app: Any, uri: str) -> Place | None:
             retry.pop(uri, None)
             found_count += found is not None
         return found
+
+
+def retry_due(app: Any) -> float | None:
+    """The earliest time (``time.monotonic``) a probe of the app's that failed may run
+    again, or None: no probe of the app's is waiting to be tried again. Push targets built
+    while one waits are built again after it (``envelope.push_targets``)."""
+    with _mutex:
+        waiting = _retry_at.get(app)
+        return min(waiting.values()) if waiting else None
 
 
 def broker_place(app: Any) -> Place | None:

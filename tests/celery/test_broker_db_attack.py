@@ -5,6 +5,9 @@ release is never handed a list name it does not know."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import threading
+import time
 import warnings
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -14,7 +17,7 @@ import redis
 from celery import Celery
 
 from celery_redislock import LockConfigurationError
-from celery_redislock.celery import queuelists
+from celery_redislock.celery import envelope, queuelists
 from celery_redislock.celery.clients import _settings, client_for, settings_for
 from celery_redislock.celery.contention import _park_fallback
 from celery_redislock.celery.envelope import push_targets
@@ -22,7 +25,7 @@ from celery_redislock.celery.lookahead import _lookahead_denied, _next_queued
 from celery_redislock.celery.parking import Parker
 from celery_redislock.celery.queuelists import Place, broker_place, place_of
 from celery_redislock.celery.tasklock import TaskLock
-from celery_redislock.testing import RedisServer
+from celery_redislock.testing import RedisServer, free_port
 
 from .. import celery_app as ca
 from .test_broker_db import broker_db1 as broker_db1
@@ -63,12 +66,11 @@ def test_a_probe_that_raises_is_not_run_again_at_every_parking(
     two_servers: tuple[RedisServer, RedisServer],
 ) -> None:
     """contention._park_fallback runs at every parking in a pool process (and at every rate
-    deferral) and asks broker_place each time. A probe that raises for a lasting reason
+    deferral) and asks broker_place each time. A probe that fails for a lasting reason
     must not be run again each time (a new TCP connection to the broker plus SET/GET/DEL on
     the locks per contended task): here the locks are in database 2 of their server and the
-    broker is another server with one database (SELECT 2 fails). The same would hold for a
-    broker user that may not GET the lock prefix (NOPERM), a rediss broker whose TLS options
-    kombu's as_uri drops, or a credential_provider. A failure is kept for RETRY_AFTER."""
+    broker is another server with one database (SELECT 2 fails: an error reply, which is an
+    answer, kept for good; a probe without an answer is the next test's)."""
     locks, broker = two_servers
     app = Celery("attack-reprobe", broker=broker.url)
     app.conf.redislock_url = _db(locks.url, 2)
@@ -108,7 +110,8 @@ def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
     envelopes for "celery\\r1\\r0", and the push targets must follow: else no release in
     that process pushes a parked envelope itself (each comes back to the worker: a round
     trip more per hand-over) and run-on (runon._next_of checks the list against
-    push_targets) never applies there. The cache is keyed by the place too."""
+    push_targets) never applies there. Another probe's place, found in the process, builds
+    them again."""
     server = redis_server_factory()
     admin, app = _broker_user(server, "brk", "off", "~*")
     monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.0)  # (a failed probe: tried again)
@@ -120,6 +123,157 @@ def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
         assert not _park_fallback(app)  # and parking goes on with qualified names
         assert push_targets(app)[0] == Place(1, 0).name("celery")
     finally:
+        admin.close()
+        app.close()
+
+
+def test_a_release_alone_asks_again_once_a_failed_probe_may_be_tried_again(
+    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool process's releases ask push_targets only (TaskLock.push_to): with fallback
+    copies off and no rate, nothing else there would ever run the probe again. Push targets
+    built while a failed probe waits are built again (and the probe run) once it may be
+    tried again, and not before: a release within the window costs no probe."""
+    server = redis_server_factory()
+    admin, app = _broker_user(server, "brk", "off", "~*")
+    app.conf.redislock_park_fallback = False
+    monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.5)
+    try:
+        assert push_targets(app)[0] == "celery"  # the probe cannot log in: no place
+        admin.execute_command("ACL", "SETUSER", "brk", "on")
+        sets = _calls(admin, "set")
+        for _ in range(20):  # within the window: the cached lists, no probe
+            assert push_targets(app)[0] == "celery"
+        assert _calls(admin, "set") == sets
+        time.sleep(0.6)
+        assert push_targets(app)[0] == Place(1, 0).name("celery")  # probed again, found
+        assert _calls(admin, "set") == sets + 1
+        for _ in range(5):  # an answer now: kept, no more probes
+            assert push_targets(app)[0] == Place(1, 0).name("celery")
+        assert _calls(admin, "set") == sets + 1
+    finally:
+        admin.close()
+        app.close()
+
+
+def test_push_targets_built_while_another_thread_finds_the_place_are_built_again(
+    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread's push_targets gets no place (a failed probe's window), and before it
+    stores its lists another thread's probe finds the place: the lists it stores name the
+    plain list, and must not be kept under the count that says a place was found."""
+    server = redis_server_factory()
+    admin, app = _broker_user(server, "brk", "on", "~*")
+    found = broker_place
+
+    def none_while_another_thread_finds_it(app_: Any) -> Any:
+        other = threading.Thread(target=found, args=(app_,))
+        other.start()
+        other.join()
+        return None  # what this thread's call gave, from before the other's probe
+
+    monkeypatch.setattr(envelope, "broker_place", none_while_another_thread_finds_it)
+    try:
+        assert push_targets(app)[0] == "celery"
+        monkeypatch.setattr(envelope, "broker_place", found)
+        assert push_targets(app)[0] == Place(1, 0).name("celery")
+    finally:
+        admin.close()
+        app.close()
+
+
+def test_a_probe_without_an_answer_is_tried_again_after_its_window_and_only_then(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker that does not answer (nothing listens on its port: a connection error) is
+    taken as another server for RETRY_AFTER, at no cost per parking, then probed again."""
+    app = Celery("attack-no-answer", broker=f"redis://127.0.0.1:{free_port()}/0")
+    app.conf.redislock_url = redis_server.url
+    monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.5)
+    locks = redis_server.client()
+    try:
+        sets = _calls(locks, "set")
+        for _ in range(20):
+            assert _park_fallback(app) is True  # another server, as far as can be told
+        assert _calls(locks, "set") == sets + 1  # one probe key: one probe
+        time.sleep(0.6)
+        assert _park_fallback(app) is True
+        assert _calls(locks, "set") == sets + 2  # its window over: probed again, once
+        assert queuelists.retry_due(app) is not None
+    finally:
+        locks.close()
+        app.close()
+
+
+def test_callers_that_come_while_a_probe_runs_wait_for_its_answer(
+    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads asking while a probe runs (a pool process's release and its look-ahead, the
+    sweeper) wait for it and take its answer: one probe, the same place for all."""
+    server = redis_server_factory()
+    admin, app = _broker_user(server, "wait", "on", "~*")
+    probe, probes = queuelists._probe, []
+
+    def slow_probe(app_: Any, uri: str) -> Any:
+        probes.append(uri)
+        time.sleep(0.3)
+        return probe(app_, uri)
+
+    monkeypatch.setattr(queuelists, "_probe", slow_probe)
+    answers: list[Any] = []
+    try:
+        threads = [
+            threading.Thread(target=lambda: answers.append(broker_place(app))) for _ in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert answers == [Place(1, 0)] * 4 and len(probes) == 1, (answers, probes)
+    finally:
+        admin.close()
+        app.close()
+
+
+def _probe_in_child(app: Any, uri: str, out: Any) -> None:
+    started = time.monotonic()
+    place_of(app, uri)
+    out.put(time.monotonic() - started)
+
+
+def test_a_child_forked_while_a_thread_probes_does_not_wait_for_that_probe(
+    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefork child forked while another thread of its parent probes (the sweeper's
+    refusal path, say) inherits the probe's lock held by a thread it does not have: its own
+    first probe must not wait for it for ever."""
+    server = redis_server_factory()
+    admin, app = _broker_user(server, "forked", "on", "~*")
+    uri = _db(server.url, 1).replace("://", "://forked:pw@")
+    probe = queuelists._probe
+
+    def slow_probe(app_: Any, uri_: str) -> Any:
+        time.sleep(1.0)
+        return probe(app_, uri_)
+
+    monkeypatch.setattr(queuelists, "_probe", slow_probe)
+    parent = threading.Thread(target=place_of, args=(app, uri))
+    parent.start()
+    time.sleep(0.2)  # the parent's thread is probing now
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_probe_in_child, args=(app, uri, out))
+    try:
+        child.start()
+        child.join(15)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+            child.join()
+        assert not alive and child.exitcode == 0, "the child waited on its parent's probe"
+        assert out.get(timeout=1) < 10
+    finally:
+        parent.join(10)
         admin.close()
         app.close()
 
@@ -225,3 +379,31 @@ def test_a_look_ahead_in_another_database_the_user_may_not_read_is_turned_off(
         admin.execute_command("ACL", "DELUSER", "noread1")
         admin.close()
         redis.Redis.from_url(_db(broker.url, 1)).delete(queue)
+
+
+def test_a_soft_time_limit_during_a_probe_is_the_task_s_not_a_failed_probe(
+    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """billiard's SoftTimeLimitExceeded (an Exception) raised in a pool process while it
+    probes is the task's time running out: it goes on up, and starts no retry window (the
+    next caller probes)."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    server = redis_server_factory()
+    admin, app = _broker_user(server, "soft", "on", "~*")
+    uri = _db(server.url, 1).replace("://", "://soft:pw@")
+    probe = queuelists._probe
+
+    def out_of_time(app_: Any, uri_: str) -> Any:
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(queuelists, "_probe", out_of_time)
+    try:
+        with pytest.raises(SoftTimeLimitExceeded):
+            place_of(app, uri)
+        assert queuelists.retry_due(app) is None
+        monkeypatch.setattr(queuelists, "_probe", probe)
+        assert place_of(app, uri) == Place(1, 0)
+    finally:
+        admin.close()
+        app.close()
