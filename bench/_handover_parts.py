@@ -5,7 +5,8 @@ With ``SETTLE_PARTS=<file>`` the settlement app's worker records, in every proce
 the system-wide monotonic clock: each section (start, end), each ``TaskLock.finish`` (the
 release and what surrounds it), each lock script call, each ``task_prerun`` and
 ``task_postrun``, and in the worker's main process each check of a pushed envelope
-(``parking.accept_handed_over``: the first step of a hand-over there). Each process
+(``parking.accept_handed_over``: the first step of a hand-over there), and each task
+handed over (``task_handed_over``: run on, or sent). Each process
 appends its records to the file when it exits. :func:`parts` then splits every gap
 between two sections of the hot account into its steps, as the work sees them.
 """
@@ -31,8 +32,9 @@ def _record(kind: str, name: Any, start: float, end: float = 0.0) -> None:
 
 
 def _dump(path: str) -> None:
-    with _mutex:
-        lines, _events[:] = list(_events), []
+    with _mutex:  # (records appended meanwhile stay for the next dump)
+        lines = _events[:]
+        del _events[: len(lines)]
     if lines:
         with open(path, "a", encoding="utf-8") as out:
             out.write("".join(line + "\n" for line in lines))
@@ -44,6 +46,7 @@ def install(path: str, app_module: Any) -> None:
 
     from celery_redislock import _scripts
     from celery_redislock import lock as core_lock
+    from celery_redislock import signals as lock_signals
     from celery_redislock.celery import parking, tasklock
 
     accept = parking.accept_handed_over
@@ -91,6 +94,10 @@ def install(path: str, app_module: Any) -> None:
     def postrun(task_id: Any = None, **_: Any) -> None:
         _record("postrun", task_id, monotonic())
 
+    def handed(sender: Any = None, task_id: Any = None, via: Any = None, **_: Any) -> None:
+        _record("runon" if via == "run_on" else "sent", task_id or "-", monotonic())
+
+    lock_signals.task_handed_over.connect(handed)
     signals.task_prerun.connect(prerun, weak=False)
     signals.task_postrun.connect(postrun, weak=False)
     signals.worker_process_shutdown.connect(lambda **_: _dump(path), weak=False)
@@ -123,59 +130,87 @@ RUN_ON_STEPS = (
 )
 
 
-def parts(path: Path, hot_suffix: str) -> tuple[dict[str, float], dict[str, float]]:
+#: The steps of a hand-over whose task the releasing worker published (a signature
+#: parked by a pool process: RabbitMQ, another server; no envelope for the main process to
+#: check before dispatch).
+PUBLISHED_STEPS = (
+    ("section end -> release call", "the task's return (its log write is in the section)"),
+    ("release (TaskLock.finish)", "the release and its Python"),
+    ("  the release's script call", "call to reply"),
+    ("release end -> task_prerun", "publish, ack, fetch, dispatch, Celery's tracer"),
+    ("task_prerun -> section", "LockedTask's acquire and Python"),
+    ("  the acquire's script call", "call to reply"),
+    ("gap", "next section's start - previous one's end"),
+)
+#: What :func:`parts` returns, by kind of hand-over, in this order.
+KINDS = ("through the broker", "published", "run on")
+_Event = tuple[float, float, str, str, str]
+
+
+def parts(path: Path, hot_suffix: str) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
     """Median ms of each step over the hand-overs of the account whose name ends with
-    ``hot_suffix``, from the records at ``path``: through the broker (:data:`STEPS`), and
-    run on (:data:`RUN_ON_STEPS`); each with its count (``"hand-overs"``), empty if none."""
-    events: list[tuple[float, float, str, str, str]] = []
+    ``hot_suffix``, from the records at ``path``, by kind (:data:`KINDS`): a pushed envelope
+    the main process checked (:data:`STEPS`), a published task (:data:`PUBLISHED_STEPS`) and
+    run on (:data:`RUN_ON_STEPS`), each with its count (``"hand-overs"``; a kind with none
+    is left out); and how many gaps were left out, and why (``counts``): a next task the
+    lock was not handed to (it found the lock free), records missing, or lines that do not
+    parse (a process killed while writing)."""
+    events: list[_Event] = []
+    counts = {"not handed over": 0, "records missing": 0, "bad lines": 0}
     for line in path.read_text(encoding="utf-8").splitlines():
-        pid, kind, name, start, end = line.split()
-        events.append((float(start), float(end), kind, name, pid))
+        try:
+            pid, kind, name, start, end = line.split()
+            events.append((float(start), float(end), kind, name, pid))
+        except ValueError:
+            counts["bad lines"] += 1
     events.sort()
-    by_pid: dict[str, list[tuple[float, float, str, str, str]]] = defaultdict(list)
+    by_pid: dict[str, list[_Event]] = defaultdict(list)
     for event in events:
         by_pid[event[4]].append(event)
     checked = {e[3]: e for e in events if e[2] == "accept"}
+    handed = {e[3]: e[2] for e in events if e[2] in ("runon", "sent")}
     hot = [e for e in events if e[2] == "section" and e[3].endswith(hot_suffix)]
-    found: dict[str, list[float]] = defaultdict(list)
-    ran_on: dict[str, list[float]] = defaultdict(list)
+    found: dict[str, dict[str, list[float]]] = {kind: defaultdict(list) for kind in KINDS}
     for before, after in zip(hot, hot[1:]):
         tail = [e for e in by_pid[before[4]] if e[0] >= before[1]][:8]
         release = next((e for e in tail if e[2] == "finish"), None)
         head = [e for e in by_pid[after[4]] if e[0] <= after[0]][-8:]
         prerun = next((e for e in reversed(head) if e[2] == "prerun"), None)
-        check = checked.get(prerun[3]) if prerun else None
-        if release is None or prerun is None:
-            continue  # a record missing
-        calls = [e for e in tail if e[2] == "script" and release[0] <= e[0] <= release[1]]
-        if check is None:  # no message: run on by the releasing process (or a record lost)
-            if before[4] == after[4] and release[1] <= prerun[0]:
-                steps: tuple[float, ...] = (
-                    release[0] - before[1],
-                    release[1] - release[0],
-                    sum(e[1] - e[0] for e in calls),
-                    prerun[0] - release[1],
-                    after[0] - prerun[0],
-                    after[0] - before[1],
-                )
-                for (label, _), seconds in zip(RUN_ON_STEPS, steps):
-                    ran_on[label].append(seconds * 1e3)
+        if release is None or prerun is None or release[1] > prerun[0]:
+            counts["records missing"] += 1
             continue
-        acquire = [e for e in head if e[2] == "script" and e[0] >= prerun[0]]
-        steps = (
-            release[0] - before[1],
-            release[1] - release[0],
-            sum(e[1] - e[0] for e in calls),
-            check[0] - release[1],
-            check[1] - check[0],
-            prerun[0] - check[1],
-            after[0] - prerun[0],
-            sum(e[1] - e[0] for e in acquire),
-            after[0] - before[1],
+        how = handed.get(prerun[3])
+        check = checked.get(prerun[3])
+        if check is None and how is None:
+            counts["not handed over"] += 1
+            continue
+        calls = sum(
+            e[1] - e[0] for e in tail if e[2] == "script" and release[0] <= e[0] <= release[1]
         )
-        for (label, _), seconds in zip(STEPS, steps):
-            found[label].append(seconds * 1e3)
-    return _medians(found), _medians(ran_on)
+        acquire = sum(e[1] - e[0] for e in head if e[2] == "script" and e[0] >= prerun[0])
+        ends = (release[0] - before[1], release[1] - release[0], calls)
+        gap = after[0] - before[1]
+        if how == "runon":
+            kind, labels = "run on", RUN_ON_STEPS
+            steps: tuple[float, ...] = (*ends, prerun[0] - release[1], after[0] - prerun[0], gap)
+        elif check is not None:
+            kind, labels = "through the broker", STEPS
+            steps = (
+                *ends,
+                check[0] - release[1],
+                check[1] - check[0],
+                prerun[0] - check[1],
+                after[0] - prerun[0],
+                acquire,
+                gap,
+            )
+        else:
+            kind, labels = "published", PUBLISHED_STEPS
+            steps = (*ends, prerun[0] - release[1], after[0] - prerun[0], acquire, gap)
+        for (label, _), seconds in zip(labels, steps):
+            found[kind][label].append(seconds * 1e3)
+    medians = {kind: _medians(found[kind]) for kind in KINDS}
+    return {kind: m for kind, m in medians.items() if m}, counts
 
 
 def _medians(found: dict[str, list[float]]) -> dict[str, float]:

@@ -505,26 +505,37 @@ def run_variant(
 
 
 def print_parts(path: Path, hot: str, variant: str, broker: str, repeat: int) -> None:
-    """``--parts``: the hot account's hand-overs, step by step."""
+    """``--parts``: the hot account's hand-overs, step by step, by kind."""
     from bench import _handover_parts as hp
 
     try:
-        found = hp.parts(path, hot) if path.exists() else ({}, {})
+        found, counts = hp.parts(path, hot) if path.exists() else ({}, {})
+    except Exception as exc:  # (a measurement's report: the run and its clean-up go on)
+        log(
+            f"  [{repeat + 1}] {LABELS[variant]} W2: the hand-over parts could not be read: {exc!r}"
+        )
+        return
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
     where = broker.split("@")[-1]
-    for kind, medians, steps in (
-        ("through the broker", found[0], hp.STEPS),
-        ("run on", found[1], hp.RUN_ON_STEPS),
-    ):
+    steps = {
+        "through the broker": hp.STEPS,
+        "published": hp.PUBLISHED_STEPS,
+        "run on": hp.RUN_ON_STEPS,
+    }
+    for kind in hp.KINDS:
+        medians = found.get(kind)
         if not medians:
             continue
         log(
             f"  [{repeat + 1}] {LABELS[variant]} W2: a hand-over {kind}, part by part "
             f"({int(medians['hand-overs'])} of them, medians, ms; broker {where}):"
         )
-        for label, what in steps:
+        for label, what in steps[kind]:
             log(f"      {label:38s} {medians[label]:6.2f}   {what}")
+    left = ", ".join(f"{why} {n}" for why, n in counts.items() if n)
+    if left:
+        log(f"  [{repeat + 1}] {LABELS[variant]} W2: gaps left out of the parts: {left}")
 
 
 # --------------------------------------------------------------------------- report
@@ -780,6 +791,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [v for v in args.variant_list if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if args.parts and (
+        "W2" not in args.workload_list or not {"locked", "runon"} & set(args.variant_list)
+    ):
+        ap.error(
+            "--parts times W2's hot key: it needs W2 in --workloads, locked or runon in --variants"
+        )
     return args
 
 

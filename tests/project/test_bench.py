@@ -197,9 +197,11 @@ def test_the_last_call_wins_benchmark_runs_the_calls_each_policy_says() -> None:
 
 
 def test_the_hand_over_parts_split_each_gap_into_its_steps(tmp_path: Path) -> None:
-    """``bench.celery_settlement --parts``: records of two hand-overs of the hot account,
-    one through the broker (the main process checks its envelope) and one run on."""
-    from bench._handover_parts import RUN_ON_STEPS, STEPS, parts
+    """``bench.celery_settlement --parts``: records of the hot account's gaps, one of each
+    kind (a pushed envelope the main process checks, a published task, run on), one whose
+    next task found the lock free, one with a record missing, and a line cut short: each
+    gap counted where it belongs, none taken for another kind."""
+    from bench._handover_parts import PUBLISHED_STEPS, RUN_ON_STEPS, STEPS, parts
 
     events = tmp_path / "events"
     events.write_text(
@@ -208,28 +210,62 @@ def test_the_hand_over_parts_split_each_gap_into_its_steps(tmp_path: Path) -> No
                 "1 section r-W2:hot 1.000 1.020",
                 "1 finish - 1.0202 1.0207",
                 "1 script - 1.0203 1.0206",
+                "1 sent t2 1.0206 0",
                 "1 postrun t1 1.0208 0",
                 "2 accept t2 1.0222 1.0224",
                 "1 prerun t2 1.0230 0",
                 "1 script - 1.0231 1.0233",
-                "1 section r-W2:hot 1.0236 1.0436",
+                "1 section r-W2:hot 1.0236 1.0436",  # through the broker: 3.6 ms
                 "1 section other 1.0437 1.0438",
                 "1 finish - 1.0440 1.0444",
                 "1 script - 1.0441 1.0443",
+                "1 runon t3 1.0446 0",
                 "1 prerun t3 1.0450 0",
-                "1 section r-W2:hot 1.0452 1.0652",
+                "1 section r-W2:hot 1.0452 1.0652",  # run on: 1.6 ms
+                "1 finish - 1.0653 1.0656",
+                "1 script - 1.0654 1.0655",
+                "1 sent t4 1.0656 0",
+                "3 prerun t4 1.0700 0",
+                "3 script - 1.0701 1.0703",
+                "3 section r-W2:hot 1.0705 1.0905",  # published (no check), another process
+                "3 finish - 1.0906 1.0908",
+                "3 script - 1.0906 1.0907",
+                "3 prerun t5 1.0950 0",
+                "3 section r-W2:hot 1.0960 1.1160",  # t5 found the lock free: not handed
+                "4 section r-W2:hot 1.2000 1.2200",  # no release recorded before it
+                "4 prerun t6 1.2",  # cut short
             ]
         )
         + "\n"
     )
-    broker, ran_on = parts(events, "W2:hot")
-    assert broker["hand-overs"] == 1 and ran_on["hand-overs"] == 1
+    found, counts = parts(events, "W2:hot")
+    broker, published, ran_on = found["through the broker"], found["published"], found["run on"]
+    assert broker["hand-overs"] == ran_on["hand-overs"] == published["hand-overs"] == 1
     assert set(broker) == {label for label, _ in STEPS} | {"hand-overs"}
     assert set(ran_on) == {label for label, _ in RUN_ON_STEPS} | {"hand-overs"}
+    assert set(published) == {label for label, _ in PUBLISHED_STEPS} | {"hand-overs"}
     assert abs(broker["gap"] - 3.6) < 1e-6
     assert abs(broker["release end -> main process has it"] - 1.5) < 1e-6
     assert abs(broker["main process: the envelope's check"] - 0.2) < 1e-6
     assert abs(broker["  the acquire's script call"] - 0.2) < 1e-6
     assert abs(ran_on["gap"] - 1.6) < 1e-6
     assert abs(ran_on["release end -> task_prerun"] - 0.6) < 1e-6
-    assert parts(tmp_path / "events", "nothing") == ({}, {})
+    assert abs(published["gap"] - 5.3) < 1e-6
+    assert abs(published["release end -> task_prerun"] - 4.4) < 1e-6
+    assert counts == {"not handed over": 1, "records missing": 1, "bad lines": 1}
+    assert parts(events, "nothing") == (
+        {},
+        {"not handed over": 0, "records missing": 0, "bad lines": 1},
+    )
+
+
+def test_parts_needs_the_hot_key_s_workload(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.celery_settlement", "--parts", "--workloads", "W3"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--parts" in done.stderr, done.stderr
