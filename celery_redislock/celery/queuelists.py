@@ -133,12 +133,14 @@ def place_of(app: Any, uri: str) -> Place | None:
 
 
 def retry_due(app: Any) -> float | None:
-    """The earliest time (``time.monotonic``) a probe of the app's that failed may run
-    again, or None: no probe of the app's is waiting to be tried again. Push targets built
-    while one waits are built again after it (``envelope.push_targets``)."""
+    """When a failed probe of the app's own broker (:func:`broker_place`'s) may run again
+    (``time.monotonic``), or None: none waits to be tried again. Push targets built while
+    one waits are built again after it (``envelope.push_targets``): only that broker's
+    window counts, so one for another URI (a consumer's) never rebuilds them each time."""
+    setting = app.conf.broker_url
     with _mutex:
-        waiting = _retry_at.get(app)
-        return min(waiting.values()) if waiting else None
+        uri = _uris.get(app, {}).get(setting)
+        return None if uri is None else _retry_at.get(app, {}).get(uri)
 
 
 def broker_place(app: Any) -> Place | None:

@@ -407,3 +407,32 @@ def test_a_soft_time_limit_during_a_probe_is_the_task_s_not_a_failed_probe(
     finally:
         admin.close()
         app.close()
+
+
+def test_a_failed_probe_of_another_uri_does_not_rebuild_the_push_targets_each_time(
+    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the app's own broker's retry window rebuilds its push targets: one of another
+    URI (a consumer's, a broker gone) that has passed and is never probed again must not
+    make every release build them again. The app's broker here answered (a user refused
+    the probe key: another server, kept)."""
+    server = redis_server_factory()
+    admin, app = _broker_user(server, "own", "on", "~celery*")
+    monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.0)
+    assert place_of(app, f"redis://127.0.0.1:{free_port()}/1") is None  # no answer there
+    built = []
+    found = broker_place
+
+    def counted(app_: Any) -> Any:
+        built.append(1)
+        return found(app_)
+
+    try:
+        assert push_targets(app)[0] == "celery"
+        monkeypatch.setattr(envelope, "broker_place", counted)
+        for _ in range(5):
+            assert push_targets(app)[0] == "celery"
+        assert not built, f"built again {len(built)} times"
+    finally:
+        admin.close()
+        app.close()
