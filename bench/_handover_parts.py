@@ -95,7 +95,9 @@ def install(path: str, app_module: Any) -> None:
         _record("postrun", task_id, monotonic())
 
     def handed(sender: Any = None, task_id: Any = None, via: Any = None, **_: Any) -> None:
-        _record("runon" if via == "run_on" else "sent", task_id or "-", monotonic())
+        # (the run's lock owner: its task id, and "~..." for a retry or a replacement)
+        run = str(task_id or "-").split("~")[0]
+        _record("runon" if via == "run_on" else "sent", run, monotonic())
 
     lock_signals.task_handed_over.connect(handed)
     signals.task_prerun.connect(prerun, weak=False)
@@ -154,7 +156,8 @@ def parts(path: Path, hot_suffix: str) -> tuple[dict[str, dict[str, float]], dic
     run on (:data:`RUN_ON_STEPS`), each with its count (``"hand-overs"``; a kind with none
     is left out); and how many gaps were left out, and why (``counts``): a next task the
     lock was not handed to (it found the lock free), records missing, or lines that do not
-    parse (a process killed while writing)."""
+    parse (a process killed while writing). A run whose main process lost its records (killed
+    before it wrote them) shows its pushed hand-overs as published: no check recorded."""
     events: list[_Event] = []
     counts = {"not handed over": 0, "records missing": 0, "bad lines": 0}
     for line in path.read_text(encoding="utf-8").splitlines():

@@ -112,7 +112,11 @@ def place_of(app: Any, uri: str) -> Place | None:
         try:
             found = _probe(app, uri)
         except SoftTimeLimitExceeded:
-            raise  # the task's time ran out, not the probe's: no window for it
+            # The task's time ran out, not the probe's: a window already over (the next
+            # caller probes; push targets built meanwhile are built again at once).
+            with _mutex:
+                retry[uri] = time.monotonic()
+            raise
         except Exception as exc:
             with _mutex:
                 retry[uri] = time.monotonic() + RETRY_AFTER
