@@ -144,8 +144,8 @@ PUBLISHED_STEPS = (
     ("  the acquire's script call", "call to reply"),
     ("gap", "next section's start - previous one's end"),
 )
-#: What :func:`parts` returns, by kind of hand-over, in this order.
-KINDS = ("through the broker", "published", "run on")
+#: The kinds of hand-over :func:`parts` tells apart, in this order, and their steps.
+KINDS = {"through the broker": STEPS, "published": PUBLISHED_STEPS, "run on": RUN_ON_STEPS}
 _Event = tuple[float, float, str, str, str]
 
 
@@ -194,10 +194,10 @@ def parts(path: Path, hot_suffix: str) -> tuple[dict[str, dict[str, float]], dic
         ends = (release[0] - before[1], release[1] - release[0], calls)
         gap = after[0] - before[1]
         if how == "runon":
-            kind, labels = "run on", RUN_ON_STEPS
+            kind = "run on"
             steps: tuple[float, ...] = (*ends, prerun[0] - release[1], after[0] - prerun[0], gap)
         elif check is not None:
-            kind, labels = "through the broker", STEPS
+            kind = "through the broker"
             steps = (
                 *ends,
                 check[0] - release[1],
@@ -208,9 +208,9 @@ def parts(path: Path, hot_suffix: str) -> tuple[dict[str, dict[str, float]], dic
                 gap,
             )
         else:
-            kind, labels = "published", PUBLISHED_STEPS
+            kind = "published"
             steps = (*ends, prerun[0] - release[1], after[0] - prerun[0], acquire, gap)
-        for (label, _), seconds in zip(labels, steps):
+        for (label, _), seconds in zip(KINDS[kind], steps):
             found[kind][label].append(seconds * 1e3)
     medians = {kind: _medians(found[kind]) for kind in KINDS}
     return {kind: m for kind, m in medians.items() if m}, counts

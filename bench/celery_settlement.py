@@ -518,12 +518,7 @@ def print_parts(path: Path, hot: str, variant: str, broker: str, repeat: int) ->
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
     where = broker.split("@")[-1]
-    steps = {
-        "through the broker": hp.STEPS,
-        "published": hp.PUBLISHED_STEPS,
-        "run on": hp.RUN_ON_STEPS,
-    }
-    for kind in hp.KINDS:
+    for kind, steps in hp.KINDS.items():
         medians = found.get(kind)
         if not medians:
             continue
@@ -531,7 +526,7 @@ def print_parts(path: Path, hot: str, variant: str, broker: str, repeat: int) ->
             f"  [{repeat + 1}] {LABELS[variant]} W2: a hand-over {kind}, part by part "
             f"({int(medians['hand-overs'])} of them, medians, ms; broker {where}):"
         )
-        for label, what in steps[kind]:
+        for label, what in steps:
             log(f"      {label:38s} {medians[label]:6.2f}   {what}")
     left = ", ".join(f"{why} {n}" for why, n in counts.items() if n)
     if left:

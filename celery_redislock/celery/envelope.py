@@ -20,7 +20,7 @@ from kombu.utils import json as kombu_json
 from .._core import LockKeys
 from .._replies import Handed
 from . import queuelists, signing
-from .queuelists import SEP, broker_place
+from .queuelists import SEP
 
 
 class _Handed(NamedTuple):
@@ -82,8 +82,8 @@ def push_targets(app: Any) -> tuple[str, str]:
 
     # (the count read first: a place found by another thread meanwhile builds them again)
     probed = queuelists.found_count
-    place = broker_place(app)  # (another database of the locks' server: lists named so)
-    retry = queuelists.retry_due(app) if place is None else None
+    # (another database of the locks' server: lists named so)
+    place, retry = queuelists.broker_answer(app)
 
     names = sorted(consumed)
     options = app.conf.broker_transport_options or {}

@@ -136,20 +136,17 @@ def place_of(app: Any, uri: str) -> Place | None:
         return found
 
 
-def retry_due(app: Any) -> float | None:
-    """When a failed probe of the app's own broker (:func:`broker_place`'s) may run again
-    (``time.monotonic``), or None: none waits to be tried again. Push targets built while
-    one waits are built again after it (``envelope.push_targets``): only that broker's
-    window counts, so one for another URI (a consumer's) never rebuilds them each time."""
-    setting = app.conf.broker_url
-    with _mutex:
-        uri = _uris.get(app, {}).get(setting)
-        return None if uri is None else _retry_at.get(app, {}).get(uri)
-
-
 def broker_place(app: Any) -> Place | None:
     """:func:`place_of` the app's own broker (its ``broker_url``), or None; never raises
     (a pool process asks: it has no consumer connection to ask about)."""
+    return broker_answer(app)[0]
+
+
+def broker_answer(app: Any) -> tuple[Place | None, float | None]:
+    """:func:`broker_place`, and with no place, when a probe of that broker that failed
+    may run again (``time.monotonic``; None: no probe waits to be tried again). Push
+    targets built while one waits are built again after it (``envelope.push_targets``)."""
+    uri = None
     try:
         setting = app.conf.broker_url
         with _mutex:
@@ -163,10 +160,14 @@ def broker_place(app: Any) -> Place | None:
                 connection.release()
             with _mutex:
                 _uris[app][setting] = uri
-        return place_of(app, uri) if uri else None
-    except Exception:
+        place = place_of(app, uri) if uri else None
+    except Exception:  # (a soft time limit in a probe too: its window is over already)
         log.debug("redislock: where the broker's queue lists are is not known", exc_info=True)
-        return None
+        place = None
+    if place is not None or not uri:
+        return place, None
+    with _mutex:
+        return None, _retry_at.get(app, {}).get(uri)
 
 
 def _probe(app: Any, uri: str) -> Place | None:

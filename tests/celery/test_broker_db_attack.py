@@ -99,20 +99,32 @@ def _window_over(app: Any) -> None:
         envelope._push_targets[app] = (*cached[:4], 0.0)
 
 
-def _broker_user(server: RedisServer, user: str, *rules: str) -> tuple[redis.Redis, Celery]:
-    """An admin client of ``server``, and an app whose broker is its database 1 as ACL
-    ``user`` (``rules`` besides all commands and channels), its locks database 0 with the
-    setting on."""
-    admin = server.client()
-    admin.execute_command("ACL", "SETUSER", user, *rules, ">pw", "&*", "+@all")
-    app = Celery(f"attack-{user}", broker=_db(server.url, 1).replace("://", f"://{user}:pw@"))
-    app.conf.redislock_url = server.url
-    app.conf.redislock_queues_in_other_db = True
-    return admin, app
+@pytest.fixture
+def broker_user(redis_server_factory: Any) -> Iterator[Any]:
+    """``broker_user(user, *rules)``: a new server's admin client, and an app whose broker
+    is its database 1 as ACL ``user`` (``rules`` besides all commands and channels), its
+    locks database 0 with the setting on; both closed after the test."""
+    made: list[tuple[redis.Redis, Celery]] = []
+
+    def make(user: str, *rules: str) -> tuple[redis.Redis, Celery]:
+        server = redis_server_factory()
+        admin = server.client()
+        admin.execute_command("ACL", "SETUSER", user, *rules, ">pw", "&*", "+@all")
+        url = _db(server.url, 1).replace("://", f"://{user}:pw@")
+        app = Celery(f"attack-{user}", broker=url)
+        app.conf.redislock_url = server.url
+        app.conf.redislock_queues_in_other_db = True
+        made.append((admin, app))
+        return admin, app
+
+    yield make
+    for admin, app in made:
+        admin.close()
+        app.close()
 
 
 def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
-    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+    broker_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """envelope.push_targets caches its lists per app. Built while a probe had failed (a
     timeout, a broker user briefly disabled) they name "celery" in the locks' database;
@@ -122,73 +134,58 @@ def test_push_targets_follow_the_place_once_a_failed_probe_succeeds(
     trip more per hand-over) and run-on (runon._next_of checks the list against
     push_targets) never applies there. Another probe's place, found in the process, builds
     them again."""
-    server = redis_server_factory()
-    admin, app = _broker_user(server, "brk", "off", "~*")
+    admin, app = broker_user("brk", "off", "~*")
     monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.0)  # (a failed probe: tried again)
-    try:
-        first = push_targets(app)[0]  # the probe cannot log in (a user disabled): no place
-        assert first == "celery"
-        admin.execute_command("ACL", "SETUSER", "brk", "on")
-        assert broker_place(app) == Place(1, 0)  # probed again: found now
-        assert not _park_fallback(app)  # and parking goes on with qualified names
-        assert push_targets(app)[0] == Place(1, 0).name("celery")
-    finally:
-        admin.close()
-        app.close()
+    first = push_targets(app)[0]  # the probe cannot log in (a user disabled): no place
+    assert first == "celery"
+    admin.execute_command("ACL", "SETUSER", "brk", "on")
+    assert broker_place(app) == Place(1, 0)  # probed again: found now
+    assert not _park_fallback(app)  # and parking goes on with qualified names
+    assert push_targets(app)[0] == Place(1, 0).name("celery")
 
 
 def test_a_release_alone_asks_again_once_a_failed_probe_may_be_tried_again(
-    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+    broker_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pool process's releases ask push_targets only (TaskLock.push_to): with fallback
     copies off and no rate, nothing else there would ever run the probe again. Push targets
     built while a failed probe waits are built again (and the probe run) once it may be
     tried again, and not before: a release within the window costs no probe."""
-    server = redis_server_factory()
-    admin, app = _broker_user(server, "brk", "off", "~*")
+    admin, app = broker_user("brk", "off", "~*")
     app.conf.redislock_park_fallback = False
-    try:
-        assert push_targets(app)[0] == "celery"  # the probe cannot log in: no place
-        admin.execute_command("ACL", "SETUSER", "brk", "on")
-        sets = _calls(admin, "set")
-        for _ in range(20):  # within the window: the cached lists, no probe
-            assert push_targets(app)[0] == "celery"
-        assert _calls(admin, "set") == sets
-        _window_over(app)
-        assert push_targets(app)[0] == Place(1, 0).name("celery")  # probed again, found
-        assert _calls(admin, "set") == sets + 1
-        for _ in range(5):  # an answer now: kept, no more probes
-            assert push_targets(app)[0] == Place(1, 0).name("celery")
-        assert _calls(admin, "set") == sets + 1
-    finally:
-        admin.close()
-        app.close()
+    assert push_targets(app)[0] == "celery"  # the probe cannot log in: no place
+    admin.execute_command("ACL", "SETUSER", "brk", "on")
+    sets = _calls(admin, "set")
+    for _ in range(20):  # within the window: the cached lists, no probe
+        assert push_targets(app)[0] == "celery"
+    assert _calls(admin, "set") == sets
+    _window_over(app)
+    assert push_targets(app)[0] == Place(1, 0).name("celery")  # probed again, found
+    assert _calls(admin, "set") == sets + 1
+    for _ in range(5):  # an answer now: kept, no more probes
+        assert push_targets(app)[0] == Place(1, 0).name("celery")
+    assert _calls(admin, "set") == sets + 1
 
 
 def test_push_targets_built_while_another_thread_finds_the_place_are_built_again(
-    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+    broker_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One thread's push_targets gets no place (a failed probe's window), and before it
     stores its lists another thread's probe finds the place: the lists it stores name the
     plain list, and must not be kept under the count that says a place was found."""
-    server = redis_server_factory()
-    admin, app = _broker_user(server, "brk", "on", "~*")
-    found = broker_place
+    _, app = broker_user("brk", "on", "~*")
+    found = queuelists.broker_answer
 
     def none_while_another_thread_finds_it(app_: Any) -> Any:
         other = threading.Thread(target=found, args=(app_,))
         other.start()
         other.join()
-        return None  # what this thread's call gave, from before the other's probe
+        return None, time.monotonic() + 60  # this thread's answer, from before the probe
 
-    monkeypatch.setattr(envelope, "broker_place", none_while_another_thread_finds_it)
-    try:
-        assert push_targets(app)[0] == "celery"
-        monkeypatch.setattr(envelope, "broker_place", found)
-        assert push_targets(app)[0] == Place(1, 0).name("celery")
-    finally:
-        admin.close()
-        app.close()
+    monkeypatch.setattr(queuelists, "broker_answer", none_while_another_thread_finds_it)
+    assert push_targets(app)[0] == "celery"
+    monkeypatch.setattr(queuelists, "broker_answer", found)
+    assert push_targets(app)[0] == Place(1, 0).name("celery")
 
 
 def test_a_probe_without_an_answer_is_tried_again_after_its_window_and_only_then(
@@ -207,19 +204,18 @@ def test_a_probe_without_an_answer_is_tried_again_after_its_window_and_only_then
         _window_over(app)
         assert _park_fallback(app) is True
         assert _calls(locks, "set") == sets + 2  # its window over: probed again, once
-        assert queuelists.retry_due(app) is not None
+        assert queuelists.broker_answer(app)[1] is not None  # a new window
     finally:
         locks.close()
         app.close()
 
 
 def test_callers_that_come_while_a_probe_runs_wait_for_its_answer(
-    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+    broker_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Threads asking while a probe runs (a pool process's release and its look-ahead, the
     sweeper) wait for it and take its answer: one probe, the same place for all."""
-    server = redis_server_factory()
-    admin, app = _broker_user(server, "wait", "on", "~*")
+    _, app = broker_user("wait", "on", "~*")
     probe, probes = queuelists._probe, []
 
     def slow_probe(app_: Any, uri: str) -> Any:
@@ -229,18 +225,12 @@ def test_callers_that_come_while_a_probe_runs_wait_for_its_answer(
 
     monkeypatch.setattr(queuelists, "_probe", slow_probe)
     answers: list[Any] = []
-    try:
-        threads = [
-            threading.Thread(target=lambda: answers.append(broker_place(app))) for _ in range(4)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(10)
-        assert answers == [Place(1, 0)] * 4 and len(probes) == 1, (answers, probes)
-    finally:
-        admin.close()
-        app.close()
+    threads = [threading.Thread(target=lambda: answers.append(broker_place(app))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert answers == [Place(1, 0)] * 4 and len(probes) == 1, (answers, probes)
 
 
 def _probe_in_child(app: Any, uri: str, out: Any) -> None:
@@ -250,14 +240,13 @@ def _probe_in_child(app: Any, uri: str, out: Any) -> None:
 
 
 def test_a_child_forked_while_a_thread_probes_does_not_wait_for_that_probe(
-    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+    broker_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prefork child forked while another thread of its parent probes (the sweeper's
     refusal path, say) inherits the probe's lock held by a thread it does not have: its own
     first probe must not wait for it for ever."""
-    server = redis_server_factory()
-    admin, app = _broker_user(server, "forked", "on", "~*")
-    uri = _db(server.url, 1).replace("://", "://forked:pw@")
+    _, app = broker_user("forked", "on", "~*")
+    uri = app.conf.broker_url
     probe, probing = queuelists._probe, threading.Event()
 
     def slow_probe(app_: Any, uri_: str) -> Any:
@@ -283,20 +272,17 @@ def test_a_child_forked_while_a_thread_probes_does_not_wait_for_that_probe(
         assert out.get(timeout=1) < 10
     finally:
         parent.join(10)
-        admin.close()
-        app.close()
 
 
 def test_a_broker_user_refused_the_probe_key_is_an_answer_not_asked_again(
-    redis_server_factory: Any,
+    broker_user: Any,
 ) -> None:
     """A broker user confined to the broker's keys (NOPERM on the probe key) is an answer
     (another server, as far as this process can tell), kept: no probe per parking, one
     warning; a probe of another database is not even made with the setting off."""
-    server = redis_server_factory()
-    admin, app = _broker_user(server, "conf", "on", "~celery*")
-    off = Celery("attack-not-probed", broker=_db(server.url, 1))
-    off.conf.redislock_url = server.url
+    admin, app = broker_user("conf", "on", "~celery*")
+    off = Celery("attack-not-probed", broker=_db(app.conf.redislock_url, 1))
+    off.conf.redislock_url = app.conf.redislock_url
     try:
         before = _stat(admin, "stats", "total_connections_received")
         for _ in range(5):
@@ -306,8 +292,6 @@ def test_a_broker_user_refused_the_probe_key_is_an_answer_not_asked_again(
         assert probes <= 2, f"{probes} connections"  # the lock client's, one probe's
         assert _calls(admin, "set") == 1  # one probe key, for the app with the setting
     finally:
-        admin.close()
-        app.close()
         off.close()
 
 
@@ -391,7 +375,7 @@ def test_a_look_ahead_in_another_database_the_user_may_not_read_is_turned_off(
 
 
 def test_a_soft_time_limit_during_a_probe_is_the_task_s_not_a_failed_probe(
-    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+    broker_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """billiard's SoftTimeLimitExceeded (an Exception) raised in a pool process while it
     probes is the task's time running out, not the probe's failure: place_of lets it go on
@@ -399,50 +383,40 @@ def test_a_soft_time_limit_during_a_probe_is_the_task_s_not_a_failed_probe(
     gives None for it) are built again at the next release, which probes again."""
     from billiard.exceptions import SoftTimeLimitExceeded
 
-    server = redis_server_factory()
-    admin, app = _broker_user(server, "soft", "on", "~*")
-    uri = _db(server.url, 1).replace("://", "://soft:pw@")
+    _, app = broker_user("soft", "on", "~*")
+    uri = app.conf.broker_url
     probe = queuelists._probe
 
     def out_of_time(app_: Any, uri_: str) -> Any:
         raise SoftTimeLimitExceeded()
 
     monkeypatch.setattr(queuelists, "_probe", out_of_time)
-    try:
-        with pytest.raises(SoftTimeLimitExceeded):
-            place_of(app, uri)
-        assert push_targets(app)[0] == "celery"  # (broker_place: None, nothing raised)
-        monkeypatch.setattr(queuelists, "_probe", probe)
-        assert push_targets(app)[0] == Place(1, 0).name("celery")  # probed again at once
-    finally:
-        admin.close()
-        app.close()
+    with pytest.raises(SoftTimeLimitExceeded):
+        place_of(app, uri)
+    assert push_targets(app)[0] == "celery"  # (broker_place: None, nothing raised)
+    monkeypatch.setattr(queuelists, "_probe", probe)
+    assert push_targets(app)[0] == Place(1, 0).name("celery")  # probed again at once
 
 
 def test_a_failed_probe_of_another_uri_does_not_rebuild_the_push_targets_each_time(
-    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+    broker_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Only the app's own broker's retry window rebuilds its push targets: one of another
     URI (a consumer's, a broker gone) that has passed and is never probed again must not
     make every release build them again. The app's broker here answered (a user refused
     the probe key: another server, kept)."""
-    server = redis_server_factory()
-    admin, app = _broker_user(server, "own", "on", "~celery*")
+    _, app = broker_user("own", "on", "~celery*")
     monkeypatch.setattr(queuelists, "RETRY_AFTER", 0.0)
     assert place_of(app, f"redis://127.0.0.1:{free_port()}/1") is None  # no answer there
     built = []
-    found = broker_place
+    found = queuelists.broker_answer
 
     def counted(app_: Any) -> Any:
         built.append(1)
         return found(app_)
 
-    try:
+    assert push_targets(app)[0] == "celery"
+    monkeypatch.setattr(queuelists, "broker_answer", counted)
+    for _ in range(5):
         assert push_targets(app)[0] == "celery"
-        monkeypatch.setattr(envelope, "broker_place", counted)
-        for _ in range(5):
-            assert push_targets(app)[0] == "celery"
-        assert not built, f"built again {len(built)} times"
-    finally:
-        admin.close()
-        app.close()
+    assert not built, f"built again {len(built)} times"
