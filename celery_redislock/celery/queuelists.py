@@ -194,7 +194,10 @@ def _probe(app: Any, uri: str) -> Place | None:
             same = False  # a broker user refused the key; this is no server to reach then
             log.warning("redislock: the broker is taken as another server (%s)", exc)
         finally:
-            locks.delete(probe)
+            try:
+                locks.delete(probe)
+            except redis.RedisError:  # only tidying: the key expires, and the answer stands
+                log.debug("redislock: could not delete the probe key %r", probe, exc_info=True)
     finally:
         reader.close()
         reader.connection_pool.disconnect()  # (a pool passed in is not closed with it)

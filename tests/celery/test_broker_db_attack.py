@@ -420,3 +420,40 @@ def test_a_failed_probe_of_another_uri_does_not_rebuild_the_push_targets_each_ti
     for _ in range(5):
         assert push_targets(app)[0] == "celery"
     assert not built, f"built again {len(built)} times"
+
+
+@pytest.mark.parametrize("action", ["drop", "drop_reply"])
+@pytest.mark.parametrize("step", ["SET", "GET", "DEL"])
+def test_a_probe_cut_at_any_round_trip_raises_nothing_and_leaves_nothing_for_good(
+    redis_server_factory: Any, step: str, action: str
+) -> None:
+    """The probe's round trips (the locks' SET of the probe key, the broker-side GET, the
+    locks' DEL), each cut before it runs or before its reply: the caller gets no place and
+    a window (then asked again), never an exception, except for a cut DEL: the answer was
+    read, and a worker's consumer, which decides parking at delivery once, must not lose it
+    to the tidying; a probe key left behind expires; and once a window is over, a probe
+    finds the place."""
+    from celery_redislock._faultproxy import FaultProxy
+
+    server = redis_server_factory()
+    with FaultProxy(server) as proxy:
+        app = Celery("attack-cut-probe", broker=f"redis://127.0.0.1:{proxy.port}/1")
+        app.conf.redislock_url = f"redis://127.0.0.1:{proxy.port}/0"
+        app.conf.redislock_queues_in_other_db = True
+        admin = server.client()
+        try:
+            fault = proxy.inject(action, step)
+            place, retry = queuelists.broker_answer(app)
+            assert fault.fired.is_set(), fault
+            if step == "DEL":  # only the probe key's tidying: the answer stands
+                assert (place, retry) == (Place(1, 0), None)
+            else:
+                assert place is None and retry is not None, (place, retry)
+            prefix = settings_for(app).defaults.prefix
+            for key in admin.scan_iter(match=f"{prefix}probe:*"):
+                assert 0 < admin.pttl(key) <= 10_000, key  # (it expires)
+            _window_over(app)
+            assert queuelists.broker_answer(app) == (Place(1, 0), None)
+        finally:
+            admin.close()
+            app.close()
