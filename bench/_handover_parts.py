@@ -14,6 +14,7 @@ between two sections of the hot account into its steps, as the work sees them.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import statistics
 import threading
@@ -59,6 +60,17 @@ def install(path: str, app_module: Any) -> None:
             _record("accept", message.headers.get("id"), started, monotonic())
 
     parking.accept_handed_over = timed_accept
+    park = parking.Parker.park
+
+    def timed_park(self: Any, message: Any) -> bool:
+        # The main process has a message (every message of a task parked at delivery).
+        started = monotonic()
+        try:
+            return park(self, message)
+        finally:
+            _record("received", (message.headers or {}).get("id"), started, monotonic())
+
+    parking.Parker.park = timed_park  # type: ignore[method-assign]
     finish = tasklock.TaskLock.finish
 
     def timed_finish(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -140,6 +152,8 @@ PUBLISHED_STEPS = (
     ("release (TaskLock.finish)", "the release and its Python"),
     ("  the release's script call", "call to reply"),
     ("release end -> task_prerun", "publish, ack, fetch, dispatch, Celery's tracer"),
+    ("  release end -> main process has it", "publish, fetch (parking at delivery's check)"),
+    ("  main process has it -> task_prerun", "the result, ack, dispatch, Celery's tracer"),
     ("task_prerun -> section", "LockedTask's acquire and Python"),
     ("  the acquire's script call", "call to reply"),
     ("gap", "next section's start - previous one's end"),
@@ -171,6 +185,7 @@ def parts(path: Path, hot_suffix: str) -> tuple[dict[str, dict[str, float]], dic
     for event in events:
         by_pid[event[4]].append(event)
     checked = {e[3]: e for e in events if e[2] == "accept"}
+    received = {e[3]: e for e in events if e[2] == "received"}  # (the last, if several)
     handed = {e[3]: e[2] for e in events if e[2] in ("runon", "sent")}
     hot = [e for e in events if e[2] == "section" and e[3].endswith(hot_suffix)]
     found: dict[str, dict[str, list[float]]] = {kind: defaultdict(list) for kind in KINDS}
@@ -209,9 +224,13 @@ def parts(path: Path, hot_suffix: str) -> tuple[dict[str, dict[str, float]], dic
             )
         else:
             kind = "published"
-            steps = (*ends, prerun[0] - release[1], after[0] - prerun[0], acquire, gap)
+            got = received.get(prerun[3])
+            # (received: the main process had it; not recorded without parking at delivery)
+            split = (got[0] - release[1], prerun[0] - got[0]) if got else (math.nan,) * 2
+            steps = (*ends, prerun[0] - release[1], *split, after[0] - prerun[0], acquire, gap)
         for (label, _), seconds in zip(KINDS[kind], steps):
-            found[kind][label].append(seconds * 1e3)
+            if not math.isnan(seconds):
+                found[kind][label].append(seconds * 1e3)
     medians = {kind: _medians(found[kind]) for kind in KINDS}
     return {kind: m for kind, m in medians.items() if m}, counts
 

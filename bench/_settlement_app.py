@@ -22,7 +22,8 @@ another database of that server, ``redislock_queues_in_other_db`` is on unless
 ``SETTLE_PREFIX`` (key prefix of the data),
 ``SETTLE_QUEUE`` (the worker's queue), ``SETTLE_WORK`` (seconds), ``SETTLE_PREFETCH``,
 ``SETTLE_TASKS`` (comma-separated variants to register; default all), ``SETTLE_LOOKAHEAD``
-(``redislock_lookahead``; default: the package's), ``SETTLE_PARTS`` (a file: record the
+(``redislock_lookahead``; default: the package's), ``SETTLE_PARK_AT_DELIVERY=0``
+(``redislock_park_at_delivery`` off), ``SETTLE_PARTS`` (a file: record the
 hand-overs' parts there, ``bench/_handover_parts.py``).
 """
 
@@ -66,6 +67,8 @@ if os.environ.get("SETTLE_FALLBACK"):  # redislock_park_fallback: "auto" (defaul
 if BROKER.startswith("redis") and BROKER.rsplit("/", 1)[-1] != URL.rsplit("/", 1)[-1]:
     # (every worker here runs this release; SETTLE_QUEUES_IN_OTHER_DB=0: the default, off)
     app.conf.redislock_queues_in_other_db = os.environ.get("SETTLE_QUEUES_IN_OTHER_DB") != "0"
+if os.environ.get("SETTLE_PARK_AT_DELIVERY") == "0":  # redislock_park_at_delivery off
+    app.conf.redislock_park_at_delivery = False
 if os.environ.get("SETTLE_LOOKAHEAD"):
     app.conf.redislock_lookahead = int(os.environ["SETTLE_LOOKAHEAD"])
 

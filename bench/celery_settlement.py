@@ -527,7 +527,8 @@ def print_parts(path: Path, hot: str, variant: str, broker: str, repeat: int) ->
             f"({int(medians['hand-overs'])} of them, medians, ms; broker {where}):"
         )
         for label, what in steps:
-            log(f"      {label:38s} {medians[label]:6.2f}   {what}")
+            if label in medians:  # (a step not recorded in this run: left out)
+                log(f"      {label:38s} {medians[label]:6.2f}   {what}")
     left = ", ".join(f"{why} {n}" for why, n in counts.items() if n)
     if left:
         log(f"  [{repeat + 1}] {LABELS[variant]} W2: gaps left out of the parts: {left}")

@@ -101,6 +101,10 @@ def worker(
     extra: list[str] | None = None,
     app: str = "tests.celery_app",
 ) -> CeleryProcess:
+    if (env or {}).get("REDISLOCK_TEST_BROKER", "").startswith("amqp"):
+        # The shared RabbitMQ: a worker's pidbox queue is exclusive to one connection, so
+        # two test processes' workers there must not share a node name.
+        name = f"{name}-{os.getpid()}"
     args = [
         "worker",
         "-P", pool,

@@ -9,13 +9,17 @@ hands the lock to the first parked task and pushes its envelope back to the head
 queue's first-read (priority 0) list in the same atomic step, so the next fetch of any
 worker consuming that queue takes it at once.
 
-It applies only where it is exact: a Redis broker on the same server as the locks, in
+Envelopes where it is exact: a Redis broker on the same server as the locks, in
 their database or (``redislock_queues_in_other_db``) another one (checked once per worker
 and broker URL, with a probe key: ``queuelists``), a queue list the locks' Redis user
-may write, messages of task protocol 2 without ``eta`` or ``expires``,
-``on_contention="requeue"`` with re-queues left, a single-Redis lock (not
-``redislock_urls``), no parked-task fallback copies, and ``redislock_park_at_delivery``
-left on; and only for a key that comes again
+may write, and no parked-task fallback copies. With any other broker (RabbitMQ, a Redis
+elsewhere), or fallback copies on, it parks what a pool process would: the task's signature
+(rebuilt from the message as Celery builds a pool process's request), signed, then
+publishes its fallback copy (``Contention._fallback_copy``); its hand-over is published to
+``<queue>.redislock`` as any parked signature's. Either way: messages of task protocol 2
+without ``eta`` or ``expires``, ``on_contention="requeue"`` with re-queues left, a
+single-Redis lock (not ``redislock_urls``), and ``redislock_park_at_delivery`` left on;
+and only for a key that comes again
 (:class:`RecentKeys`): a key's first message among the consumer's recent keys costs the
 main loop no round trip. Everything else (and
 any error here) goes the usual way: the pool process takes the lock, or parks the task
@@ -37,15 +41,16 @@ import weakref
 from typing import Any
 
 import redis
+from celery.app.task import Context
 from celery.worker.strategy import default as default_strategy
 
 from .. import signals
 from .._core import OwnerFinished, lease_ms
-from .._keyspace import parked_under
+from .._keyspace import HANDOFF_QUEUE_SUFFIX, parked_under
 from . import signing
 from .base import LockedTask
 from .clients import client_for, settings_for
-from .contention import FIRST_TRY_HEADER, REQUEUE_HEADER, _park_fallback, first_try
+from .contention import FIRST_TRY_HEADER, REQUEUE_HEADER, _Call, _park_fallback, first_try
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
@@ -137,10 +142,13 @@ class Parker:
         slots: int | None = None,
         seen: RecentKeys | None = None,
         place: Place | None = None,
+        envelopes: bool = True,
     ) -> None:
         self.task = task
-        #: Where the broker's queue lists are (None: in the locks' database).
+        #: Where the broker's queue lists are (None: in the locks' database), if it parks
+        #: envelopes (``envelopes``); else it parks signatures, as a pool process does.
         self.place = place
+        self.envelopes = envelopes
         self.app = app
         self.revoked = revoked
         #: Look-ahead needs two worker slots here at least: a lock's tasks moved ahead
@@ -154,6 +162,9 @@ class Parker:
         self.seen = seen if seen is not None else RecentKeys()
         #: Whether this task type's keys come again: if not, most messages skip the check.
         self.recurrence = Recurrence()
+        #: Until when (monotonic) no message is checked, after the locks' Redis failed to
+        #: answer one (0: checking).
+        self.paused_until = 0.0
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -169,11 +180,11 @@ class Parker:
             return None  # last call wins: decided in the pool process (celery.latest)
         try:
             settings = settings_for(app)
-            if not settings.park_at_delivery or settings.urls or _park_fallback(app):
+            if not settings.park_at_delivery or settings.urls:
                 return None
-            place = _broker_place(app, consumer)
-            if place is None:
-                return None
+            # The broker's own message, where a release can push it back (a Redis on the
+            # locks' server, no fallback copies); else the signature a pool process parks.
+            place = None if _park_fallback(app) else _broker_place(app, consumer)
         except Exception:
             log.debug("redislock: parking at delivery is off for %s", task.name, exc_info=True)
             return None
@@ -188,12 +199,28 @@ class Parker:
             slots=slots if isinstance(slots, int) else None,
             seen=_recent_keys(consumer),
             place=place,
+            envelopes=place is not None,
         )
 
     def park(self, message: Any) -> bool:
         """True if the message was parked (the caller acks it); False: deliver it."""
+        if self.paused_until and time.monotonic() < self.paused_until:
+            return False  # the locks' Redis did not answer lately: pool processes decide
         try:
             return self._park(message)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Each check waits up to the client's socket timeout in the worker's main loop:
+            # with the locks' Redis away, one try per OUTAGE_PAUSE, not one per message.
+            self.paused_until = time.monotonic() + OUTAGE_PAUSE
+            log.warning(
+                "redislock: parking at delivery of %s paused for %.0fs: the locks' Redis did "
+                "not answer (%s: %s); pool processes take its tasks meanwhile",
+                self.task.name,
+                OUTAGE_PAUSE,
+                type(exc).__name__,
+                exc,
+            )
+            return False
         except Exception:  # the pool process takes the usual way
             log.debug("redislock: could not park at delivery", exc_info=True)
             return False
@@ -202,10 +229,10 @@ class Parker:
         headers = message.headers or {}
         # Only ever set here, never taken from a message (these are also the envelope's).
         headers.pop(LOOKAHEAD_HEADER, None)
-        raw = getattr(message, "_raw", None)
+        raw: Any = getattr(message, "_raw", None)  # a dict, where envelopes are parked
         task_id = headers.get("id")
         if (
-            not isinstance(raw, dict)
+            (self.envelopes and not isinstance(raw, dict))
             or "task" not in headers  # task protocol 1
             or headers.get("eta")
             or headers.get("expires")
@@ -217,7 +244,7 @@ class Parker:
         options = task.lock_options()
         if options.on_contention != "requeue":
             return False
-        handed = str(message.delivery_tag).startswith(TAG_PREFIX)
+        handed = self.envelopes and str(message.delivery_tag).startswith(TAG_PREFIX)
         count = int(headers.get(REQUEUE_HEADER) or 0)
         if count >= options.max_requeues and not handed:
             return False
@@ -227,9 +254,15 @@ class Parker:
                 # Its release looks in the list for the next task of its lock.
                 message.headers[LOOKAHEAD_HEADER] = queue_list
             return False
+        info = getattr(message, "delivery_info", None) or {}
+        queue = info.get("routing_key")
+        if not self.envelopes and str(queue or "").endswith(HANDOFF_QUEUE_SUFFIX):
+            # A hand-over (or a re-sent copy) published to <queue>.redislock: it is most
+            # likely the lock's own task; its pool process's acquire decides.
+            return False
         if self.recurrence.skip():
             return False  # no key came again lately: most messages go unchecked (Recurrence)
-        args, kwargs, _embed = message.decode()
+        args, kwargs, embed = message.decode()
         key = task.run_key(args, kwargs)  # a bad value: the pool process fails the task
         recurred = key in self.held or self.seen.again(key)
         self.recurrence.checked(recurred)
@@ -238,7 +271,7 @@ class Parker:
             # process unchecked: contention needs a key that recurs, and the check would
             # cost every message of a key that does not one round trip in the main loop.
             return False
-        queue_list = self._queue_list(message, raw)
+        queue_list = self._queue_list(message, raw) if self.envelopes else ""
         if queue_list is None:
             return False
         lock = task.run_lock(args, kwargs, request_owner(headers), options)
@@ -255,16 +288,20 @@ class Parker:
             if len(self.held) > HELD_KEYS:
                 del self.held[next(iter(self.held))]
         name = lock.name
-        # Copies of the two parts changed (the header here, the delivery tag when parked).
-        envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
-        envelope["headers"][REQUEUE_HEADER] = count + 1
         limit = lock.limit if isinstance(lock, TaskSemaphore) else None
-        if limit is not None:  # its wait for a permit starts now (or at its first deferral)
-            tried = first_try(headers.get(FIRST_TRY_HEADER), time.time())
-            envelope["headers"][FIRST_TRY_HEADER] = tried
+        # A limited task's wait for a permit starts now (or at its first deferral).
+        tried = first_try(headers.get(FIRST_TRY_HEADER), time.time()) if limit is not None else 0.0
         keep_for = task._parking_lifetime(options)
-        signing_key = settings_for(self.app).signing_key
-        entry = envelope_entry(queue_list, envelope, lock.keys.lock, signing_key)
+        call = signature = None
+        if self.envelopes:
+            entry = self._envelope(raw, lock, queue_list, count, None if limit is None else tried)
+        else:
+            call = _Call(
+                _request(message, headers, args, kwargs, embed), args, kwargs, options,
+                str(name), limit, tried,
+            )  # fmt: skip
+            signature, _count = task._next_delivery(call, duplicate=False)
+            entry = task._signed(lock, call, signature)  # TypeError: not JSON, delivered
         try:
             outcome = lock.park(entry, keep_for, behind=True)
         except OwnerFinished:
@@ -272,17 +309,35 @@ class Parker:
         if outcome is None or outcome is True:
             self.held.pop(key, None)  # free (or this task's): probed again next
             return False
+        fallback = None
+        if call is not None:
+            # As a pool process's parking: a delayed copy in the broker, in case the locks'
+            # Redis loses the parked task (a failure raises: delivered, its pool process
+            # parks it again, finds it parked, and sends the copy or rejects the message).
+            fallback = task._fallback_copy(call, signature, task._fallback_delay(options))
         lock._contended(task_id)
-        queue = (getattr(message, "delivery_info", None) or {}).get("routing_key")
         signals.task_parked.send(task, name=name, task_id=task_id, limit=limit, queue=queue)
         log.info(
-            "redislock: %s[%s] parked behind the holder of %r (%d) before dispatch",
+            "redislock: %s[%s] parked behind the holder of %r (%d) before dispatch%s",
             task.name,
             task_id,
             name,
             count + 1,
+            "" if fallback is None else f"; fallback copy in {fallback:.1f}s",
         )
         return True
+
+    def _envelope(
+        self, raw: dict[str, Any], lock: Any, queue_list: str, count: int, tried: float | None
+    ) -> str:
+        """The broker's own message as parked (``envelope_entry``): counted, signed."""
+        # Copies of the two parts changed (the header here, the delivery tag when parked).
+        envelope = {**raw, "headers": {**raw["headers"]}, "properties": {**raw["properties"]}}
+        envelope["headers"][REQUEUE_HEADER] = count + 1
+        if tried is not None:
+            envelope["headers"][FIRST_TRY_HEADER] = tried
+        signing_key = settings_for(self.app).signing_key
+        return envelope_entry(queue_list, envelope, lock.keys.lock, signing_key)
 
     def _queue_list(self, message: Any, raw: dict[str, Any]) -> str | None:
         """The list a hand-over pushes this message to, if parking it is exact here.
@@ -342,6 +397,32 @@ class Parker:
         return found
 
 
+def _request(message: Any, headers: dict[str, Any], args: Any, kwargs: Any, embed: Any) -> Context:
+    """The request a pool process would run ``message`` with, as Celery builds it (its
+    headers, properties and delivery info, then the arguments and the embedded canvas):
+    what ``signature_from_request`` sends it again from, here in the main process."""
+    properties = message.properties or {}
+    info = message.delivery_info or {}
+    return Context(
+        {
+            **headers,
+            "properties": properties,
+            "reply_to": properties.get("reply_to"),
+            "correlation_id": properties.get("correlation_id"),
+            "delivery_info": {
+                "exchange": info.get("exchange"),
+                "routing_key": info.get("routing_key"),
+                "priority": properties.get("priority"),
+                "redelivered": info.get("redelivered", False),
+            },
+            **(embed or {}),
+        },
+        args=args,
+        kwargs=kwargs,
+        called_directly=False,
+    )
+
+
 #: A task type none of whose last QUIET_AFTER checked messages had a key that came again
 #: has one message in QUIET_EVERY checked only, at random, until one has (:class:`Recurrence`).
 QUIET_AFTER = 256
@@ -380,6 +461,10 @@ class Recurrence:
         self.quiet = 0 if recurred else self.quiet + 1
 
 
+#: Seconds a Parker delivers every message unchecked after the locks' Redis failed to
+#: answer a check (a connection error or a timeout): a Redis that stalls costs the worker's
+#: main loop one socket timeout per this many seconds, not one per message.
+OUTAGE_PAUSE = 30.0
 #: How many lock keys found held a Parker remembers (:attr:`Parker.held`).
 HELD_KEYS = 1024
 #: How many lock keys of its recent messages a worker's consumer remembers (RecentKeys).

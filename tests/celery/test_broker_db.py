@@ -286,13 +286,14 @@ def test_a_worker_parks_at_delivery_and_looks_ahead_with_its_broker_in_database_
         proc.kill()
 
 
-def test_by_default_a_worker_with_its_broker_in_database_1_parks_in_its_pool(
+def test_by_default_a_worker_with_its_broker_in_database_1_parks_signatures(
     broker: RedisServer, broker_db1: Celery, db1: redis.Redis, tmp_path: Path
 ) -> None:
     """Without ``redislock_queues_in_other_db`` the broker in database 1 is as another
-    server: what a release before the setting understands. Nothing parks at delivery, no
-    name of a list in another database is written anywhere, every task of the hot key runs
-    once, one at a time."""
+    server: what a release before the setting understands. The main process parks the
+    hot key's tasks as signatures (never an envelope naming a list in another database),
+    each with its fallback copy in the broker, and no pool process is taken to park
+    them; every task of the hot key runs once, one at a time."""
     r = broker.client()
     env = {"REDISLOCK_TEST_BROKER": _db(broker.url, 1)}
     proc = worker(broker.url, tmp_path / "w.log", concurrency=2, env=env)
@@ -305,15 +306,19 @@ def test_by_default_a_worker_with_its_broker_in_database_1_parks_in_its_pool(
         r.delete("started:plain")
         RedisLock(r, "job:plain", ttl=60, owner="holder", auto_renew=False).acquire()
         sent = [send("plain", 0.1) for _ in range(4)]
-        wait_until(lambda: r.llen(PARKED % "plain") >= 1, timeout=30)
+        wait_until(lambda: r.llen(PARKED % "plain") == 4, timeout=30)
         entries = list(r.hvals(PARKED % "plain" + ":messages"))
+        assert len(entries) == 4 and not any(e.startswith(b"E") for e in entries), entries
         assert all(b"\r" not in e.split(b"\n", 1)[0] for e in entries), entries
+        wait_until(lambda: proc.text().count("before dispatch; fallback copy in") == 4)
         RedisLock(r, "job:plain", ttl=60, owner="holder", auto_renew=False).release()
         tokens = [result.get(timeout=60) for result in sent]
-        assert len(set(tokens)) == 4  # each its own hold (parked by two processes: any order)
-        started = sorted(line.split()[0].decode() for line in r.lrange("started:plain", 0, -1))
-        assert started == sorted(result.id for result in sent)  # each once
-        assert "before dispatch" not in proc.text()
+        assert tokens == sorted(tokens) and len(set(tokens)) == 4  # in line, one at a time
+        started = [line.split()[0].decode() for line in r.lrange("started:plain", 0, -1)]
+        assert started == [result.id for result in sent]  # each once, in arrival order
+        text = proc.text()
+        assert text.count("before dispatch") == 4 and "parked behind the holder" in text
+        assert text.count("parked behind") == 4  # no pool process parked one
         for client in (r, db1):
             assert not [k for k in client.scan_iter(count=1000) if b"\r" in k]
     finally:

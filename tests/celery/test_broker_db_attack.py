@@ -310,9 +310,12 @@ def test_by_default_no_list_of_another_database_is_named(
         assert broker_place(app) is None
         assert _park_fallback(app) is True
         assert "\r" not in push_targets(app)[0]
-        consumer = SimpleNamespace(connection=app.connection_for_read(), controller=None)
+        controller = SimpleNamespace(state=SimpleNamespace(revoked=set()), max_concurrency=4)
+        consumer = SimpleNamespace(connection=app.connection_for_read(), controller=controller)
         try:
-            assert Parker.for_consumer(ca.hold_for, app, consumer) is None
+            parker = Parker.for_consumer(ca.hold_for, app, consumer)
+            # It parks signatures, as pool processes do: no envelope names a list.
+            assert parker is not None and not parker.envelopes and parker.place is None
         finally:
             consumer.connection.release()
         app.conf.redislock_queues_in_other_db = "yes"

@@ -16,6 +16,7 @@ from celery_redislock.testing import RedisServer
 
 from .. import celery_app as ca
 from .._celery import CeleryProcess, wait_until, worker
+from .conftest import RABBITMQ
 
 
 def test_parked_tasks_survive_a_holder_that_never_releases_and_a_lost_hand_over(
@@ -182,9 +183,6 @@ def test_hand_over_follows_a_task_routed_to_its_own_queue(
         assert "parked" in proc.text()  # they really contended and were handed over
     finally:
         proc.kill()
-
-
-RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
 
 
 def _rabbitmq_running() -> bool:

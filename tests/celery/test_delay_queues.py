@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,47 +18,10 @@ from celery_redislock.testing import RedisServer
 
 from .._celery import wait_until, worker
 from ..celery_app import amqp_queues
+from .conftest import Rabbit
 from .test_celery_more import RABBITMQ, _rabbitmq_running
 
 rabbitmq = pytest.mark.skipif(not _rabbitmq_running(), reason="no RabbitMQ on 127.0.0.1:5672")
-
-
-class Rabbit:
-    """Queues and exchanges a test made on the shared RabbitMQ, deleted at its end."""
-
-    def __init__(self) -> None:
-        self.queues: list[str] = []
-        self.exchanges: list[str] = []
-
-    def delete(self) -> None:
-        from kombu import Connection
-
-        with Connection(RABBITMQ) as conn:
-            channel = conn.default_channel
-            for name in self.queues:
-                channel.queue_delete(name)
-            for name in self.exchanges:
-                channel.exchange_delete(name)
-
-    def count(self, queue: str) -> int | None:
-        """Messages in ``queue``, or None when it does not exist."""
-        from amqp.exceptions import NotFound
-        from kombu import Connection
-
-        with Connection(RABBITMQ) as conn:
-            try:
-                return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
-            except NotFound:
-                return None
-
-
-@pytest.fixture
-def rabbit() -> Iterator[Rabbit]:
-    made = Rabbit()
-    try:
-        yield made
-    finally:
-        made.delete()
 
 
 def _amqp_app(queues: list[dict[str, Any]] | None = None, backend: str | None = None) -> Any:

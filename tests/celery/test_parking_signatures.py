@@ -1,0 +1,242 @@
+"""Parking at delivery where the broker cannot take a parked envelope back (RabbitMQ, a
+Redis on another server, fallback copies on): the worker's main process parks the task's
+signature, as a pool process would, publishes its fallback copy, and acks the message; no
+pool process is taken. Real workers, a real RabbitMQ and real redis-servers."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import chain
+
+from celery_redislock import RedisLock
+from celery_redislock.celery import signing
+from celery_redislock.celery.clients import settings_for
+from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX, FIRST_TRY_HEADER, REQUEUE_HEADER
+from celery_redislock.parking import Parker
+from celery_redislock.testing import RedisServer
+
+from .. import celery_app as ca
+from .._celery import EveryKeySeen, wait_until
+from .conftest import Rabbit
+from .test_delay_queues import _rabbit_worker, rabbitmq
+from .test_parking import _fetch
+
+PARKED = "redislock:{job:%s}:parked"
+
+
+def _names(rabbit: Rabbit) -> tuple[str, str]:
+    """A queue of the test's own on the shared RabbitMQ and its fallback copies' delay
+    queue (2 s: ``_rabbit_worker``'s settings), all deleted at the test's end."""
+    name = f"redislock-test-{secrets.token_hex(4)}"
+    delayed = f"{DELAY_QUEUE_PREFIX}2000.{name}"
+    rabbit.queues += [name, f"{name}.redislock", delayed]
+    rabbit.exchanges += [name, f"{name}.redislock"]
+    return name, delayed
+
+
+def signing_payload(entry: bytes) -> dict[str, Any]:
+    """The headers of a parked signature's entry (its MAC not checked: the test reads it)."""
+    text = entry.split(b"\n", 1)[1]
+    return dict(json.loads(text)["options"].get("headers") or {})
+
+
+def _started(r: redis.Redis, name: str) -> list[str]:
+    return [line.split()[0].decode() for line in r.lrange(f"started:{name}", 0, -1)]
+
+
+def _nothing_left(r: redis.Redis, name: str) -> None:
+    wait_until(lambda: not r.exists(f"redislock:{{job:{name}}}"), timeout=10)
+    assert not r.llen(PARKED % name)
+    assert not r.hlen(PARKED % name + ":messages")
+    assert not r.hlen(PARKED % name + ":dispatched")
+
+
+@rabbitmq
+def test_a_rabbitmq_worker_parks_a_busy_keys_tasks_before_dispatch(
+    broker: RedisServer, tmp_path: Path, rabbit: Rabbit
+) -> None:
+    """Five tasks of a held key are parked by the main process (no pool process runs or
+    parks one), each with one fallback copy in the delay queue; the holder's release hands
+    them on in arrival order, one at a time; the copies come back, find each run done and
+    are ignored; nothing is left in Redis or the delay queue."""
+    name, delayed = _names(rabbit)
+    r = broker.client()
+    proc, client = _rabbit_worker(broker, tmp_path, name)
+    try:
+
+        def send(seconds: float) -> Any:
+            return client.send_task(ca.hold_for.name, args=("sg", seconds), queue=name)
+
+        send(0.0).get(timeout=30)  # the key comes again: its next messages are checked
+        r.delete("started:sg")
+        holder = send(1.5)
+        wait_until(lambda: r.llen("started:sg") == 1, timeout=15)
+        parked = [send(0.02) for _ in range(5)]
+        wait_until(lambda: r.llen(PARKED % "sg") == 5, timeout=15)
+        assert _started(r, "sg") == [holder.id]  # no pool process took one
+        wait_until(lambda: proc.text().count("before dispatch; fallback copy in 2.0s") == 5)
+        assert proc.text().count("parked behind") == 5  # none parked by a pool process
+        wait_until(lambda: rabbit.count(delayed) == 5, timeout=5)
+        tokens = [holder.get(timeout=30)] + [result.get(timeout=30) for result in parked]
+        assert tokens == sorted(tokens) and len(set(tokens)) == 6  # in line, one at a time
+        assert _started(r, "sg") == [holder.id] + [result.id for result in parked]
+        # Back from the delay queue after 2 s, each copy finds its run's done marker.
+        wait_until(lambda: proc.text().count("duplicate delivery ignored") == 5, timeout=20)
+        assert rabbit.count(delayed) == 0
+        assert _started(r, "sg") == [holder.id] + [result.id for result in parked]
+        _nothing_left(r, "sg")
+        assert "ERROR" not in proc.text()
+    finally:
+        proc.kill()
+        client.close()
+
+
+@rabbitmq
+def test_a_chain_link_and_a_limited_task_parked_before_dispatch_keep_their_canvas(
+    broker: RedisServer, tmp_path: Path, rabbit: Rabbit
+) -> None:
+    """A chain's first link parked at delivery runs when handed its lock, and the chain
+    goes on to its next link (the embedded chain travels in the parked signature); a
+    ``lock_limit=2`` task whose two permits are taken is parked at delivery too, and the
+    tenant never runs more than two at once."""
+    name, _delayed = _names(rabbit)
+    r = broker.client()
+    proc, client = _rabbit_worker(broker, tmp_path, name)
+    try:
+        link = client.signature(ca.hold_for.name, args=("ch", 0.0), queue=name, immutable=True)
+        client.send_task(ca.hold_for.name, args=("ch", 0.0), queue=name).get(timeout=30)
+        r.delete("started:ch")
+        holder = client.send_task(ca.hold_for.name, args=("ch", 1.0), queue=name)
+        wait_until(lambda: r.llen("started:ch") == 1, timeout=15)
+        nxt = client.signature(ca.hold_for.name, args=("ch-next", 0.0), queue=name, immutable=True)
+        result = chain(link, nxt).apply_async()
+        wait_until(lambda: r.llen(PARKED % "ch") == 1, timeout=15)
+        assert "before dispatch" in proc.text()
+        assert result.get(timeout=30) is not None  # the next link's token
+        assert len(_started(r, "ch")) == 2 and len(_started(r, "ch-next")) == 1
+        assert holder.get(timeout=30) is not None
+
+        def tenant(seconds: float) -> Any:
+            return client.send_task(ca.tenant_job.name, args=("tn", seconds), queue=name)
+
+        tenant(0.0).get(timeout=30)
+        r.delete("started:tn", "sections:limit")
+        first = [tenant(1.0) for _ in range(2)]
+        wait_until(lambda: r.llen("started:tn") == 2, timeout=15)
+        waiting = [tenant(0.05) for _ in range(3)]
+        wait_until(lambda: proc.text().count("before dispatch") == 4, timeout=15)
+        stored = [
+            signing_payload(v)
+            for k in r.scan_iter(match="*tenant:tn*:parked:messages")
+            for v in r.hvals(k)
+        ]
+        assert len(stored) == 3  # each says when its run first tried for its permit
+        assert all(isinstance(h.get(FIRST_TRY_HEADER), float) for h in stored), stored
+        for sent in first + waiting:
+            sent.get(timeout=30)
+        assert sorted(_started(r, "tn")) == sorted(s.id for s in first + waiting)  # once each
+        spans = []
+        for line in r.lrange("sections:limit", 0, -1):
+            key, _task_id, enter, leave = line.decode().split()
+            if key == "tn":
+                spans.append((float(enter), float(leave)))
+        assert len(spans) == 5
+        for enter, _leave in spans:  # never a third one inside two others
+            assert sum(1 for a, b in spans if a <= enter < b) <= 2
+        _nothing_left(r, "ch")
+        assert "ERROR" not in proc.text()
+    finally:
+        proc.kill()
+        client.close()
+
+
+def test_the_parked_signature_is_what_a_pool_process_would_send_again(
+    broker: RedisServer,
+) -> None:
+    """In the main process, from the broker's message alone: the signed signature keeps the
+    task id, its arguments, links, chain, priority, custom headers and result routing,
+    counts the parking as a re-queue and drops nothing a re-sent task needs; a limited
+    task's also says when it first tried for its permit. The MAC is checked as a release
+    checks it (signed for this lock and this run)."""
+    r = broker.client()
+    queue = f"sig-{secrets.token_hex(3)}"
+    holder = RedisLock(r, "job:sig", ttl=60, owner="holder", auto_renew=False)
+    holder.acquire()
+    parker = Parker(ca.hold_for, ca.app, revoked=set(), seen=EveryKeySeen(), envelopes=False)
+    sent = ca.hold_for.apply_async(
+        ("sig", 0.5),
+        queue=queue,
+        link=ca.hold_for.si("sig-link", 0.0),
+        priority=3,
+        headers={"x-custom": "kept"},
+    )
+    message = _fetch(queue, parker=parker)
+    entries = r.hgetall(PARKED % "sig" + ":messages")
+    assert list(entries) == [sent.id.encode()]
+    entry = entries[sent.id.encode()]
+    key = settings_for(ca.app).signing_key
+    signature = signing.open_signature(key, b"redislock:{job:sig}", sent.id.encode(), entry)
+    again = ca.app.signature(signature)
+    options = again.options
+    assert again.task == ca.hold_for.name and list(again.args) == ["sig", 0.5]
+    assert options["task_id"] == sent.id and options["priority"] == 3
+    assert options["headers"][REQUEUE_HEADER] == 1
+    assert options["headers"]["x-custom"] == "kept"
+    assert FIRST_TRY_HEADER not in options["headers"]
+    assert [dict(s)["args"] for s in options["link"]] == [["sig-link", 0.0]]
+    assert options.get("reply_to") == message.properties.get("reply_to") is not None
+    with pytest.raises(signing.Refused):  # signed for this lock and run only
+        signing.open_signature(key, b"redislock:{job:other}", sent.id.encode(), entry)
+    holder.release()  # (a plain lock's release: the parked task is the sweeper's to hand on)
+
+
+@pytest.mark.parametrize("how", ["refused", "blackhole"])
+def test_a_locks_redis_that_does_not_answer_pauses_the_check_not_the_main_loop(
+    broker: RedisServer, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Locks in a Redis of their own, behind a proxy that refuses connections or forwards
+    nothing: the first check fails (its socket timeout, in the main loop), the message
+    is delivered (a pool process decides), and the checks pause: the next messages are
+    delivered unchecked, though the key is held, until the pause ends; then a held key's
+    message parks again."""
+    from celery import Celery
+
+    from celery_redislock import LockedTask
+    from celery_redislock.testing import FaultProxy
+
+    queue = f"pause-{secrets.token_hex(3)}"
+    r = broker.client()
+    with FaultProxy(broker) as proxy:
+        app = Celery("pause", broker=broker.url)
+        app.conf.redislock_url = proxy.url
+        app.conf.redislock_park_fallback = False
+        app.conf.redislock_redis_options = {"socket_timeout": 0.3, "socket_connect_timeout": 0.3}
+
+        @app.task(bind=True, base=LockedTask, lock_key="job:{name}", shared=False)
+        def job(self: Any, name: str) -> None:
+            pass
+
+        try:
+            parker = Parker(job, app, revoked=set(), seen=EveryKeySeen(), envelopes=False)
+            RedisLock(r, "job:p", ttl=60, owner="holder", auto_renew=False).acquire()
+            for _ in range(3):
+                job.apply_async(("p",), queue=queue)
+            proxy.partition(blackhole=how == "blackhole")
+            with caplog.at_level("WARNING", logger="celery_redislock.celery.parking"):
+                _fetch(queue, app=app, parker=parker, parks=False)
+            assert parker.paused_until > 0
+            assert [m for m in caplog.messages if "parking at delivery of" in m]
+            proxy.heal()
+            _fetch(queue, app=app, parker=parker, parks=False)  # paused: not even asked
+            assert not r.llen(PARKED % "p")
+            parker.paused_until = 0.0  # the pause over
+            _fetch(queue, app=app, parker=parker, parks=True)
+            assert r.llen(PARKED % "p") == 1
+        finally:
+            app.close()
