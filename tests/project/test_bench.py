@@ -225,6 +225,7 @@ def test_the_hand_over_parts_split_each_gap_into_its_steps(tmp_path: Path) -> No
                 "1 finish - 1.0653 1.0656",
                 "1 script - 1.0654 1.0655",
                 "1 sent t4 1.0656 0",
+                "9 received t4 1.0680 1.0681",  # the main process has it
                 "3 prerun t4 1.0700 0",
                 "3 script - 1.0701 1.0703",
                 "3 section r-W2:hot 1.0705 1.0905",  # published (no check), another process
@@ -252,6 +253,8 @@ def test_the_hand_over_parts_split_each_gap_into_its_steps(tmp_path: Path) -> No
     assert abs(ran_on["release end -> task_prerun"] - 0.6) < 1e-6
     assert abs(published["gap"] - 5.3) < 1e-6
     assert abs(published["release end -> task_prerun"] - 4.4) < 1e-6
+    assert abs(published["  release end -> main process has it"] - 2.4) < 1e-6
+    assert abs(published["  main process has it -> task_prerun"] - 2.0) < 1e-6
     assert counts == {"not handed over": 1, "records missing": 1, "bad lines": 1}
     assert parts(events, "nothing") == (
         {},
