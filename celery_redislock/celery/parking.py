@@ -47,7 +47,7 @@ from celery.worker.strategy import default as default_strategy
 from .. import signals
 from .._core import OwnerFinished, lease_ms
 from .._keyspace import HANDOFF_QUEUE_SUFFIX, parked_under
-from . import signing
+from . import handoff_channel, signing
 from .base import LockedTask
 from .clients import client_for, settings_for
 from .contention import FIRST_TRY_HEADER, REQUEUE_HEADER, _Call, _park_fallback, first_try
@@ -259,6 +259,9 @@ class Parker:
         if not self.envelopes and str(queue or "").endswith(HANDOFF_QUEUE_SUFFIX):
             # A hand-over (or a re-sent copy) published to <queue>.redislock: it is most
             # likely the lock's own task; its pool process's acquire decides.
+            if handoff_channel.expecting():  # the releasing task's ack may wait for it
+                args, kwargs, _embed = message.decode()
+                handoff_channel.received(task.run_key(args, kwargs))
             return False
         if self.recurrence.skip():
             return False  # no key came again lately: most messages go unchecked (Recurrence)
@@ -311,6 +314,7 @@ class Parker:
             return False
         fallback = None
         if call is not None:
+            handoff_channel.parked(key)
             # As a pool process's parking: a delayed copy in the broker, in case the locks'
             # Redis loses the parked task (a failure raises: delivered, its pool process
             # parks it again, finds it parked, and sends the copy or rejects the message).

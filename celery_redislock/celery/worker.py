@@ -19,7 +19,7 @@ from .._core import lease_ms
 from .._errors import LockConfigurationError
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
 from ..settings import check_latest
-from . import runon
+from . import handoff_channel, runon
 from .base import LockedTask
 from .clients import _clients, client_for, settings_for
 from .deferral import Drainer, _drainers
@@ -34,7 +34,19 @@ _CHILD_DIED = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, Keybo
 
 
 class LockedRequest(Request):  # type: ignore[misc]
-    """Runs in the worker's main process: releases for a task whose process died."""
+    """Runs in the worker's main process: releases for a task whose process died; holds a
+    finished task's acknowledgement briefly for the hand-over of its lock
+    (``handoff_channel.defer_ack``)."""
+
+    def acknowledge(self) -> None:
+        if self.acknowledged or not handoff_channel.expecting() or not self.task.acks_late:
+            return super().acknowledge()  # type: ignore[no-any-return]
+        try:
+            key = self.task.run_key(self.args, self.kwargs)
+        except Exception:
+            key = None
+        if key is None or not handoff_channel.defer_ack(key, super().acknowledge):
+            super().acknowledge()
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
@@ -280,6 +292,7 @@ celery_signals.worker_init.connect(_keep_flushing, weak=False)
 celery_signals.worker_process_init.connect(_keep_flushing, weak=False)
 celery_signals.worker_process_shutdown.connect(_flush_stats_at_exit, weak=False)
 celery_signals.worker_shutdown.connect(_flush_stats_at_exit, weak=False)
+celery_signals.celeryd_init.connect(handoff_channel.add_step, weak=False)
 celery_signals.celeryd_after_setup.connect(_consume_handoff_queues, weak=False)
 celery_signals.worker_ready.connect(_start_sweeper, weak=False)
 celery_signals.worker_shutdown.connect(_stop_sweeper, weak=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,79 @@ def test_a_locks_redis_that_does_not_answer_pauses_the_check_not_the_main_loop(
             assert r.llen(PARKED % "p") == 1
         finally:
             app.close()
+
+
+# ----------------------------------------------------- the hand-over channel (RabbitMQ)
+
+
+@rabbitmq
+def test_a_handed_task_is_taken_in_while_every_slot_runs(
+    broker: RedisServer, tmp_path: Path, rabbit: Rabbit
+) -> None:
+    """The hand-over queue is consumed on a channel of its own, with a window of its own:
+    a task published to ``<queue>.redislock`` while both slots run long tasks is received
+    at once (no longer ready in RabbitMQ), not when a slot frees; it runs after them, once."""
+    name, _delayed = _names(rabbit)
+    r = broker.client()
+    proc, client = _rabbit_worker(broker, tmp_path, name, concurrency=2)
+    try:
+        long = [
+            client.send_task(ca.hold_for.name, args=(f"slot{i}", 2.0), queue=name) for i in (0, 1)
+        ]
+        wait_until(lambda: r.llen("started:slot0") == r.llen("started:slot1") == 1, timeout=15)
+        handed = client.send_task(ca.hold_for.name, args=("hq", 0.0), queue=f"{name}.redislock")
+        wait_until(lambda: rabbit.count(f"{name}.redislock") == 0, timeout=1.5)
+        assert not r.llen("started:hq") and all(not res.ready() for res in long)
+        assert handed.get(timeout=30) is not None
+        assert [res.get(timeout=30) is not None for res in long] == [True, True]
+        assert len(_started(r, "hq")) == 1
+        assert "could not consume the hand-over queues" not in proc.text()
+    finally:
+        proc.kill()
+        client.close()
+
+
+def test_a_finished_tasks_ack_waits_for_its_keys_hand_over_at_most_briefly() -> None:
+    """``handoff_channel.defer_ack`` on a real kombu event loop: an ack of a key with a
+    hand-over expected waits for it and goes when it arrives; one whose hand-over never
+    comes goes after ACK_WAIT, and its key is no longer expected; a key with nothing
+    expected is acked at once; a stopping channel flushes what waits."""
+    from kombu.asynchronous import Hub, set_event_loop
+
+    from celery_redislock.celery import handoff_channel as hc
+
+    hub = Hub()
+    set_event_loop(hub)
+    state = hc._state
+    saved = (state.active, dict(state.expected), dict(state.waiting))
+    acked: list[str] = []
+    try:
+        state.active, state.expected, state.waiting = True, {}, {}
+        assert not hc.defer_ack(b"k", lambda: acked.append("none expected"))
+        hc.parked(b"k")
+        hc.parked(b"k")
+        assert hc.expecting() and state.expected[b"k"] == 2
+        assert hc.defer_ack(b"k", lambda: acked.append("first"))
+        assert acked == []
+        hc.received(b"k")  # its hand-over: the ack goes now
+        assert acked == ["first"] and state.expected[b"k"] == 1
+        assert hc.defer_ack(b"k", lambda: acked.append("second"))
+        deadline = time.monotonic() + 5
+        while len(acked) < 2 and time.monotonic() < deadline:
+            hub.fire_timers(propagate=(Exception,))
+            time.sleep(0.001)
+        assert acked == ["first", "second"]  # timed out: its hand-over went elsewhere
+        assert not hc.expecting() and not state.waiting
+        hc.received(b"k")  # a late one changes nothing
+        assert not hc.expecting() and acked == ["first", "second"]
+        hc.parked(b"other")
+        assert hc.defer_ack(b"other", lambda: acked.append("flushed"))
+        state.flush()
+        assert acked[-1] == "flushed" and not state.waiting
+        for n in range(hc.EXPECTED_KEYS + 10):  # bounded
+            hc.parked(b"key%d" % n)
+        assert len(state.expected) <= hc.EXPECTED_KEYS
+    finally:
+        state.active, state.expected, state.waiting = saved[0], saved[1], saved[2]
+        set_event_loop(None)
+        hub.close()
