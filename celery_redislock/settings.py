@@ -57,16 +57,17 @@ Settings (task attributes of the same meaning override them per task):
 * ``redislock_park_fallback`` (``"auto"``) — also keep a delayed copy of each parked task in
   the broker: ``"auto"`` does when the lock Redis is not the broker's Redis.
 * ``redislock_park_at_delivery`` (``True``) — park contended messages in the worker's main
-  process before dispatch, where the broker is the locks' own Redis, for keys that come
-  again (``False``: pool processes park them, one round trip less per such message in the
-  main loop).
+  process before dispatch, for keys that come again: the broker's own message where the
+  broker is a Redis on the locks' server (no fallback copies), else the task's signature
+  and its fallback copy, as a pool process parks them (``False``: pool processes park
+  them, one round trip less per such message in the main loop).
 * ``redislock_queues_in_other_db`` (``False``) — where the Redis broker is another database
   of the locks' server: park contended messages at delivery and let a release push the
   next one into its queue list there, as in the locks' own database (queue lists named
   ``"<list>\\r<db>\\r<own>"``, ``celery.queuelists``). Turn it on once every worker runs a
   release that has it: an older worker's release would push such a message into a list
   of that name in the locks' database, which nobody reads. ``False``: those brokers are
-  treated as another server (pool processes park, with fallback copies).
+  treated as another server (signatures parked, with fallback copies).
 * ``redislock_signing_key`` (derived from ``broker_url``) — the key the workers sign parked
   messages with and check them against before sending them on or running them (a ``str``
   or ``bytes`` of at least 16 bytes, the same on every worker). See docs/security.md.

@@ -40,12 +40,15 @@ On contention (``on_contention``)
     ``LockContendedError`` (``lock_requeue_exhausted="fail"``) or is dropped with a
     warning (``"drop"``).
 
-    Where the broker is the locks' own Redis, a contended message is parked instead, in
-    the worker's main process, and the holder's release hands the lock to it and puts
-    it back at the head of its queue. A task handed its lock that way also searches its
-    queue while it runs (``lock_lookahead`` messages, default 64) for the next task of
-    its lock, which its release then hands the lock to and moves ahead, when nobody is
-    parked (docs/concepts.md, "Parking and hand-over").
+    A contended message of a key that came again is parked instead, in the worker's
+    main process, before a pool process gets it. Where the broker is the locks' own
+    Redis, the holder's release hands the lock to it and puts it back at the head of its
+    queue; a task handed its lock that way also searches its queue while it runs
+    (``lock_lookahead`` messages, default 64) for the next task of its lock, which its
+    release then hands the lock to and moves ahead, when nobody is parked. With any
+    other broker (RabbitMQ, a Redis elsewhere) or fallback copies on, its signature is
+    parked, with its fallback copy, and the release publishes it to ``<queue>.redislock``
+    (docs/concepts.md, "Parking and hand-over").
 ``"wait"``
     Block the worker slot up to ``lock_wait`` seconds, woken by the holder's release;
     then act as ``lock_wait_fallback`` (``"requeue"`` or ``"raise"``).

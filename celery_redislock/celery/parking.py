@@ -41,7 +41,9 @@ import weakref
 from typing import Any
 
 import redis
+from celery._state import _task_stack  # (Celery's tracer pushes a running task on it)
 from celery.app.task import Context
+from celery.exceptions import Reject
 from celery.worker.strategy import default as default_strategy
 
 from .. import signals
@@ -143,6 +145,7 @@ class Parker:
         seen: RecentKeys | None = None,
         place: Place | None = None,
         envelopes: bool = True,
+        outage: Outage | None = None,
     ) -> None:
         self.task = task
         #: Where the broker's queue lists are (None: in the locks' database), if it parks
@@ -162,9 +165,10 @@ class Parker:
         self.seen = seen if seen is not None else RecentKeys()
         #: Whether this task type's keys come again: if not, most messages skip the check.
         self.recurrence = Recurrence()
-        #: Until when (monotonic) no message is checked, after the locks' Redis failed to
-        #: answer one (0: checking).
-        self.paused_until = 0.0
+        #: The consumer's pause of the check (every task type's alike: one locks' Redis,
+        #: one broker), after the locks' Redis failed to answer or the broker to take a
+        #: fallback copy.
+        self.outage = outage if outage is not None else Outage()
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -200,26 +204,27 @@ class Parker:
             seen=_recent_keys(consumer),
             place=place,
             envelopes=place is not None,
+            outage=_per_consumer(_outages, consumer, Outage),
         )
 
     def park(self, message: Any) -> bool:
         """True if the message was parked (the caller acks it); False: deliver it."""
-        if self.paused_until and time.monotonic() < self.paused_until:
-            return False  # the locks' Redis did not answer lately: pool processes decide
+        # Only ever set here, never taken from a message (these are also the envelope's).
+        (message.headers or {}).pop(LOOKAHEAD_HEADER, None)
+        if self.outage.paused():
+            return False  # a check failed lately: pool processes decide
         try:
             return self._park(message)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # Each check waits up to the client's socket timeout in the worker's main loop:
             # with the locks' Redis away, one try per OUTAGE_PAUSE, not one per message.
-            self.paused_until = time.monotonic() + OUTAGE_PAUSE
-            log.warning(
-                "redislock: parking at delivery of %s paused for %.0fs: the locks' Redis did "
-                "not answer (%s: %s); pool processes take its tasks meanwhile",
-                self.task.name,
-                OUTAGE_PAUSE,
-                type(exc).__name__,
-                exc,
-            )
+            self.outage.pause(self.task.name, "the locks' Redis did not answer", exc)
+            return False
+        except Reject as exc:
+            # The broker did not take the fallback copy (after its publish retries, in the
+            # main loop): the task stays parked, and its pool process sends the copy.
+            cause = exc.__cause__ or exc
+            self.outage.pause(self.task.name, "the broker did not take a fallback copy", cause)
             return False
         except Exception:  # the pool process takes the usual way
             log.debug("redislock: could not park at delivery", exc_info=True)
@@ -227,8 +232,6 @@ class Parker:
 
     def _park(self, message: Any) -> bool:
         headers = message.headers or {}
-        # Only ever set here, never taken from a message (these are also the envelope's).
-        headers.pop(LOOKAHEAD_HEADER, None)
         raw: Any = getattr(message, "_raw", None)  # a dict, where envelopes are parked
         task_id = headers.get("id")
         if (
@@ -318,7 +321,15 @@ class Parker:
             # As a pool process's parking: a delayed copy in the broker, in case the locks'
             # Redis loses the parked task (a failure raises: delivered, its pool process
             # parks it again, finds it parked, and sends the copy or rejects the message).
-            fallback = task._fallback_copy(call, signature, task._fallback_delay(options))
+            # Sent as from the task's own request, as its pool process sends it (its id
+            # the copy's parent, its request's id in the logs).
+            task.request_stack.push(call.request)
+            _task_stack.push(task)
+            try:
+                fallback = task._fallback_copy(call, signature, task._fallback_delay(options))
+            finally:
+                _task_stack.pop()
+                task.request_stack.pop()
         lock._contended(task_id)
         signals.task_parked.send(task, name=name, task_id=task_id, limit=limit, queue=queue)
         log.info(
@@ -465,10 +476,38 @@ class Recurrence:
         self.quiet = 0 if recurred else self.quiet + 1
 
 
-#: Seconds a Parker delivers every message unchecked after the locks' Redis failed to
-#: answer a check (a connection error or a timeout): a Redis that stalls costs the worker's
-#: main loop one socket timeout per this many seconds, not one per message.
+#: Seconds a consumer's Parkers deliver every message unchecked after the locks' Redis
+#: failed to answer a check (a connection error or a timeout) or the broker to take a
+#: fallback copy: a Redis or a broker that stalls costs the worker's main loop one socket
+#: timeout (or one publish's retries) per this many seconds, not one per message.
 OUTAGE_PAUSE = 30.0
+
+
+class Outage:
+    """A consumer's pause of parking at delivery, shared by its task types' Parkers (they
+    check against one locks' Redis and publish to one broker)."""
+
+    __slots__ = ("until",)
+
+    def __init__(self) -> None:
+        self.until = 0.0  # monotonic; 0: checking
+
+    def paused(self) -> bool:
+        return bool(self.until) and time.monotonic() < self.until
+
+    def pause(self, task_name: str, why: str, exc: BaseException) -> None:
+        self.until = time.monotonic() + OUTAGE_PAUSE
+        log.warning(
+            "redislock: parking at delivery paused for %.0fs (at %s): %s (%s: %s); pool "
+            "processes take the tasks meanwhile",
+            OUTAGE_PAUSE,
+            task_name,
+            why,
+            type(exc).__name__,
+            exc,
+        )
+
+
 #: How many lock keys found held a Parker remembers (:attr:`Parker.held`).
 HELD_KEYS = 1024
 #: How many lock keys of its recent messages a worker's consumer remembers (RecentKeys).
@@ -510,10 +549,20 @@ _seen: weakref.WeakKeyDictionary[Any, RecentKeys] = weakref.WeakKeyDictionary()
 
 def _recent_keys(consumer: Any) -> RecentKeys:
     """The consumer's recent keys, shared by its task types (keys are, too)."""
+    seen: RecentKeys = _per_consumer(_seen, consumer, RecentKeys)
+    return seen
+
+
+def _per_consumer(table: weakref.WeakKeyDictionary[Any, Any], consumer: Any, make: Any) -> Any:
+    """``table``'s entry for ``consumer``, made with ``make()`` at first."""
     try:
-        return _seen.setdefault(consumer, RecentKeys())
+        return table.setdefault(consumer, make())
     except TypeError:  # not weakly referable: this task type's own
-        return RecentKeys()
+        return make()
+
+
+#: Per consumer: its Parkers' pause (:class:`Outage`).
+_outages: weakref.WeakKeyDictionary[Any, Outage] = weakref.WeakKeyDictionary()
 
 
 #: Per app: queue lists the locks' Redis user may write (True) or not (False).

@@ -19,6 +19,7 @@ from celery_redislock import RedisLock
 from celery_redislock.celery import signing
 from celery_redislock.celery.clients import settings_for
 from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX, FIRST_TRY_HEADER, REQUEUE_HEADER
+from celery_redislock.celery.parking import Outage
 from celery_redislock.parking import Parker
 from celery_redislock.testing import RedisServer
 
@@ -223,22 +224,85 @@ def test_a_locks_redis_that_does_not_answer_pauses_the_check_not_the_main_loop(
         def job(self: Any, name: str) -> None:
             pass
 
+        @app.task(bind=True, base=LockedTask, lock_key="job:{name}", shared=False)
+        def other(self: Any, name: str) -> None:
+            pass
+
         try:
-            parker = Parker(job, app, revoked=set(), seen=EveryKeySeen(), envelopes=False)
+            outage = Outage()  # (a consumer's Parkers share it)
+            seen = EveryKeySeen()
+            parker = Parker(job, app, revoked=set(), seen=seen, envelopes=False, outage=outage)
+            other_parker = Parker(
+                other, app, revoked=set(), seen=EveryKeySeen(), envelopes=False, outage=outage
+            )
             RedisLock(r, "job:p", ttl=60, owner="holder", auto_renew=False).acquire()
-            for _ in range(3):
-                job.apply_async(("p",), queue=queue)
+            for send in (job, job, other, job):  # (fetched in this order)
+                send.apply_async(("p",), queue=queue)
             proxy.partition(blackhole=how == "blackhole")
             with caplog.at_level("WARNING", logger="celery_redislock.celery.parking"):
                 _fetch(queue, app=app, parker=parker, parks=False)
-            assert parker.paused_until > 0
-            assert [m for m in caplog.messages if "parking at delivery of" in m]
+            assert outage.paused() and parker.outage is other_parker.outage
+            assert [m for m in caplog.messages if "the locks' Redis did not answer" in m]
             proxy.heal()
             _fetch(queue, app=app, parker=parker, parks=False)  # paused: not even asked
+            _fetch(queue, app=app, parker=other_parker, parks=False)  # another task type too
             assert not r.llen(PARKED % "p")
-            parker.paused_until = 0.0  # the pause over
+            outage.until = 0.0  # the pause over
             _fetch(queue, app=app, parker=parker, parks=True)
             assert r.llen(PARKED % "p") == 1
+        finally:
+            app.close()
+
+
+def test_a_broker_that_does_not_take_the_fallback_copy_pauses_the_check_and_loses_nothing(
+    broker: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fallback copies on, the broker's publishing connection (``broker_write_url``) behind
+    a proxy that refuses connections: a contended message is parked, its copy's publish
+    fails, and the message is delivered (its pool process finds the task parked and sends
+    the copy); the check pauses for every task type. Healed, a parked message's fallback
+    copy is sent as from its own request: the task's id its parent, its root kept."""
+    from celery import Celery
+
+    from celery_redislock import LockedTask
+    from celery_redislock.testing import FaultProxy
+
+    queue = f"pause-copy-{secrets.token_hex(3)}"
+    r = broker.client()
+    with FaultProxy(broker) as proxy:
+        app = Celery("pause-copy", broker=broker.url)
+        app.conf.broker_write_url = proxy.url
+        app.conf.redislock_url = broker.url
+        app.conf.redislock_park_fallback = True
+        app.conf.task_publish_retry_policy = {"max_retries": 1, "interval_start": 0}
+        app.conf.broker_transport_options = {"socket_connect_timeout": 0.3, "socket_timeout": 0.3}
+
+        @app.task(bind=True, base=LockedTask, lock_key="job:{name}", shared=False)
+        def job(self: Any, name: str) -> None:
+            pass
+
+        try:
+            outage = Outage()
+            seen = EveryKeySeen()
+            parker = Parker(job, app, revoked=set(), seen=seen, envelopes=False, outage=outage)
+            RedisLock(r, "job:c", ttl=60, owner="holder", auto_renew=False).acquire()
+            first = job.apply_async(("c",), queue=queue)
+            second = job.apply_async(("c",), queue=queue, root_id="the-root")
+            proxy.partition()
+            with caplog.at_level("WARNING", logger="celery_redislock.celery.parking"):
+                _fetch(queue, app=app, parker=parker, parks=False)
+            assert outage.paused()
+            assert [m for m in caplog.messages if "the broker did not take a fallback copy" in m]
+            # Parked all the same (its pool process finds it so and sends the copy).
+            assert r.lrange(PARKED % "c", 0, -1) == [first.id.encode()]
+            proxy.heal()
+            outage.until = 0.0
+            _fetch(queue, app=app, parker=parker, parks=True)
+            assert r.lrange(PARKED % "c", 0, -1) == [first.id.encode(), second.id.encode()]
+            copy = _fetch(queue, app=app)  # the second's fallback copy (an eta message)
+            assert copy.headers["id"] == second.id and copy.headers["eta"]
+            assert copy.headers["parent_id"] == second.id
+            assert copy.headers["root_id"] == "the-root"
         finally:
             app.close()
 
