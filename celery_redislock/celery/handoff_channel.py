@@ -88,6 +88,9 @@ class HandoffChannel(bootsteps.StartStopStep):  # type: ignore[misc]
                 consumer.add_queue(queue)
             return
         c.redislock_handoff_consumer = own
+        # The consumer's hub, not kombu's get_event_loop(): asynloop resets the hub at each
+        # reconnect, which unsets the event loop for good (Celery sets it once, at start).
+        _state.hub = getattr(c, "hub", None)
         _state.active = True
         log.debug("redislock: hand-over queues %s on a channel of their own", _names(queues))
 
@@ -112,6 +115,8 @@ class _Pairing:
 
     def __init__(self) -> None:
         self.active = False  # the hand-over channel is consuming
+        #: The worker consumer's event loop (kombu hub) acknowledgements wait on.
+        self.hub: Any = None
         #: Per lock key: its tasks this process parked at delivery, not received back yet.
         self.expected: dict[bytes, int] = {}
         #: Per lock key: acknowledgements waiting for its hand-over, oldest first.
@@ -180,12 +185,7 @@ def defer_ack(key: bytes, ack: Callable[[], None]) -> bool:
     message delivered again, and that copy finds its done marker."""
     if not _state.active or not _state.expected.get(key):
         return False
-    try:
-        from kombu.asynchronous import get_event_loop
-
-        hub = get_event_loop()
-    except Exception:
-        hub = None
+    hub = _state.hub
     if hub is None:
         return False
     done = False
@@ -211,7 +211,7 @@ def defer_ack(key: bytes, ack: Callable[[], None]) -> bool:
         once()
 
     _state.waiting.setdefault(key, []).append(once)
-    hub.call_later(ACK_WAIT, timed_out)  # type: ignore[no-untyped-call]
+    hub.call_later(ACK_WAIT, timed_out)
     return True
 
 

@@ -49,14 +49,14 @@ from celery.worker.strategy import default as default_strategy
 from .. import signals
 from .._core import OwnerFinished, lease_ms
 from .._keyspace import HANDOFF_QUEUE_SUFFIX, parked_under
-from . import handoff_channel, signing
+from . import handoff_channel, queuelists, signing
 from .base import LockedTask
 from .clients import client_for, settings_for
 from .contention import FIRST_TRY_HEADER, REQUEUE_HEADER, _Call, _park_fallback, first_try
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
-from .queuelists import SEP, Place, place_of, queue_call
+from .queuelists import SEP, Place, place_of, queue_call, retry_at
 from .tasklock import PARKABLE, TaskLock, TaskSemaphore, request_owner
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,10 @@ class Parker:
         #: one broker), after the locks' Redis failed to answer or the broker to take a
         #: fallback copy.
         self.outage = outage if outage is not None else Outage()
+        #: (the consumer's broker URL, when its place may be probed again): the probe of a
+        #: Redis broker's place failed to get an answer, so this parks signatures until a
+        #: probe finds the place (:meth:`_probe_again`); None: the place is known.
+        self.reprobe: tuple[str, float] | None = None
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -196,7 +200,7 @@ class Parker:
         slots = getattr(consumer.controller, "max_concurrency", None)
         if not isinstance(slots, int) or not slots:
             slots = getattr(getattr(consumer, "pool", None), "limit", None)
-        return cls(
+        parker = cls(
             task,
             app,
             consumer.controller.state.revoked,
@@ -206,6 +210,9 @@ class Parker:
             envelopes=place is not None,
             outage=_per_consumer(_outages, consumer, Outage),
         )
+        if place is None:
+            parker.reprobe = _reprobe(app, consumer)
+        return parker
 
     def park(self, message: Any) -> bool:
         """True if the message was parked (the caller acks it); False: deliver it."""
@@ -213,6 +220,8 @@ class Parker:
         (message.headers or {}).pop(LOOKAHEAD_HEADER, None)
         if self.outage.paused():
             return False  # a check failed lately: pool processes decide
+        if self.reprobe is not None and time.monotonic() >= self.reprobe[1]:
+            self._probe_again(self.reprobe[0])
         try:
             return self._park(message)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -229,6 +238,29 @@ class Parker:
         except Exception:  # the pool process takes the usual way
             log.debug("redislock: could not park at delivery", exc_info=True)
             return False
+
+    def _probe_again(self, uri: str) -> None:
+        """The consumer's Redis broker's place, probed again (its last probe got no
+        answer): found, this parks envelopes from now on (with fallback copies off), as
+        a consumer started now would; else it is asked again after the probe's next
+        window (``queuelists.RETRY_AFTER``), or never if the probe was answered (another
+        server). Tasks parked meanwhile as signatures are handed over as signatures."""
+        try:
+            place = place_of(self.app, uri)
+            retry = retry_at(self.app, uri) if place is None else None
+            if place is not None and _park_fallback(self.app):
+                place = None  # (``redislock_park_fallback`` on: signatures, as before)
+        except Exception:
+            log.debug("redislock: could not probe the broker's place again", exc_info=True)
+            place, retry = None, time.monotonic() + queuelists.RETRY_AFTER
+        self.reprobe = None if retry is None else (uri, retry)
+        if place is not None:
+            self.place, self.envelopes = place, True
+            log.info(
+                "redislock: the broker's queue lists found on the locks' Redis server now; "
+                "%s tasks are parked at delivery as the broker's own messages",
+                self.task.name,
+            )
 
     def _park(self, message: Any) -> bool:
         headers = message.headers or {}
@@ -576,6 +608,17 @@ def _broker_place(app: Any, consumer: Any) -> Place | None:
     if connection is None or connection.transport.driver_type != "redis":
         return None
     return place_of(app, connection.as_uri(include_password=True))
+
+
+def _reprobe(app: Any, consumer: Any) -> tuple[str, float] | None:
+    """(the consumer's broker URL, when its place may be probed again), if it is a Redis
+    whose probe failed to get an answer (``queuelists.place_of``); else None."""
+    connection = consumer.connection
+    if connection is None or connection.transport.driver_type != "redis":
+        return None
+    uri = connection.as_uri(include_password=True)
+    again = retry_at(app, uri)
+    return None if again is None else (uri, again)
 
 
 def _same_redis(app: Any, consumer: Any) -> bool:

@@ -166,8 +166,14 @@ def broker_answer(app: Any) -> tuple[Place | None, float | None]:
         place = None
     if place is not None or not uri:
         return place, None
+    return None, retry_at(app, uri)
+
+
+def retry_at(app: Any, uri: str) -> float | None:
+    """When a failed probe of the broker at ``uri`` may run again (``time.monotonic``);
+    None: no probe of it waits to be tried again (its place is known, or was never asked)."""
     with _mutex:
-        return None, _retry_at.get(app, {}).get(uri)
+        return _retry_at.get(app, {}).get(uri)
 
 
 def _probe(app: Any, uri: str) -> Place | None:

@@ -460,3 +460,49 @@ def test_a_probe_cut_at_any_round_trip_raises_nothing_and_leaves_nothing_for_goo
         finally:
             admin.close()
             app.close()
+
+
+def test_a_consumer_started_while_the_probe_failed_parks_envelopes_once_it_succeeds(
+    broker_user: Any,
+) -> None:
+    """A consumer decides how it parks at delivery when it starts (``Parker.for_consumer``).
+    Started while the probe of its broker's place got no answer (a broker user briefly
+    disabled), it parks signatures with fallback copies, as for another server; it must
+    not stay so until the worker restarts: once the probe may run again and finds the
+    place, it parks the broker's own messages. Within the window no probe is made."""
+    admin, app = broker_user("brk", "off", "~*")
+    controller = SimpleNamespace(state=SimpleNamespace(revoked=set()), max_concurrency=4)
+    consumer = SimpleNamespace(connection=app.connection_for_read(), controller=controller)
+    try:
+        parker = Parker.for_consumer(ca.hold_for, app, consumer)
+        assert parker is not None and not parker.envelopes and parker.place is None
+        assert parker.reprobe is not None  # (the failed probe's window)
+        admin.execute_command("ACL", "SETUSER", "brk", "on")
+        message = SimpleNamespace(headers={}, delivery_tag=1)
+        sets = _calls(admin, "set")
+        for _ in range(20):  # within the window: no probe, signatures still
+            assert parker.park(message) is False
+        assert _calls(admin, "set") == sets and not parker.envelopes
+        _window_over(app)
+        parker.reprobe = (parker.reprobe[0], 0.0)
+        assert parker.park(message) is False  # (not a task message: delivered)
+        assert parker.envelopes and parker.place == Place(1, 0) and parker.reprobe is None
+        assert _calls(admin, "set") == sets + 1  # one probe
+        for _ in range(5):
+            parker.park(message)
+        assert _calls(admin, "set") == sets + 1  # found: never probed again
+    finally:
+        consumer.connection.release()
+
+
+def test_a_consumer_whose_probe_was_answered_is_not_probed_again(broker_user: Any) -> None:
+    """A probe answered (a broker user confined to its own keys: NOPERM on the probe key,
+    an answer) is kept: its consumer parks signatures and never probes again."""
+    _admin, app = broker_user("conf", "on", "~celery*")
+    controller = SimpleNamespace(state=SimpleNamespace(revoked=set()), max_concurrency=4)
+    consumer = SimpleNamespace(connection=app.connection_for_read(), controller=controller)
+    try:
+        parker = Parker.for_consumer(ca.hold_for, app, consumer)
+        assert parker is not None and not parker.envelopes and parker.reprobe is None
+    finally:
+        consumer.connection.release()

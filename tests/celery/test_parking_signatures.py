@@ -349,10 +349,10 @@ def test_a_finished_tasks_ack_waits_for_its_keys_hand_over_at_most_briefly() -> 
     hub = Hub()
     set_event_loop(hub)
     state = hc._state
-    saved = (state.active, dict(state.expected), dict(state.waiting))
+    saved = (state.active, dict(state.expected), dict(state.waiting), state.hub)
     acked: list[str] = []
     try:
-        state.active, state.expected, state.waiting = True, {}, {}
+        state.active, state.expected, state.waiting, state.hub = True, {}, {}, hub
         assert not hc.defer_ack(b"k", lambda: acked.append("none expected"))
         hc.parked(b"k")
         hc.parked(b"k")
@@ -378,6 +378,6 @@ def test_a_finished_tasks_ack_waits_for_its_keys_hand_over_at_most_briefly() -> 
             hc.parked(b"key%d" % n)
         assert len(state.expected) <= hc.EXPECTED_KEYS
     finally:
-        state.active, state.expected, state.waiting = saved[0], saved[1], saved[2]
+        state.active, state.expected, state.waiting, state.hub = saved
         set_event_loop(None)
         hub.close()
