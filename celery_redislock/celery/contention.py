@@ -15,6 +15,7 @@ import weakref
 from typing import Any, NamedTuple
 
 from celery import Task
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject
 from kombu.entity import Exchange, Queue
 
@@ -475,3 +476,29 @@ def _channel_errors(app: Any) -> tuple[type[BaseException], ...]:
 def _visibility_timeout(app: Any) -> float:
     options = app.conf.get("broker_transport_options") or {}
     return float(options.get("visibility_timeout") or 3600.0)
+
+
+def _request(message: Any, headers: dict[str, Any], args: Any, kwargs: Any, embed: Any) -> Context:
+    """The request a pool process would run ``message`` with, as Celery builds it (its
+    headers, properties and delivery info, then the arguments and the embedded canvas):
+    what ``signature_from_request`` sends it again from, here in the main process."""
+    properties = message.properties or {}
+    info = message.delivery_info or {}
+    return Context(
+        {
+            **headers,
+            "properties": properties,
+            "reply_to": properties.get("reply_to"),
+            "correlation_id": properties.get("correlation_id"),
+            "delivery_info": {
+                "exchange": info.get("exchange"),
+                "routing_key": info.get("routing_key"),
+                "priority": properties.get("priority"),
+                "redelivered": info.get("redelivered", False),
+            },
+            **(embed or {}),
+        },
+        args=args,
+        kwargs=kwargs,
+        called_directly=False,
+    )

@@ -42,7 +42,6 @@ from typing import Any
 
 import redis
 from celery._state import _task_stack  # (Celery's tracer pushes a running task on it)
-from celery.app.task import Context
 from celery.exceptions import Reject
 from celery.worker.strategy import default as default_strategy
 
@@ -52,7 +51,14 @@ from .._keyspace import HANDOFF_QUEUE_SUFFIX, parked_under
 from . import handoff_channel, queuelists, signing
 from .base import LockedTask
 from .clients import client_for, settings_for
-from .contention import FIRST_TRY_HEADER, REQUEUE_HEADER, _Call, _park_fallback, first_try
+from .contention import (
+    FIRST_TRY_HEADER,
+    REQUEUE_HEADER,
+    _Call,
+    _park_fallback,
+    _request,
+    first_try,
+)
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
@@ -211,7 +217,7 @@ class Parker:
             outage=_per_consumer(_outages, consumer, Outage),
         )
         if place is None:
-            parker.reprobe = _reprobe(app, consumer)
+            parker.reprobe = queuelists.reprobe(consumer.connection, app)
         return parker
 
     def park(self, message: Any) -> bool:
@@ -444,32 +450,6 @@ class Parker:
         return found
 
 
-def _request(message: Any, headers: dict[str, Any], args: Any, kwargs: Any, embed: Any) -> Context:
-    """The request a pool process would run ``message`` with, as Celery builds it (its
-    headers, properties and delivery info, then the arguments and the embedded canvas):
-    what ``signature_from_request`` sends it again from, here in the main process."""
-    properties = message.properties or {}
-    info = message.delivery_info or {}
-    return Context(
-        {
-            **headers,
-            "properties": properties,
-            "reply_to": properties.get("reply_to"),
-            "correlation_id": properties.get("correlation_id"),
-            "delivery_info": {
-                "exchange": info.get("exchange"),
-                "routing_key": info.get("routing_key"),
-                "priority": properties.get("priority"),
-                "redelivered": info.get("redelivered", False),
-            },
-            **(embed or {}),
-        },
-        args=args,
-        kwargs=kwargs,
-        called_directly=False,
-    )
-
-
 #: A task type none of whose last QUIET_AFTER checked messages had a key that came again
 #: has one message in QUIET_EVERY checked only, at random, until one has (:class:`Recurrence`).
 QUIET_AFTER = 256
@@ -608,17 +588,6 @@ def _broker_place(app: Any, consumer: Any) -> Place | None:
     if connection is None or connection.transport.driver_type != "redis":
         return None
     return place_of(app, connection.as_uri(include_password=True))
-
-
-def _reprobe(app: Any, consumer: Any) -> tuple[str, float] | None:
-    """(the consumer's broker URL, when its place may be probed again), if it is a Redis
-    whose probe failed to get an answer (``queuelists.place_of``); else None."""
-    connection = consumer.connection
-    if connection is None or connection.transport.driver_type != "redis":
-        return None
-    uri = connection.as_uri(include_password=True)
-    again = retry_at(app, uri)
-    return None if again is None else (uri, again)
 
 
 def _same_redis(app: Any, consumer: Any) -> bool:
