@@ -216,8 +216,9 @@ class Parker:
             envelopes=place is not None,
             outage=_per_consumer(_outages, consumer, Outage),
         )
-        if place is None:
-            parker.reprobe = queuelists.reprobe(consumer.connection, app)
+        uri = _broker_uri(consumer) if place is None else None
+        again = None if uri is None else retry_at(app, uri)
+        parker.reprobe = None if uri is None or again is None else (uri, again)
         return parker
 
     def park(self, message: Any) -> bool:
@@ -246,11 +247,9 @@ class Parker:
             return False
 
     def _probe_again(self, uri: str) -> None:
-        """The consumer's Redis broker's place, probed again (its last probe got no
-        answer): found, this parks envelopes from now on (with fallback copies off), as
-        a consumer started now would; else it is asked again after the probe's next
-        window (``queuelists.RETRY_AFTER``), or never if the probe was answered (another
-        server). Tasks parked meanwhile as signatures are handed over as signatures."""
+        """The broker's place probed again (the last probe got no answer): found, this parks
+        envelopes from now on (fallback copies off); else asked again after the next window,
+        or never (an answer). Tasks parked as signatures meanwhile are handed over so."""
         try:
             place = place_of(self.app, uri)
             retry = retry_at(self.app, uri) if place is None else None
@@ -581,13 +580,18 @@ _outages: weakref.WeakKeyDictionary[Any, Outage] = weakref.WeakKeyDictionary()
 _writable: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
-def _broker_place(app: Any, consumer: Any) -> Place | None:
-    """Where the consumer's broker keeps its queue lists, if it is a Redis on the locks'
-    server (``queuelists.place_of``); None: not such a Redis."""
+def _broker_uri(consumer: Any) -> str | None:
+    """The consumer's broker URL (with its password), if it is a Redis; else None."""
     connection = consumer.connection
     if connection is None or connection.transport.driver_type != "redis":
         return None
-    return place_of(app, connection.as_uri(include_password=True))
+    return str(connection.as_uri(include_password=True))
+
+
+def _broker_place(app: Any, consumer: Any) -> Place | None:
+    """Where the consumer's Redis broker keeps its queue lists (``place_of``), or None."""
+    uri = _broker_uri(consumer)
+    return None if uri is None else place_of(app, uri)
 
 
 def _same_redis(app: Any, consumer: Any) -> bool:

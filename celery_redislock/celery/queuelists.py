@@ -218,13 +218,3 @@ def queue_call(client: Any, command: str, queue_list: str, *args: Any) -> Any:
     if SEP not in queue_list:
         return client.execute_command(command, queue_list, *args)
     return run(client, scripts_for(client).queue, [queue_list], [command.lower(), *args])
-
-
-def reprobe(connection: Any, app: Any) -> tuple[str, float] | None:
-    """(a consumer's broker ``connection``'s URL, when its place may be probed again), if
-    it is a Redis whose probe failed to get an answer (:func:`place_of`); else None."""
-    if connection is None or connection.transport.driver_type != "redis":
-        return None
-    uri = connection.as_uri(include_password=True)
-    again = retry_at(app, uri)
-    return None if again is None else (uri, again)

@@ -4,6 +4,7 @@ release is never handed a list name it does not know."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import threading
@@ -97,6 +98,18 @@ def _window_over(app: Any) -> None:
     cached = envelope._push_targets.get(app)
     if cached is not None and cached[4] is not None:  # (the time it was built to wait for)
         envelope._push_targets[app] = (*cached[:4], 0.0)
+
+
+@contextlib.contextmanager
+def _consumer_parker(app: Any) -> Iterator[Parker | None]:
+    """``Parker.for_consumer`` for ``hold_for`` with a consumer whose connection is the
+    app's broker's (released after)."""
+    controller = SimpleNamespace(state=SimpleNamespace(revoked=set()), max_concurrency=4)
+    consumer = SimpleNamespace(connection=app.connection_for_read(), controller=controller)
+    try:
+        yield Parker.for_consumer(ca.hold_for, app, consumer)
+    finally:
+        consumer.connection.release()
 
 
 @pytest.fixture
@@ -310,14 +323,9 @@ def test_by_default_no_list_of_another_database_is_named(
         assert broker_place(app) is None
         assert _park_fallback(app) is True
         assert "\r" not in push_targets(app)[0]
-        controller = SimpleNamespace(state=SimpleNamespace(revoked=set()), max_concurrency=4)
-        consumer = SimpleNamespace(connection=app.connection_for_read(), controller=controller)
-        try:
-            parker = Parker.for_consumer(ca.hold_for, app, consumer)
+        with _consumer_parker(app) as parker:
             # It parks signatures, as pool processes do: no envelope names a list.
             assert parker is not None and not parker.envelopes and parker.place is None
-        finally:
-            consumer.connection.release()
         app.conf.redislock_queues_in_other_db = "yes"
         _settings.pop(app, None)
         with pytest.raises(LockConfigurationError, match="redislock_queues_in_other_db"):
@@ -471,10 +479,7 @@ def test_a_consumer_started_while_the_probe_failed_parks_envelopes_once_it_succe
     not stay so until the worker restarts: once the probe may run again and finds the
     place, it parks the broker's own messages. Within the window no probe is made."""
     admin, app = broker_user("brk", "off", "~*")
-    controller = SimpleNamespace(state=SimpleNamespace(revoked=set()), max_concurrency=4)
-    consumer = SimpleNamespace(connection=app.connection_for_read(), controller=controller)
-    try:
-        parker = Parker.for_consumer(ca.hold_for, app, consumer)
+    with _consumer_parker(app) as parker:
         assert parker is not None and not parker.envelopes and parker.place is None
         assert parker.reprobe is not None  # (the failed probe's window)
         admin.execute_command("ACL", "SETUSER", "brk", "on")
@@ -491,18 +496,39 @@ def test_a_consumer_started_while_the_probe_failed_parks_envelopes_once_it_succe
         for _ in range(5):
             parker.park(message)
         assert _calls(admin, "set") == sets + 1  # found: never probed again
-    finally:
-        consumer.connection.release()
 
 
 def test_a_consumer_whose_probe_was_answered_is_not_probed_again(broker_user: Any) -> None:
     """A probe answered (a broker user confined to its own keys: NOPERM on the probe key,
     an answer) is kept: its consumer parks signatures and never probes again."""
     _admin, app = broker_user("conf", "on", "~celery*")
-    controller = SimpleNamespace(state=SimpleNamespace(revoked=set()), max_concurrency=4)
-    consumer = SimpleNamespace(connection=app.connection_for_read(), controller=controller)
-    try:
-        parker = Parker.for_consumer(ca.hold_for, app, consumer)
+    with _consumer_parker(app) as parker:
         assert parker is not None and not parker.envelopes and parker.reprobe is None
+
+
+def test_a_consumer_whose_broker_does_not_answer_the_probe_again_keeps_parking(
+    redis_server: RedisServer,
+) -> None:
+    """The re-probe's round trips fail (nothing listens on the broker's port): the Parker
+    does not raise, keeps parking signatures, and asks again only after a new window; the
+    messages in between cost no probe."""
+    app = Celery("attack-reprobe-no-answer", broker=f"redis://127.0.0.1:{free_port()}/0")
+    app.conf.redislock_url = redis_server.url
+    locks = redis_server.client()
+    try:
+        with _consumer_parker(app) as parker:
+            assert parker is not None and not parker.envelopes and parker.reprobe is not None
+            message = SimpleNamespace(headers={}, delivery_tag=1)
+            sets = _calls(locks, "set")
+            _window_over(app)
+            parker.reprobe = (parker.reprobe[0], 0.0)
+            assert parker.park(message) is False  # probed again: no answer, nothing raised
+            assert _calls(locks, "set") == sets + 1
+            assert parker.reprobe is not None and parker.reprobe[1] > time.monotonic()
+            assert not parker.envelopes and parker.place is None
+            for _ in range(20):  # within the new window: no probe
+                assert parker.park(message) is False
+            assert _calls(locks, "set") == sets + 1
     finally:
-        consumer.connection.release()
+        locks.close()
+        app.close()

@@ -23,6 +23,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -299,6 +300,30 @@ def _nothing_left(r: redis.Redis, account: int) -> None:
 # -------------------------------------------------------------------------- tests
 
 
+@contextlib.contextmanager
+def _rig(broker: RedisServer, tmp_path: Path, rabbit: Rabbit) -> Iterator[tuple[Any, ...]]:
+    """A worker reaching RabbitMQ through a :class:`Relay`, its queues consumed once each
+    and its key warmed: (queue name, locks client, account, relay, client app, worker);
+    all stopped and closed after."""
+    name = _queues(rabbit)
+    r = broker.client()
+    account = secrets.randbelow(10**9)
+    relay = Relay().start()
+    client = _client(broker)
+    proc: CeleryProcess | None = None
+    try:
+        proc = _start(broker, tmp_path, name, relay)
+        _consumed_once(name)
+        _warm(client, name, account, r)
+        yield name, r, account, relay, client, proc
+    finally:
+        if proc is not None:
+            proc.kill()
+        client.close()
+        relay.close()
+        r.close()
+
+
 @rabbitmq
 @pytest.mark.parametrize("how", ["two cuts", "an outage"])
 def test_a_contended_key_across_broker_reconnects_runs_each_task_once_in_turn(
@@ -310,16 +335,7 @@ def test_a_contended_key_across_broker_reconnects_runs_each_task_once_in_turn(
     held or parked; after each reconnect the hand-over queue has exactly one consumer, and
     the tasks run after it follow each other by hand-over (no gap a fallback copy's wait
     long), so the queue is consumed."""
-    name = _queues(rabbit)
-    r = broker.client()
-    account = secrets.randbelow(10**9)
-    relay = Relay().start()
-    client = _client(broker)
-    proc: CeleryProcess | None = None
-    try:
-        proc = _start(broker, tmp_path, name, relay)
-        _consumed_once(name)
-        _warm(client, name, account, r)
+    with _rig(broker, tmp_path, rabbit) as (name, r, account, relay, client, proc):
         sent = _send(client, name, account, TASKS)
         cuts = [5, 12] if how == "two cuts" else [6]
         cut_at: list[float] = []
@@ -361,12 +377,6 @@ def test_a_contended_key_across_broker_reconnects_runs_each_task_once_in_turn(
         assert "could not consume the hand-over queues" not in text
         # Before the first cut, acks were held for their key's hand-over (the pairing ran).
         assert any(held for held, _found, at in _probe(r) if at < cut_at[0]), _probe(r)
-    finally:
-        if proc is not None:
-            proc.kill()
-        client.close()
-        relay.close()
-        r.close()
 
 
 class Precondition(Exception):
@@ -385,16 +395,7 @@ def test_after_a_reconnect_a_finished_tasks_ack_is_still_held_for_its_hand_over(
     """Before any connection loss, finished tasks' acks wait for their key's hand-over
     (``defer_ack`` answers True); after one, with the hand-over channel consuming again
     and tasks parked at delivery again, they should still."""
-    name = _queues(rabbit)
-    r = broker.client()
-    account = secrets.randbelow(10**9)
-    relay = Relay().start()
-    client = _client(broker)
-    proc: CeleryProcess | None = None
-    try:
-        proc = _start(broker, tmp_path, name, relay)
-        _consumed_once(name)
-        _warm(client, name, account, r)
+    with _rig(broker, tmp_path, rabbit) as (name, r, account, relay, client, proc):
         for res in _send(client, name, account, 10):
             res.get(timeout=30)
         before = _probe(r)
@@ -417,9 +418,3 @@ def test_after_a_reconnect_a_finished_tasks_ack_is_still_held_for_its_hand_over(
             f"no ack held after the reconnect ({len(after)} acks; kombu's event loop "
             f"found for {sum(found)} of them)"
         )
-    finally:
-        if proc is not None:
-            proc.kill()
-        client.close()
-        relay.close()
-        r.close()

@@ -58,6 +58,11 @@ REDIS_VT, REDIS_FALLBACK = "4", 1.0
 # --------------------------------------------------------------------------- helpers
 
 
+def _worker(r: redis.Redis, log: Path, node: str, env: dict[str, str], queue: str) -> Any:
+    """A prefork worker (2 processes) of this test's app on ``queue``."""
+    return worker(_url(r), log, concurrency=2, name=node, env=env, extra=["-Q", queue], app=APP)
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of the group ``pgid`` still runs (zombies do not count)."""
     for entry in os.listdir("/proc"):
@@ -204,15 +209,7 @@ def _scenario(
         )
         return str(sent.id)
 
-    w1 = worker(
-        _url(r),
-        tmp_path / "w1.log",
-        concurrency=2,
-        name="rd-doomed",
-        env=first_env,
-        extra=["-Q", queue],
-        app=APP,
-    )
+    w1 = _worker(r, tmp_path / "w1.log", "rd-doomed", first_env, queue)
     w2 = None
     try:
         warm = client.send_task(pra.section_job.name, args=(name, 0.0), queue=queue)
@@ -247,15 +244,7 @@ def _scenario(
             assert [h for h in held if h[0] == "hand-over"], held
         # (Held until the second worker is ready: a worker that starts while its hand-over
         # queue holds a message may die at start, test_..._hand_overs_waiting below.)
-        w2 = worker(
-            _url(r),
-            tmp_path / "w2.log",
-            concurrency=2,
-            name="rd-heir",
-            env=env,
-            extra=["-Q", queue],
-            app=APP,
-        )
+        w2 = _worker(r, tmp_path / "w2.log", "rd-heir", env, queue)
         side.release()
         wait_until(
             lambda: set(Runs(r, name).completed()) >= set(ids),
@@ -470,15 +459,7 @@ def test_a_worker_started_with_hand_overs_waiting_takes_them_in(
         ]
         wait_until(lambda: rabbit.count(handover) == 3, timeout=10)
         try:
-            proc = worker(
-                _url(r),
-                tmp_path / "w.log",
-                concurrency=2,
-                name="rd-start",
-                env=env,
-                extra=["-Q", queue],
-                app=APP,
-            )
+            proc = _worker(r, tmp_path / "w.log", "rd-start", env, queue)
         except AssertionError as exc:
             text = (tmp_path / "w.log").read_text(errors="replace")
             if "Unrecoverable error" in text and "'NoneType' object is not callable" in text:
