@@ -74,20 +74,11 @@ class HandoffChannel(bootsteps.StartStopStep):  # type: ignore[misc]
             for queue in queues:  # (Celery's consumer has not consumed yet: asynloop does)
                 consumer.cancel_by_queue(queue.name)
                 moved.append(queue)
-            own.consume()  # type: ignore[no-untyped-call]
         except Exception:
-            # Back on Celery's consumer: as without this step.
-            log.warning(
-                "redislock: could not consume the hand-over queues %s on a channel of their "
-                "own; they share the task queues' prefetch window",
-                _names(queues),
-                exc_info=True,
-            )
-            _quietly(channel.close)
-            for queue in moved:
-                consumer.add_queue(queue)
+            _back_on(c, consumer, channel, moved)
             return
         c.redislock_handoff_consumer = own
+        _consume_with(c, consumer, own, queues)
         # The consumer's hub, not kombu's get_event_loop(): asynloop resets the hub at each
         # reconnect, which unsets the event loop for good (Celery sets it once, at start).
         _state.hub = getattr(c, "hub", None)
@@ -107,6 +98,42 @@ class HandoffChannel(bootsteps.StartStopStep):  # type: ignore[misc]
             self.stop(c)
             _quietly(own.channel.close)
             c.redislock_handoff_consumer = None
+
+
+def _consume_with(c: Any, consumer: Any, own: Any, queues: list[Any]) -> None:
+    """Start ``own`` when Celery's loop starts its task ``consumer``: asynloop does so once
+    the pool is on the event loop. Started before (here, at the step's start), a delivery
+    that a later step's round trip on the connection reads (the pidbox's channel opened)
+    would reach the task handler with no pool to send it to: the worker exits at start."""
+    consume = consumer.consume
+
+    def consume_both(*args: Any, **kwargs: Any) -> Any:
+        started = consume(*args, **kwargs)
+        try:
+            own.consume()
+        except c.connection_errors:
+            raise  # (the consumer restarts)
+        except Exception:
+            _back_on(c, consumer, own.channel, queues)
+            consume(*args, **kwargs)  # (the queues just added back; the others are on)
+        return started
+
+    consumer.consume = consume_both
+
+
+def _back_on(c: Any, consumer: Any, channel: Any, queues: list[Any]) -> None:
+    """The hand-over ``queues`` back on Celery's consumer: as without this step."""
+    log.warning(
+        "redislock: could not consume the hand-over queues %s on a channel of their own; "
+        "they share the task queues' prefetch window",
+        _names(queues),
+        exc_info=True,
+    )
+    _quietly(channel.close)
+    for queue in queues:
+        consumer.add_queue(queue)
+    c.redislock_handoff_consumer = None
+    _state.active = False
 
 
 class _Pairing:

@@ -242,8 +242,8 @@ def _scenario(
         assert sum(1 for _where, task_id, _again in held if task_id == victim) >= 2, held
         if mode == "after-release":
             assert [h for h in held if h[0] == "hand-over"], held
-        # (Held until the second worker is ready: a worker that starts while its hand-over
-        # queue holds a message may die at start, test_..._hand_overs_waiting below.)
+        # (Held until the second worker is ready, so that this shows the redelivery alone;
+        # a worker starting with hand-overs waiting: test_..._hand_overs_waiting below.)
         w2 = _worker(r, tmp_path / "w2.log", "rd-heir", env, queue)
         side.release()
         wait_until(
@@ -414,18 +414,6 @@ class _DiedAtStart(AssertionError):
 
 
 @rabbitmq
-@pytest.mark.xfail(
-    strict=True,
-    raises=_DiedAtStart,
-    reason=(
-        "bug: HandoffChannel.start (celery_redislock/celery/handoff_channel.py) calls "
-        "own.consume() at once, before asynloop registers the pool with the event loop; a "
-        "later consumer step's synchronous round trip (Celery's Control step opening the "
-        "pidbox channel) makes py-amqp dispatch the hand-over queue's waiting deliveries to "
-        "the task handler, whose pool has no _quick_put yet: TypeError, 'Unrecoverable "
-        "error', the worker exits at start"
-    ),
-)
 def test_a_worker_started_with_hand_overs_waiting_takes_them_in(
     records: redis.Redis, tmp_path: Path, rabbit: Rabbit
 ) -> None:
