@@ -9,6 +9,7 @@ import json
 import secrets
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -381,3 +382,51 @@ def test_a_finished_tasks_ack_waits_for_its_keys_hand_over_at_most_briefly() -> 
         state.active, state.expected, state.waiting, state.hub = saved
         set_event_loop(None)
         hub.close()
+
+
+def test_the_hand_over_channel_consumes_when_celery_s_consumer_does() -> None:
+    """``handoff_channel._consume_with``: the hand-over consumer starts only when Celery's
+    loop starts its task consumer (not at the step's start); one that fails to start (not a
+    connection error) puts its queues back on Celery's consumer, consumed there; a
+    connection error goes to Celery (its consumer restarts)."""
+    from celery_redislock.celery import handoff_channel as hc
+
+    class Fake:
+        def __init__(self, fail: BaseException | None = None) -> None:
+            self.calls = 0
+            self.fail = fail
+            self.added: list[str] = []
+            self.channel = SimpleNamespace(close=lambda: None)
+
+        def consume(self) -> None:
+            self.calls += 1
+            if self.fail is not None:
+                raise self.fail
+
+        def add_queue(self, queue: Any) -> None:
+            self.added.append(queue.name)
+
+    queue = SimpleNamespace(name="q.redislock")
+    saved = hc._state.active
+    try:
+        c = SimpleNamespace(connection_errors=(ConnectionError,), redislock_handoff_consumer=1)
+        celery_consumer, own = Fake(), Fake()
+        hc._consume_with(c, celery_consumer, own, [queue])
+        assert own.calls == 0  # not before Celery's loop consumes
+        celery_consumer.consume()
+        assert (celery_consumer.calls, own.calls, celery_consumer.added) == (1, 1, [])
+
+        hc._state.active = True
+        celery_consumer, own = Fake(), Fake(fail=RuntimeError("refused"))
+        hc._consume_with(c, celery_consumer, own, [queue])
+        celery_consumer.consume()
+        assert celery_consumer.added == ["q.redislock"] and celery_consumer.calls == 2
+        assert c.redislock_handoff_consumer is None and not hc._state.active
+
+        celery_consumer, own = Fake(), Fake(fail=ConnectionError("lost"))
+        hc._consume_with(c, celery_consumer, own, [queue])
+        with pytest.raises(ConnectionError):
+            celery_consumer.consume()
+        assert celery_consumer.added == []
+    finally:
+        hc._state.active = saved
