@@ -48,7 +48,7 @@ from celery.worker.strategy import default as default_strategy
 from .. import signals
 from .._core import OwnerFinished, lease_ms
 from .._keyspace import HANDOFF_QUEUE_SUFFIX, parked_under
-from . import handoff_channel, queuelists, signing
+from . import handoff_channel, signing
 from .base import LockedTask
 from .clients import client_for, settings_for
 from .contention import (
@@ -62,7 +62,7 @@ from .contention import (
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
-from .queuelists import SEP, Place, place_of, queue_call, retry_at
+from .queuelists import SEP, Place, Reprobe, place_of, queue_call, reprobe_for
 from .tasklock import PARKABLE, TaskLock, TaskSemaphore, request_owner
 
 log = logging.getLogger(__name__)
@@ -175,10 +175,10 @@ class Parker:
         #: one broker), after the locks' Redis failed to answer or the broker to take a
         #: fallback copy.
         self.outage = outage if outage is not None else Outage()
-        #: (the consumer's broker URL, when its place may be probed again): the probe of a
-        #: Redis broker's place failed to get an answer, so this parks signatures until a
-        #: probe finds the place (:meth:`_probe_again`); None: the place is known.
-        self.reprobe: tuple[str, float] | None = None
+        #: The probe of a Redis broker's place failed to get an answer, so this parks
+        #: signatures until a probe in the background finds the place
+        #: (:meth:`_probed_again`); None: the place is known.
+        self.reprobe: Reprobe | None = None
 
     @classmethod
     def for_consumer(cls, task: Any, app: Any, consumer: Any) -> Parker | None:
@@ -217,8 +217,7 @@ class Parker:
             outage=_per_consumer(_outages, consumer, Outage),
         )
         uri = _broker_uri(consumer) if place is None else None
-        again = None if uri is None else retry_at(app, uri)
-        parker.reprobe = None if uri is None or again is None else (uri, again)
+        parker.reprobe = None if uri is None else reprobe_for(app, uri)
         return parker
 
     def park(self, message: Any) -> bool:
@@ -227,8 +226,8 @@ class Parker:
         (message.headers or {}).pop(LOOKAHEAD_HEADER, None)
         if self.outage.paused():
             return False  # a check failed lately: pool processes decide
-        if self.reprobe is not None and time.monotonic() >= self.reprobe[1]:
-            self._probe_again(self.reprobe[0])
+        if self.reprobe is not None:
+            self._probed_again()
         try:
             return self._park(message)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -246,20 +245,17 @@ class Parker:
             log.debug("redislock: could not park at delivery", exc_info=True)
             return False
 
-    def _probe_again(self, uri: str) -> None:
-        """The broker's place probed again (the last probe got no answer): found, this parks
-        envelopes from now on (fallback copies off); else asked again after the next window,
-        or never (an answer). Tasks parked as signatures meanwhile are handed over so."""
-        try:
-            place = place_of(self.app, uri)
-            retry = retry_at(self.app, uri) if place is None else None
-            if place is not None and _park_fallback(self.app):
-                place = None  # (``redislock_park_fallback`` on: signatures, as before)
-        except Exception:
-            log.debug("redislock: could not probe the broker's place again", exc_info=True)
-            place, retry = None, time.monotonic() + queuelists.RETRY_AFTER
-        self.reprobe = None if retry is None else (uri, retry)
-        if place is not None:
+    def _probed_again(self) -> None:
+        """The broker's place, probed again in the background (the last probe got no
+        answer): once found, this parks envelopes from now on (fallback copies off); once
+        answered otherwise, signatures for good. Tasks parked as signatures meanwhile are
+        handed over so."""
+        probed = self.reprobe.poll() if self.reprobe is not None else None
+        if probed is None:
+            return
+        self.reprobe = None
+        (place,) = probed
+        if place is not None and not _park_fallback(self.app):
             self.place, self.envelopes = place, True
             log.info(
                 "redislock: the broker's queue lists found on the locks' Redis server now; "

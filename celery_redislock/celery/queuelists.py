@@ -176,6 +176,72 @@ def retry_at(app: Any, uri: str) -> float | None:
         return _retry_at.get(app, {}).get(uri)
 
 
+class Reprobe:
+    """A probe of the broker at ``uri`` that got no answer, asked again off the caller's
+    thread once its window (``RETRY_AFTER``) is over: the worker's main loop, which parks at
+    delivery, never waits for a broker that does not answer (up to the probe's 5 s socket
+    timeouts). Shared by the callers of one app and URI (:func:`reprobe_for`): one probe
+    thread at a time."""
+
+    def __init__(self, app: Any, uri: str) -> None:
+        self._app = weakref.ref(app)
+        self.uri = uri
+        #: (place,) once a probe answered (place None: out of reach for good); else None.
+        self.answer: tuple[Place | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> tuple[Place | None] | None:
+        """The answer, if a probe gave one; else None, and a probe started in the
+        background if its window is over and none runs."""
+        answer = self.answer
+        if answer is not None or self._thread is not None:
+            return answer
+        app = self._app()
+        again = None if app is None else retry_at(app, self.uri)
+        if app is None or (again is not None and time.monotonic() < again):
+            return None
+        with self._lock:
+            if self._thread is None and self.answer is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="redislock-probe", daemon=True
+                )
+                self._thread.start()
+        return self.answer
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for a probe running now (tests)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        app = self._app()
+        try:
+            if app is not None:
+                place = place_of(app, self.uri)  # (its own errors: None and a new window)
+                if place is not None or retry_at(app, self.uri) is None:
+                    self.answer = (place,)
+        except Exception:  # not the probe's: a new window all the same
+            log.debug("redislock: could not probe the broker's place again", exc_info=True)
+            with _mutex:
+                _retry_at.setdefault(app, {})[self.uri] = time.monotonic() + RETRY_AFTER
+        finally:
+            self._thread = None
+
+
+_reprobes: weakref.WeakKeyDictionary[Any, dict[str, Reprobe]] = weakref.WeakKeyDictionary()
+
+
+def reprobe_for(app: Any, uri: str) -> Reprobe | None:
+    """The app's :class:`Reprobe` of the broker at ``uri`` if a probe of it got no answer
+    (its window runs), else None (its place is known, or it was never asked)."""
+    if retry_at(app, uri) is None:
+        return None
+    with _mutex:
+        return _reprobes.setdefault(app, {}).setdefault(uri, Reprobe(app, uri))
+
+
 def _probe(app: Any, uri: str) -> Place | None:
     locks = client_for(app)
     pool = getattr(locks, "connection_pool", None)

@@ -489,8 +489,11 @@ def test_a_consumer_started_while_the_probe_failed_parks_envelopes_once_it_succe
             assert parker.park(message) is False
         assert _calls(admin, "set") == sets and not parker.envelopes
         _window_over(app)
-        parker.reprobe = (parker.reprobe[0], 0.0)
+        reprobe = parker.reprobe
         assert parker.park(message) is False  # (not a task message: delivered)
+        reprobe.join(10)  # the probe runs in the background; the next message sees it
+        assert not parker.envelopes  # (this message went before the answer)
+        assert parker.park(message) is False
         assert parker.envelopes and parker.place == Place(1, 0) and parker.reprobe is None
         assert _calls(admin, "set") == sets + 1  # one probe
         for _ in range(5):
@@ -521,14 +524,70 @@ def test_a_consumer_whose_broker_does_not_answer_the_probe_again_keeps_parking(
             message = SimpleNamespace(headers={}, delivery_tag=1)
             sets = _calls(locks, "set")
             _window_over(app)
-            parker.reprobe = (parker.reprobe[0], 0.0)
             assert parker.park(message) is False  # probed again: no answer, nothing raised
+            parker.reprobe.join(10)
             assert _calls(locks, "set") == sets + 1
-            assert parker.reprobe is not None and parker.reprobe[1] > time.monotonic()
+            again = queuelists.retry_at(app, parker.reprobe.uri)
+            assert again is not None and again > time.monotonic()  # (a new window)
+            assert parker.park(message) is False
+            assert parker.reprobe is not None and parker.reprobe.answer is None
             assert not parker.envelopes and parker.place is None
             for _ in range(20):  # within the new window: no probe
                 assert parker.park(message) is False
             assert _calls(locks, "set") == sets + 1
     finally:
         locks.close()
+        app.close()
+
+
+def test_a_reprobe_that_gets_no_reply_does_not_hold_up_delivery(
+    redis_server: RedisServer,
+) -> None:
+    """The re-probe runs in the worker's main loop's Parker: a broker that takes the
+    probe's connection and never replies would hold every delivery up to the probe's
+    socket timeouts (5 s each). The probe runs on a thread of its own: ``park`` returns
+    while it still waits for its reply; once the reply fails, a new window, no answer."""
+    import socket
+
+    port = free_port()
+    app = Celery("attack-reprobe-stall", broker=f"redis://127.0.0.1:{port}/0")
+    app.conf.redislock_url = redis_server.url
+    accepted: list[socket.socket] = []
+    try:
+        with _consumer_parker(app) as parker:  # (refused: a window)
+            assert parker is not None and parker.reprobe is not None
+            listener = socket.create_server(("127.0.0.1", port))
+            stop = threading.Event()
+
+            def accept() -> None:  # take every connection, answer none
+                listener.settimeout(0.2)
+                while not stop.is_set():
+                    try:
+                        accepted.append(listener.accept()[0])
+                    except OSError:
+                        continue
+
+            taker = threading.Thread(target=accept, daemon=True)
+            taker.start()
+            try:
+                _window_over(app)
+                message = SimpleNamespace(headers={}, delivery_tag=1)
+                assert parker.park(message) is False
+                thread = parker.reprobe._thread
+                assert thread is not None and thread.is_alive()  # park did not wait for it
+                for _ in range(20):
+                    assert parker.park(message) is False  # one probe, not one per message
+                assert parker.reprobe._thread is thread
+            finally:
+                stop.set()
+                taker.join(5)
+                listener.close()
+                for connection in accepted:
+                    connection.close()  # the probe's read fails now
+            parker.reprobe.join(15)
+            assert parker.reprobe._thread is None and parker.reprobe.answer is None
+            again = queuelists.retry_at(app, parker.reprobe.uri)
+            assert again is not None and again > time.monotonic()
+            assert not parker.envelopes
+    finally:
         app.close()
