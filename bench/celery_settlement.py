@@ -33,6 +33,7 @@ import contextlib
 import heapq
 import itertools
 import json
+import math
 import os
 import random
 import secrets
@@ -510,6 +511,7 @@ def print_parts(path: Path, hot: str, variant: str, broker: str, repeat: int) ->
 
     try:
         found, counts = hp.parts(path, hot) if path.exists() else ({}, {})
+        tails = hp.parts(path, hot, 0.9)[0] if path.exists() else {}
     except Exception as exc:  # (a measurement's report: the run and its clean-up go on)
         log(
             f"  [{repeat + 1}] {LABELS[variant]} W2: the hand-over parts could not be read: {exc!r}"
@@ -524,11 +526,13 @@ def print_parts(path: Path, hot: str, variant: str, broker: str, repeat: int) ->
             continue
         log(
             f"  [{repeat + 1}] {LABELS[variant]} W2: a hand-over {kind}, part by part "
-            f"({int(medians['hand-overs'])} of them, medians, ms; broker {where}):"
+            f"({int(medians['hand-overs'])} of them, ms, median and p90; broker {where}):"
         )
+        tail = tails.get(kind, {})
         for label, what in steps:
             if label in medians:  # (a step not recorded in this run: left out)
-                log(f"      {label:38s} {medians[label]:6.2f}   {what}")
+                p90 = tail.get(label, math.nan)
+                log(f"      {label:38s} {medians[label]:6.2f} {p90:6.2f}   {what}")
     left = ", ".join(f"{why} {n}" for why, n in counts.items() if n)
     if left:
         log(f"  [{repeat + 1}] {LABELS[variant]} W2: gaps left out of the parts: {left}")

@@ -26,6 +26,7 @@ and pushes most hand-overs to the head of the task's own queue list (``parking``
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,7 @@ class HandoffChannel(bootsteps.StartStopStep):  # type: ignore[misc]
                 accept=consumer.accept,
                 on_decode_error=c.on_decode_error,
             )
-            own.on_message = c.create_task_handler()
+            own.on_message = functools.partial(_on_handed, c, c.create_task_handler())
             for queue in queues:  # (Celery's consumer has not consumed yet: asynloop does)
                 consumer.cancel_by_queue(queue.name)
                 moved.append(queue)
@@ -119,6 +120,52 @@ def _consume_with(c: Any, consumer: Any, own: Any, queues: list[Any]) -> None:
         return started
 
     consumer.consume = consume_both
+
+
+def _on_handed(c: Any, handler: Callable[[Any], None], message: Any) -> None:
+    """A message of a hand-over queue, to Celery's task handler, with the task queues'
+    window one narrower until it is acknowledged (:func:`_narrowed`)."""
+    _narrowed(c, message)
+    handler(message)
+
+
+def _narrowed(c: Any, message: Any) -> None:
+    """Narrow the task queues' prefetch window (Celery's ``c.qos``) by one while
+    ``message``, a handed task, is not settled (acknowledged, rejected or requeued).
+
+    Celery's window counts only the task queues' unacknowledged messages: each pool process
+    that runs a handed task leaves a place in it, which RabbitMQ fills with a backlog
+    message the worker then reserves. When the next hot-key task is handed over, that
+    reserved message is ahead of it in the pool's queue and takes the first process that
+    frees: the handed task, holding its lock, waits a whole task of another key (the p90
+    of a hot key's hand-over gap). Narrowed so, the window keeps the worker's reserved
+    backlog as Celery's own multiplier sets it. Celery applies the new value in its loop
+    (as for its ``eta`` tasks); a window at its least (1) or unbounded (0) is left so, and
+    nothing is given back for it."""
+    qos = getattr(c, "qos", None)
+    if qos is None:
+        return
+    before = qos.value
+    if qos.decrement_eventually() == before:
+        return
+    done = False
+
+    def give_back() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            qos.increment_eventually()  # (a qos replaced at a reconnect: harmless)
+
+    for name in ("ack", "reject", "requeue"):
+        settle = getattr(message, name)
+
+        def settled(*args: Any, _settle: Any = settle, **kwargs: Any) -> Any:
+            try:
+                return _settle(*args, **kwargs)
+            finally:
+                give_back()
+
+        setattr(message, name, settled)
 
 
 def _back_on(c: Any, consumer: Any, channel: Any, queues: list[Any]) -> None:
