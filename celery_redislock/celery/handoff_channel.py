@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from celery import bootsteps
 from kombu.messaging import Consumer
 
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
+from . import handoff_control
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +49,11 @@ class HandoffChannel(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         c.redislock_handoff_consumer = None
+        handoff_control.take_queues_along(c)  # (remote control: add_consumer, ...)
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
+        c.redislock_handoff_consumer = None  # (a restart: the last one's channel is gone)
         consumer = c.task_consumer
         connection = c.connection
         if consumer is None or connection is None:
@@ -83,6 +87,8 @@ class HandoffChannel(bootsteps.StartStopStep):  # type: ignore[misc]
         # The consumer's hub, not kombu's get_event_loop(): asynloop resets the hub at each
         # reconnect, which unsets the event loop for good (Celery sets it once, at start).
         _state.hub = getattr(c, "hub", None)
+        # The consumer's steps start on its loop's thread (the Evloop step runs the loop).
+        _state.loop_thread = threading.get_ident()
         _state.active = True
         log.debug("redislock: hand-over queues %s on a channel of their own", _names(queues))
 
@@ -191,6 +197,8 @@ class _Pairing:
         self.active = False  # the hand-over channel is consuming
         #: The worker consumer's event loop (kombu hub) acknowledgements wait on.
         self.hub: Any = None
+        #: The thread that runs it: the one thread that changes this state or its timers.
+        self.loop_thread: int | None = None
         #: Per lock key: its tasks this process parked at delivery, not received back yet.
         self.expected: dict[bytes, int] = {}
         #: Per lock key: acknowledgements waiting for its hand-over, oldest first.
@@ -256,12 +264,36 @@ def defer_ack(key: bytes, ack: Callable[[], None]) -> bool:
     of another key for the next free process, holding its lock. Held this briefly, the
     acknowledgement lets the handed task, which has its own channel and window, be queued
     first. The task is done and its result stored: a worker dying meanwhile gets its
-    message delivered again, and that copy finds its done marker."""
-    if not _state.active or not _state.expected.get(key):
+    message delivered again, and that copy finds its done marker.
+
+    Called on another thread than the loop's (a thread pool's, whose tasks finish off the
+    loop), it hands the decision to the loop through the hub's ``call_soon``, its one
+    thread-safe entry (the hub's timers and this module's state are the loop's alone):
+    True, and the loop holds ``ack`` or, its hand-over no longer expected, sends it."""
+    if not _state.active or not _state.expected.get(key):  # (a read: a stale answer at worst)
         return False
     hub = _state.hub
     if hub is None:
         return False
+    if threading.get_ident() != _state.loop_thread:
+        hub.call_soon(_hold_or_ack, key, ack)
+        return True
+    _hold(hub, key, ack)
+    return True
+
+
+def _hold_or_ack(key: bytes, ack: Callable[[], None]) -> None:
+    """On the loop: :func:`defer_ack`'s hold, for an ``ack`` sent from another thread."""
+    hub = _state.hub
+    if not _state.active or not _state.expected.get(key) or hub is None:
+        ack()
+    else:
+        _hold(hub, key, ack)
+
+
+def _hold(hub: Any, key: bytes, ack: Callable[[], None]) -> None:
+    """On the loop: ``ack`` waits for ``key``'s hand-over (:func:`received`), at most
+    ACK_WAIT seconds."""
     done = False
 
     def once() -> None:
@@ -286,7 +318,6 @@ def defer_ack(key: bytes, ack: Callable[[], None]) -> bool:
 
     _state.waiting.setdefault(key, []).append(once)
     hub.call_later(ACK_WAIT, timed_out)
-    return True
 
 
 def window(c: Any) -> int:
@@ -313,7 +344,9 @@ def _names(queues: list[Any]) -> str:
 def add_step(sender: Any = None, instance: Any = None, **_: Any) -> None:
     """``celeryd_init``: add the step to the worker's app's consumer blueprint (once),
     before the worker builds it. The step does nothing where no hand-over queue is
-    consumed (an app without ``LockedTask``) or the broker is not AMQP."""
+    consumed (an app without ``LockedTask``) or the broker is not AMQP. And ``inspect
+    active_queues`` lists the hand-over channel's queues too (``handoff_control``)."""
     app = getattr(instance, "app", None)
     if app is not None and HandoffChannel not in app.steps["consumer"]:
         app.steps["consumer"].add(HandoffChannel)
+    handoff_control.list_handoff_queues()

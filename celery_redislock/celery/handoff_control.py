@@ -1,0 +1,83 @@
+"""Remote control of the hand-over queues: a task queue ``q`` added to a worker by
+``celery control add_consumer q`` brings ``q.redislock`` along (as the worker's start
+does for its queues), ``cancel_consumer q`` stops both, and the hand-over queues are
+added, cancelled and listed (``inspect active_queues``) where they are consumed: on the
+hand-over channel's consumer (``handoff_channel``, RabbitMQ) when the worker has one,
+else on Celery's task consumer.
+
+Celery's commands call the worker consumer's ``add_task_queue`` / ``cancel_task_queue``
+and list its task consumer's queues; :func:`take_queues_along` wraps the two methods of
+one consumer, :func:`list_handoff_queues` the listing (once per process).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.worker import control
+
+from .._keyspace import HANDOFF_QUEUE_SUFFIX, handoff_queue
+from .base import LockedTask
+
+log = logging.getLogger(__name__)
+
+
+def locked_app(app: Any) -> bool:
+    """Whether ``app`` has a LockedTask (its workers consume the hand-over queues)."""
+    return any(isinstance(task, LockedTask) for task in app.tasks.values())
+
+
+def take_queues_along(c: Any) -> None:
+    """Wrap the worker consumer ``c``'s ``add_task_queue`` and ``cancel_task_queue``: a
+    task queue's hand-over queue goes along, and a hand-over queue is added to or
+    cancelled on ``c.redislock_handoff_consumer`` when it is set."""
+    add, cancel = c.add_task_queue, c.cancel_task_queue
+
+    def add_task_queue(queue: str, *args: Any, **kwargs: Any) -> None:
+        if not queue.endswith(HANDOFF_QUEUE_SUFFIX):
+            add(queue, *args, **kwargs)
+            if not locked_app(c.app):
+                return
+            queue, args, kwargs = handoff_queue(queue), (), {}
+        own = getattr(c, "redislock_handoff_consumer", None)
+        if own is None:
+            add(queue, *args, **kwargs)
+        elif not own.consuming_from(queue):
+            queues = c.app.amqp.queues
+            own.add_queue(queues.select_add(queues.get(queue, queue)))
+            own.consume()
+            log.info("redislock: started consuming from %s on the hand-over channel", queue)
+
+    def cancel_task_queue(queue: str) -> None:
+        names = [queue]
+        if not queue.endswith(HANDOFF_QUEUE_SUFFIX) and locked_app(c.app):
+            names.append(handoff_queue(queue))
+        for name in names:
+            cancel(name)  # (deselected for the consumer's next start, and off Celery's)
+            own = getattr(c, "redislock_handoff_consumer", None)
+            if own is not None:
+                own.cancel_by_queue(name)
+
+    c.add_task_queue, c.cancel_task_queue = add_task_queue, cancel_task_queue
+
+
+def list_handoff_queues() -> None:
+    """``inspect active_queues`` (Celery's command, which lists the task consumer's
+    queues) lists the hand-over channel's queues too; once per process."""
+    panel = control.Panel.data
+    celery_s = panel.get("active_queues")
+    if celery_s is None or getattr(celery_s, "redislock", False):
+        return
+
+    def active_queues(state: Any) -> list[Any]:
+        queues = list(celery_s(state))
+        own = getattr(state.consumer, "redislock_handoff_consumer", None)
+        if own is not None:
+            names = {queue.get("name") for queue in queues}
+            queues += [dict(q.as_dict(recurse=True)) for q in own.queues if q.name not in names]
+        return queues
+
+    active_queues.__doc__ = celery_s.__doc__
+    active_queues.redislock = True  # type: ignore[attr-defined]
+    control.inspect_command(name="active_queues")(active_queues)
