@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from celery_redislock.celery.parking import RecentKeys
@@ -127,3 +128,34 @@ class EveryKeySeen(RecentKeys):
 
     def again(self, key: bytes) -> bool:
         return True
+
+
+@contextlib.contextmanager
+def silent_server(port: int) -> Iterator[None]:
+    """A server on 127.0.0.1:``port`` that takes every connection and answers none (a
+    broker that stalls); on exit it closes them, so a read waiting on one fails."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", port))
+    listener.settimeout(0.2)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    taker = threading.Thread(target=accept, daemon=True)
+    taker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        taker.join(5)
+        listener.close()
+        for connection in accepted:
+            connection.close()

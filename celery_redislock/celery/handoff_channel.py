@@ -145,22 +145,21 @@ def _narrowed(c: Any, message: Any) -> None:
     reserved message is ahead of it in the pool's queue and takes the first process that
     frees: the handed task, holding its lock, waits a whole task of another key (the p90
     of a hot key's hand-over gap). Narrowed so, the window keeps the worker's reserved
-    backlog as Celery's own multiplier sets it. Celery applies the new value in its loop
-    (as for its ``eta`` tasks); a window at its least (1) or unbounded (0) is left so, and
-    nothing is given back for it."""
+    backlog as Celery's own multiplier sets it. The window Celery's loop sends is its own
+    less the handed tasks running (:class:`_Narrowing`), at least 1; an unbounded one (0)
+    is left so."""
     qos = getattr(c, "qos", None)
-    if qos is None:
+    if qos is None or not qos.value:
         return
-    before = qos.value
-    if qos.decrement_eventually() == before:
-        return
+    narrowing = _Narrowing.of(qos)
+    narrowing.change(1)
     done = False
 
     def give_back() -> None:
         nonlocal done
         if not done:
             done = True
-            qos.increment_eventually()  # (a qos replaced at a reconnect: harmless)
+            narrowing.change(-1)  # (a qos replaced at a reconnect: harmless)
 
     for name in ("ack", "reject", "requeue"):
         settle = getattr(message, name)
@@ -172,6 +171,42 @@ def _narrowed(c: Any, message: Any) -> None:
                 give_back()
 
         setattr(message, name, settled)
+
+
+class _Narrowing:
+    """The handed tasks running against one Celery ``qos`` (kombu ``QoS``), taken off the
+    window where it is sent to the broker (its callback), never off Celery's own value:
+    Celery's relative changes (its ``eta`` tasks, the autoscaler) would otherwise be lost
+    to kombu's floor of 1 or cap (``worker_eta_task_limit``) on a narrowed value, and the
+    values it sets outright (after a reconnect) would drop a narrowing whose give-back then
+    widens the window past Celery's for good."""
+
+    def __init__(self, qos: Any) -> None:
+        self.qos = qos
+        self.count = 0
+        self._lock = threading.Lock()
+        self._send = qos.callback
+        qos.callback = self._sent
+
+    @classmethod
+    def of(cls, qos: Any) -> _Narrowing:
+        narrowing = getattr(qos, "redislock_narrowing", None)
+        if narrowing is None:
+            narrowing = qos.redislock_narrowing = cls(qos)
+        return narrowing
+
+    def window(self, value: int) -> int:
+        return max(1, value - self.count) if value else value
+
+    def _sent(self, prefetch_count: int, **kwargs: Any) -> Any:
+        return self._send(prefetch_count=self.window(prefetch_count), **kwargs)
+
+    def change(self, n: int) -> None:
+        with self._lock:
+            before = self.window(self.qos.value)
+            self.count += n
+            if self.window(self.qos.value) != before:
+                self.qos.prev = None  # Celery's loop sends it (``qos.prev != qos.value``)
 
 
 def _back_on(c: Any, consumer: Any, channel: Any, queues: list[Any]) -> None:

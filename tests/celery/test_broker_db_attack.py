@@ -29,6 +29,7 @@ from celery_redislock.celery.tasklock import TaskLock
 from celery_redislock.testing import RedisServer, free_port
 
 from .. import celery_app as ca
+from .._celery import silent_server
 from .test_broker_db import broker_db1 as broker_db1
 
 
@@ -547,29 +548,13 @@ def test_a_reprobe_that_gets_no_reply_does_not_hold_up_delivery(
     probe's connection and never replies would hold every delivery up to the probe's
     socket timeouts (5 s each). The probe runs on a thread of its own: ``park`` returns
     while it still waits for its reply; once the reply fails, a new window, no answer."""
-    import socket
-
     port = free_port()
     app = Celery("attack-reprobe-stall", broker=f"redis://127.0.0.1:{port}/0")
     app.conf.redislock_url = redis_server.url
-    accepted: list[socket.socket] = []
     try:
         with _consumer_parker(app) as parker:  # (refused: a window)
             assert parker is not None and parker.reprobe is not None
-            listener = socket.create_server(("127.0.0.1", port))
-            stop = threading.Event()
-
-            def accept() -> None:  # take every connection, answer none
-                listener.settimeout(0.2)
-                while not stop.is_set():
-                    try:
-                        accepted.append(listener.accept()[0])
-                    except OSError:
-                        continue
-
-            taker = threading.Thread(target=accept, daemon=True)
-            taker.start()
-            try:
+            with silent_server(port):  # (at its exit the probe's read fails)
                 _window_over(app)
                 message = SimpleNamespace(headers={}, delivery_tag=1)
                 assert parker.park(message) is False
@@ -578,12 +563,6 @@ def test_a_reprobe_that_gets_no_reply_does_not_hold_up_delivery(
                 for _ in range(20):
                     assert parker.park(message) is False  # one probe, not one per message
                 assert parker.reprobe._thread is thread
-            finally:
-                stop.set()
-                taker.join(5)
-                listener.close()
-                for connection in accepted:
-                    connection.close()  # the probe's read fails now
             parker.reprobe.join(15)
             assert parker.reprobe._thread is None and parker.reprobe.answer is None
             again = queuelists.retry_at(app, parker.reprobe.uri)

@@ -1,0 +1,50 @@
+"""The broker's place re-probed in the background (``queuelists.Reprobe``) while the
+worker's main loop needs that place for something else than parking: a hand-over the main
+process runs itself (``LockedRequest._release_for_task``, for a revoked task or a dead
+child) builds its push targets (``envelope.push_targets`` -> ``broker_answer`` ->
+``place_of``), and ``place_of`` takes the one-probe-at-a-time lock before it looks at the
+window: it waits for the background probe, up to its socket timeouts."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from celery import Celery
+
+from celery_redislock.celery.envelope import push_targets
+from celery_redislock.testing import RedisServer, free_port
+
+from .._celery import silent_server
+from .test_broker_db_attack import _consumer_parker, _window_over
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="place_of takes queuelists._probing before its window check, and the background "
+    "re-probe holds it for the whole probe: a main-process hand-over waits for a broker "
+    "that never replies (up to the probe's 5 s socket timeout), as before the Reprobe; a fix "
+    "needs place_of's callers to choose between waiting and not (a consumer start waits)",
+)
+def test_a_main_process_hand_over_does_not_wait_for_the_background_probe(
+    redis_server: RedisServer,
+) -> None:
+    port = free_port()
+    app = Celery("attack-reprobe-push-targets", broker=f"redis://127.0.0.1:{port}/0")
+    app.conf.redislock_url = redis_server.url
+    try:
+        with _consumer_parker(app) as parker:  # (refused: a window)
+            assert parker is not None and parker.reprobe is not None
+            with silent_server(port):
+                _window_over(app)
+                assert parker.park(SimpleNamespace(headers={}, delivery_tag=1)) is False
+                thread = parker.reprobe._thread
+                assert thread is not None and thread.is_alive()  # (the probe waits)
+                began = time.monotonic()
+                push_targets(app)  # what the main process's hand-over asks first
+                took = time.monotonic() - began
+            parker.reprobe.join(15)
+            assert took < 1.0, f"the main loop waited {took:.1f} s for the background probe"
+    finally:
+        app.close()
