@@ -94,13 +94,17 @@ def place_of(app: Any, uri: str) -> Place | None:
     broker's server does not have or a broker user refused the probe key; another database
     without ``redislock_queues_in_other_db``, not probed). Probed once per app and URI in a
     process; a probe that failed to get an answer (a connection error, a timeout) counts as
-    None and runs again after ``RETRY_AFTER`` seconds."""
+    None and runs again after ``RETRY_AFTER`` seconds. While a :class:`Reprobe` of it runs
+    on another thread, None at once (the caller does not wait for it)."""
     if not uri.startswith(("redis://", "rediss://", "unix://")):
         return None
     with _mutex:
         known = _places.setdefault(app, {})
         if uri in known:
             return known[uri]
+        reprobe = _reprobes.get(app, {}).get(uri)
+    if reprobe is not None and reprobe.probing_elsewhere():
+        return None  # (the worker's main loop: never waits for a background probe)
     with _probing:
         with _mutex:
             if uri in known:  # (found while this caller waited)
@@ -208,6 +212,11 @@ class Reprobe:
                 )
                 self._thread.start()
         return self.answer
+
+    def probing_elsewhere(self) -> bool:
+        """Whether this probe runs now, on another thread than the caller's."""
+        thread = self._thread
+        return thread is not None and thread is not threading.current_thread()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for a probe running now (tests)."""

@@ -101,6 +101,13 @@ def _window_over(app: Any) -> None:
         envelope._push_targets[app] = (*cached[:4], 0.0)
 
 
+@pytest.fixture(autouse=True)
+def _shared_app_configured(celery_broker: RedisServer) -> None:
+    """The shared test app (whose task ``_consumer_parker`` reads the lock options of) is
+    configured before any test here first reads and caches its settings: a later test
+    file of the same process would otherwise find them made for the default URL."""
+
+
 @contextlib.contextmanager
 def _consumer_parker(app: Any) -> Iterator[Parker | None]:
     """``Parker.for_consumer`` for ``hold_for`` with a consumer whose connection is the

@@ -2,15 +2,15 @@
 worker's main loop needs that place for something else than parking: a hand-over the main
 process runs itself (``LockedRequest._release_for_task``, for a revoked task or a dead
 child) builds its push targets (``envelope.push_targets`` -> ``broker_answer`` ->
-``place_of``), and ``place_of`` takes the one-probe-at-a-time lock before it looks at the
-window: it waits for the background probe, up to its socket timeouts."""
+``place_of``). It must not wait for the background probe (it took the one-probe-at-a-time
+lock before it looked at the window, and so waited up to the probe's socket timeouts):
+while a re-probe runs on another thread, ``place_of`` answers None at once."""
 
 from __future__ import annotations
 
 import time
 from types import SimpleNamespace
 
-import pytest
 from celery import Celery
 
 from celery_redislock.celery.envelope import push_targets
@@ -20,16 +20,11 @@ from .._celery import silent_server
 from .test_broker_db_attack import _consumer_parker, _window_over
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="place_of takes queuelists._probing before its window check, and the background "
-    "re-probe holds it for the whole probe: a main-process hand-over waits for a broker "
-    "that never replies (up to the probe's 5 s socket timeout), as before the Reprobe; a fix "
-    "needs place_of's callers to choose between waiting and not (a consumer start waits)",
-)
 def test_a_main_process_hand_over_does_not_wait_for_the_background_probe(
-    redis_server: RedisServer,
+    redis_server: RedisServer, celery_broker: RedisServer
 ) -> None:
+    """(``celery_broker``: the shared test app's task, whose lock options the Parker reads,
+    is configured before its settings are first read and cached.)"""
     port = free_port()
     app = Celery("attack-reprobe-push-targets", broker=f"redis://127.0.0.1:{port}/0")
     app.conf.redislock_url = redis_server.url
