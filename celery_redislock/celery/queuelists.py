@@ -86,6 +86,9 @@ def _forked() -> None:
     global _mutex, _probing
     _mutex = threading.Lock()
     _probing = threading.Lock()
+    # A re-probe's thread is not the child's: one copied as running would answer "not
+    # known" for good there (``place_of``). The child probes for itself.
+    _reprobes.clear()
 
 
 def place_of(app: Any, uri: str) -> Place | None:

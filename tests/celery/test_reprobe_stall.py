@@ -43,3 +43,37 @@ def test_a_main_process_hand_over_does_not_wait_for_the_background_probe(
             assert took < 1.0, f"the main loop waited {took:.1f} s for the background probe"
     finally:
         app.close()
+
+
+def test_a_child_forked_while_the_background_probe_runs_probes_for_itself(
+    redis_server: RedisServer, celery_broker: RedisServer
+) -> None:
+    """A pool process forked (a replaced child) while the main process's re-probe runs
+    must not inherit that re-probe as running: its ``place_of`` would answer "not known"
+    for good. The child starts with no re-probes."""
+    import os
+
+    from celery_redislock.celery import queuelists
+
+    port = free_port()
+    app = Celery("attack-reprobe-fork", broker=f"redis://127.0.0.1:{port}/0")
+    app.conf.redislock_url = redis_server.url
+    try:
+        with _consumer_parker(app) as parker:
+            assert parker is not None and parker.reprobe is not None
+            with silent_server(port):
+                _window_over(app)
+                parker.park(SimpleNamespace(headers={}, delivery_tag=1))
+                assert parker.reprobe.probing_elsewhere()
+                pid = os.fork()
+                if pid == 0:  # the child: report through the exit code only
+                    code = 1
+                    try:
+                        code = 0 if not queuelists._reprobes.get(app) else 3
+                    finally:
+                        os._exit(code)
+                _, status = os.waitpid(pid, 0)
+            parker.reprobe.join(15)
+            assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        app.close()
