@@ -539,6 +539,12 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
                 runon.unrun(self.app, handed, lease_ms(self.lock_options().ttl, "lock_ttl"))
 
 
+def has_locked_tasks(app: Any) -> bool:
+    """Whether ``app`` has a LockedTask (its workers check their settings at start, sweep,
+    and consume the hand-over queues)."""
+    return any(isinstance(task, LockedTask) for task in app.tasks.values())
+
+
 def _header(request: Any, name: str) -> Any:
     """A custom header of the request's message (Celery gives them as attributes too)."""
     headers = getattr(request, "headers", None)

@@ -57,7 +57,7 @@ from kombu.utils.imports import symbol_by_name
 
 from .._errors import LockConfigurationError
 from ..settings import TaskRule, pattern_regex, task_patterns, task_rules
-from .base import LockedTask
+from .base import LockedTask, has_locked_tasks
 from .worker import LockedRequest, _check_settings_at_worker_start
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ def _at_worker_start(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or app.conf.get(SETTING) is None:
         return
-    had_locked = any(isinstance(t, LockedTask) for t in app.tasks.values())
+    had_locked = has_locked_tasks(app)
     try:
         outcome = configure_tasks(app)
     except Exception as failure:  # Celery would log and swallow it: the worker would run

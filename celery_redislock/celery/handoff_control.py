@@ -18,14 +18,9 @@ from typing import Any
 from celery.worker import control
 
 from .._keyspace import HANDOFF_QUEUE_SUFFIX, handoff_queue
-from .base import LockedTask
+from .base import has_locked_tasks
 
 log = logging.getLogger(__name__)
-
-
-def locked_app(app: Any) -> bool:
-    """Whether ``app`` has a LockedTask (its workers consume the hand-over queues)."""
-    return any(isinstance(task, LockedTask) for task in app.tasks.values())
 
 
 def take_queues_along(c: Any) -> None:
@@ -37,7 +32,7 @@ def take_queues_along(c: Any) -> None:
     def add_task_queue(queue: str, *args: Any, **kwargs: Any) -> None:
         if not queue.endswith(HANDOFF_QUEUE_SUFFIX):
             add(queue, *args, **kwargs)
-            if not locked_app(c.app):
+            if not has_locked_tasks(c.app):
                 return
             queue, args, kwargs = handoff_queue(queue), (), {}
         own = getattr(c, "redislock_handoff_consumer", None)
@@ -51,7 +46,7 @@ def take_queues_along(c: Any) -> None:
 
     def cancel_task_queue(queue: str) -> None:
         names = [queue]
-        if not queue.endswith(HANDOFF_QUEUE_SUFFIX) and locked_app(c.app):
+        if not queue.endswith(HANDOFF_QUEUE_SUFFIX) and has_locked_tasks(c.app):
             names.append(handoff_queue(queue))
         for name in names:
             cancel(name)  # (deselected for the consumer's next start, and off Celery's)

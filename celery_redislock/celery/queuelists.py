@@ -188,20 +188,25 @@ class Reprobe:
     thread once its window (``RETRY_AFTER``) is over: the worker's main loop, which parks at
     delivery, never waits for a broker that does not answer (up to the probe's 5 s socket
     timeouts). Shared by the callers of one app and URI (:func:`reprobe_for`): one probe
-    thread at a time."""
+    thread at a time. Its answer is :func:`place_of`'s, kept where that keeps it."""
 
     def __init__(self, app: Any, uri: str) -> None:
         self._app = weakref.ref(app)
         self.uri = uri
-        #: (place,) once a probe answered (place None: out of reach for good); else None.
-        self.answer: tuple[Place | None] | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+
+    def answered(self) -> tuple[Place | None] | None:
+        """(place,) once a probe answered (place None: out of reach for good); else None."""
+        app = self._app()
+        with _mutex:
+            known = _places.get(app, {}) if app is not None else {}
+            return (known[self.uri],) if self.uri in known else None
 
     def poll(self) -> tuple[Place | None] | None:
         """The answer, if a probe gave one; else None, and a probe started in the
         background if its window is over and none runs."""
-        answer = self.answer
+        answer = self.answered()
         if answer is not None or self._thread is not None:
             return answer
         app = self._app()
@@ -209,12 +214,12 @@ class Reprobe:
         if app is None or (again is not None and time.monotonic() < again):
             return None
         with self._lock:
-            if self._thread is None and self.answer is None:
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="redislock-probe", daemon=True
                 )
                 self._thread.start()
-        return self.answer
+        return None
 
     def probing_elsewhere(self) -> bool:
         """Whether this probe runs now, on another thread than the caller's."""
@@ -231,9 +236,7 @@ class Reprobe:
         app = self._app()
         try:
             if app is not None:
-                place = place_of(app, self.uri)  # (its own errors: None and a new window)
-                if place is not None or retry_at(app, self.uri) is None:
-                    self.answer = (place,)
+                place_of(app, self.uri)  # (its own errors: no answer and a new window)
         except Exception:  # not the probe's: a new window all the same
             log.debug("redislock: could not probe the broker's place again", exc_info=True)
             with _mutex:
@@ -251,7 +254,11 @@ def reprobe_for(app: Any, uri: str) -> Reprobe | None:
     if retry_at(app, uri) is None:
         return None
     with _mutex:
-        return _reprobes.setdefault(app, {}).setdefault(uri, Reprobe(app, uri))
+        reprobes = _reprobes.setdefault(app, {})
+        found = reprobes.get(uri)
+        if found is None:
+            found = reprobes[uri] = Reprobe(app, uri)
+        return found
 
 
 def _probe(app: Any, uri: str) -> Place | None:

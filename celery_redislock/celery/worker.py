@@ -19,8 +19,8 @@ from .._core import lease_ms
 from .._errors import LockConfigurationError
 from .._keyspace import HANDOFF_QUEUE_SUFFIX
 from ..settings import check_latest
-from . import handoff_channel, handoff_control, runon
-from .base import LockedTask
+from . import handoff_channel, runon
+from .base import LockedTask, has_locked_tasks
 from .clients import _clients, client_for, settings_for
 from .deferral import Drainer, _drainers
 from .handover import deliver_handed_over, handoff_queue
@@ -146,7 +146,7 @@ celery_signals.task_postrun.connect(_end_run, weak=False)
 def _check_settings_at_worker_start(sender: Any = None, **_: Any) -> None:
     """Fail the worker at start, not mid-task, when its app's redislock settings are bad."""
     app = getattr(sender, "app", None)
-    if app is None or not handoff_control.locked_app(app):
+    if app is None or not has_locked_tasks(app):
         return
     metrics.enable()
     try:
@@ -223,7 +223,7 @@ def _consume_handoff_queues(sender: Any = None, instance: Any = None, **_: Any) 
     """Every worker also consumes ``<q>.redislock`` for each queue ``q`` it consumes (from
     its start; remote control's ``add_consumer q`` adds it too: ``handoff_control``)."""
     app = getattr(instance, "app", None)
-    if app is None or not handoff_control.locked_app(app):
+    if app is None or not has_locked_tasks(app):
         return
     queues = app.amqp.queues
     for name in list(queues.consume_from or queues):
@@ -233,7 +233,7 @@ def _consume_handoff_queues(sender: Any = None, instance: Any = None, **_: Any) 
 
 def _start_sweeper(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
-    if app is None or not handoff_control.locked_app(app):
+    if app is None or not has_locked_tasks(app):
         return
     if app not in _sweepers:
         sweeper = _sweepers[app] = Sweeper(app)

@@ -538,13 +538,38 @@ def test_a_consumer_whose_broker_does_not_answer_the_probe_again_keeps_parking(
             again = queuelists.retry_at(app, parker.reprobe.uri)
             assert again is not None and again > time.monotonic()  # (a new window)
             assert parker.park(message) is False
-            assert parker.reprobe is not None and parker.reprobe.answer is None
+            assert parker.reprobe is not None and parker.reprobe.answered() is None
             assert not parker.envelopes and parker.place is None
             for _ in range(20):  # within the new window: no probe
                 assert parker.park(message) is False
             assert _calls(locks, "set") == sets + 1
     finally:
         locks.close()
+        app.close()
+
+
+@contextlib.contextmanager
+def stalled_reprobe(locks_url: str, name: str) -> Iterator[tuple[Celery, Parker]]:
+    """An app whose Redis broker refused the consumer's first probe (a window), and its
+    consumer's Parker, whose first delivery after the window has started the re-probe in
+    the background against a broker that takes the connection and never replies: the
+    probe waits for its reply while the caller's block runs; at the block's end the
+    broker's connections close (the probe's read fails: a new window) and it is joined."""
+    port = free_port()
+    app = Celery(name, broker=f"redis://127.0.0.1:{port}/0")
+    app.conf.redislock_url = locks_url
+    try:
+        with _consumer_parker(app) as parker:  # (refused: a window)
+            assert parker is not None and parker.reprobe is not None
+            try:
+                with silent_server(port):
+                    _window_over(app)
+                    assert parker.park(SimpleNamespace(headers={}, delivery_tag=1)) is False
+                    assert parker.reprobe.probing_elsewhere()  # park did not wait for it
+                    yield app, parker
+            finally:
+                parker.reprobe.join(15)
+    finally:
         app.close()
 
 
@@ -555,25 +580,14 @@ def test_a_reprobe_that_gets_no_reply_does_not_hold_up_delivery(
     probe's connection and never replies would hold every delivery up to the probe's
     socket timeouts (5 s each). The probe runs on a thread of its own: ``park`` returns
     while it still waits for its reply; once the reply fails, a new window, no answer."""
-    port = free_port()
-    app = Celery("attack-reprobe-stall", broker=f"redis://127.0.0.1:{port}/0")
-    app.conf.redislock_url = redis_server.url
-    try:
-        with _consumer_parker(app) as parker:  # (refused: a window)
-            assert parker is not None and parker.reprobe is not None
-            with silent_server(port):  # (at its exit the probe's read fails)
-                _window_over(app)
-                message = SimpleNamespace(headers={}, delivery_tag=1)
-                assert parker.park(message) is False
-                thread = parker.reprobe._thread
-                assert thread is not None and thread.is_alive()  # park did not wait for it
-                for _ in range(20):
-                    assert parker.park(message) is False  # one probe, not one per message
-                assert parker.reprobe._thread is thread
-            parker.reprobe.join(15)
-            assert parker.reprobe._thread is None and parker.reprobe.answer is None
-            again = queuelists.retry_at(app, parker.reprobe.uri)
-            assert again is not None and again > time.monotonic()
-            assert not parker.envelopes
-    finally:
-        app.close()
+    with stalled_reprobe(redis_server.url, "attack-reprobe-stall") as (app, parker):
+        assert parker.reprobe is not None
+        reprobe, thread = parker.reprobe, parker.reprobe._thread
+        message = SimpleNamespace(headers={}, delivery_tag=1)
+        for _ in range(20):
+            assert parker.park(message) is False  # one probe, not one per message
+        assert reprobe._thread is thread
+    assert reprobe._thread is None and reprobe.answered() is None
+    again = queuelists.retry_at(app, reprobe.uri)
+    assert again is not None and again > time.monotonic()
+    assert not parker.envelopes
