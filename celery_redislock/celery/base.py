@@ -109,7 +109,6 @@ from typing import Any, ClassVar
 
 from celery.exceptions import Ignore, Retry
 
-from .. import signals
 from .._core import MAX_SECONDS, OwnerFinished, OwnerRunning, lease_ms
 from .._deferred import UNREACHABLE
 from .._errors import (
@@ -122,7 +121,7 @@ from .._keyspace import run_key
 from ..keys import KeyTemplate
 from ..semaphore import validate_limit
 from ..settings import APP_SETTING, LockOptions
-from . import runon, signing
+from . import duplicates, runon, signing
 from .clients import settings_for
 from .contention import DEAD_LETTER_HEADERS, FIRST_TRY_HEADER, Contention, _Call, first_try
 from .deferral import BOOKED_HEADER, admit_or_defer
@@ -327,13 +326,7 @@ class LockedTask(LastCallWins, Contention, DirectCalls):
                 else:
                     return self._contended(call, duplicate=False)
         except OwnerFinished:
-            log.info(
-                "redislock: %s[%s] already finished under %r; duplicate delivery ignored",
-                self.name,
-                request.id,
-                name,
-            )
-            signals.task_duplicate.send(self, name=name, task_id=request.id)
+            duplicates.ignored(self, name, request.id)
             raise Ignore() from None
         except OwnerRunning:
             # Another delivery of this very run holds the lock (running, or just died and

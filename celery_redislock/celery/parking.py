@@ -59,6 +59,7 @@ from .contention import (
     _request,
     first_try,
 )
+from .duplicates import finished_copy, ignored
 from .envelope import TAG_PREFIX, envelope_entry, envelope_lock_key
 from .handover import _report_refused, deliver_handed_over, refuse_handed_over
 from .lookahead import LOOKAHEAD_HEADER
@@ -281,6 +282,8 @@ class Parker:
         if options.on_contention != "requeue":
             return False
         handed = self.envelopes and str(message.delivery_tag).startswith(TAG_PREFIX)
+        if not self.envelopes and finished_copy(task, message, headers, options):
+            return True  # back from its delay queue after its run ended: dropped here
         count = int(headers.get(REQUEUE_HEADER) or 0)
         if count >= options.max_requeues and not handed:
             return False
@@ -344,7 +347,8 @@ class Parker:
         try:
             outcome = lock.park(entry, keep_for, behind=True)
         except OwnerFinished:
-            return False  # the pool process logs the duplicate and ignores it
+            ignored(task, str(name), task_id, at_delivery=True)
+            return True  # a delivery of a finished run: dropped here, as a pool process would
         if outcome is None or outcome is True:
             self.held.pop(key, None)  # free (or this task's): probed again next
             return False

@@ -90,11 +90,60 @@ def test_a_rabbitmq_worker_parks_a_busy_keys_tasks_before_dispatch(
         tokens = [holder.get(timeout=30)] + [result.get(timeout=30) for result in parked]
         assert tokens == sorted(tokens) and len(set(tokens)) == 6  # in line, one at a time
         assert _started(r, "sg") == [holder.id] + [result.id for result in parked]
-        # Back from the delay queue after 2 s, each copy finds its run's done marker.
+        # Back from the delay queue after 2 s, each copy is found done by the main process
+        # (the run's done marker), which drops it before any pool process gets it.
         wait_until(lambda: proc.text().count("duplicate delivery ignored") == 5, timeout=20)
-        assert rabbit.count(delayed) == 0
+        assert proc.text().count("duplicate delivery ignored at delivery") == 5
+        for result in parked:  # received once: its hand-over (the copy never dispatched)
+            assert proc.text().count(f"[{result.id}] received") == 1
+        assert rabbit.count(delayed) == 0 and rabbit.count(name) == 0
         assert _started(r, "sg") == [holder.id] + [result.id for result in parked]
         _nothing_left(r, "sg")
+        assert "ERROR" not in proc.text()
+    finally:
+        proc.kill()
+        client.close()
+
+
+@rabbitmq
+def test_finished_runs_copies_and_duplicates_are_dropped_at_delivery_while_the_key_is_held(
+    broker: RedisServer, tmp_path: Path, rabbit: Rabbit
+) -> None:
+    """Three tasks parked at delivery run through their hand-overs within the first
+    holder's second; a second holder then keeps the key busy while their fallback copies
+    come back from the delay queue (2 s) and while a duplicate of the first finished run
+    (same task id) is sent. The main process drops all four (each run's done marker), so
+    no pool process gets one: every run started once and was received once (its
+    hand-over), the queues are empty and nothing is left held."""
+    name, delayed = _names(rabbit)
+    r = broker.client()
+    proc, client = _rabbit_worker(broker, tmp_path, name)
+    try:
+
+        def send(seconds: float, **options: Any) -> Any:
+            return client.send_task(ca.hold_for.name, args=("fd", seconds), queue=name, **options)
+
+        send(0.0).get(timeout=30)  # the key comes again: its next messages are checked
+        r.delete("started:fd")
+        holder = send(1.0)
+        wait_until(lambda: r.llen("started:fd") == 1, timeout=15)
+        parked = [send(0.02) for _ in range(3)]
+        wait_until(lambda: proc.text().count("before dispatch; fallback copy in 2.0s") == 3)
+        for result in (holder, *parked):
+            result.get(timeout=30)
+        second = send(4.0)
+        wait_until(lambda: r.llen("started:fd") == 5, timeout=15)
+        assert rabbit.count(delayed) == 3  # the copies are still in their delay queue
+        send(0.02, task_id=parked[0].id)  # a duplicate of a finished run, its key busy
+        wait_until(lambda: proc.text().count("duplicate delivery ignored") == 4, timeout=20)
+        assert r.exists("redislock:{job:fd}")  # the second holder still runs: key held
+        assert proc.text().count("duplicate delivery ignored at delivery") == 4
+        second.get(timeout=30)
+        assert _started(r, "fd") == [holder.id, *(result.id for result in parked), second.id]
+        for result in parked:  # received once: its hand-over (copy, duplicate never dispatched)
+            assert proc.text().count(f"[{result.id}] received") == 1
+        assert rabbit.count(delayed) == 0 and rabbit.count(name) == 0
+        _nothing_left(r, "fd")
         assert "ERROR" not in proc.text()
     finally:
         proc.kill()
