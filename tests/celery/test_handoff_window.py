@@ -89,6 +89,26 @@ def test_a_settle_that_fails_still_gives_the_place_back() -> None:
     assert _window(c) == 2
 
 
+def test_a_give_back_after_a_reconnect_leaves_the_new_window_alone() -> None:
+    """Celery's consumer restarts (a new connection: a new qos) while a handed task runs,
+    and a handed task of the new connection narrows the new window: the first one's
+    give-back, after that (its ack failing with its connection), goes to the old qos
+    only; the new window stays narrowed, and nothing is sent for it."""
+    c, old = _consumer(2), _message(1, fail=True)
+    hc._narrowed(c, old)
+    assert _window(c) == 1
+    restarted = _consumer(2)
+    c.qos, c.sent = restarted.qos, restarted.sent  # (Tasks.start: a new QoS)
+    new = _message(2)
+    hc._narrowed(c, new)
+    assert _window(c) == 1
+    with pytest.raises(ConnectionError):
+        old.ack()
+    assert _window(c) == 1 and c.sent == [2, 1]
+    new.ack()
+    assert _window(c) == 2 and c.qos.value == 2
+
+
 @pytest.mark.parametrize("value", [0, 1])
 def test_a_window_at_its_least_or_unbounded_is_left_so(value: int) -> None:
     """A window of 1 is not narrowed (none of 0), and nothing is given back for it: the
