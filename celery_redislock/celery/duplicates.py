@@ -13,9 +13,11 @@ worker's main process finds it out at delivery, before any pool process is taken
   script finds done (a duplicate of a finished run while its key is busy).
 
 Either way the message is logged and signalled as a pool process would (``task_duplicate``,
-from the main process there), then acknowledged without running. The done marker is read
-with the same trust as the acquire's (docs/security.md): whoever may write the lock keys
-can make a run look finished, to a pool process as to the main process.
+from the main process there, with the request a pool process would have run it with as
+the task's request: receivers, the series' ``queue_name`` among them, read it there), then
+acknowledged without running. The done marker is read with the same trust as the
+acquire's (docs/security.md): whoever may write the lock keys can make a run look
+finished, to a pool process as to the main process.
 """
 
 from __future__ import annotations
@@ -25,23 +27,36 @@ from typing import Any
 
 from .. import signals
 from ..settings import LockOptions
-from .contention import DEAD_LETTER_HEADERS
+from .contention import DEAD_LETTER_HEADERS, _request
 from .tasklock import PARKABLE, request_owner
 
 log = logging.getLogger(__name__)
 
 
-def ignored(task: Any, name: str, task_id: Any, *, at_delivery: bool = False) -> None:
+def ignored(task: Any, name: str, task_id: Any, *, message: Any = None) -> None:
     """Log and signal a delivery of a finished run of ``task`` under lock ``name``, which the
-    caller drops (a pool process: ``Ignore``; the main process: it acks the message)."""
+    caller drops (a pool process: ``Ignore``; the main process: it acks the message).
+
+    ``message``: the broker's message, where the worker's main process drops it: the
+    request a pool process would have run it with (``contention._request``) is the task's
+    request while the signal is sent (there is none there otherwise: a receiver would
+    find no id, queue or headers)."""
     log.info(
         "redislock: %s[%s] already finished under %r; duplicate delivery ignored%s",
         task.name,
         task_id,
         name,
-        " at delivery" if at_delivery else "",
+        "" if message is None else " at delivery",
     )
-    signals.task_duplicate.send(task, name=name, task_id=task_id)
+    if message is None:
+        signals.task_duplicate.send(task, name=name, task_id=task_id)
+        return
+    args, kwargs, embed = message.decode()  # (kombu keeps the decoded body: no second decoding)
+    task.request_stack.push(_request(message, message.headers or {}, args, kwargs, embed))
+    try:
+        signals.task_duplicate.send(task, name=name, task_id=task_id)
+    finally:
+        task.request_stack.pop()
 
 
 def finished_copy(task: Any, message: Any, headers: dict[str, Any], options: LockOptions) -> bool:
@@ -55,5 +70,5 @@ def finished_copy(task: Any, message: Any, headers: dict[str, Any], options: Loc
     lock = task.run_lock(args, kwargs, request_owner(headers), options)
     if not isinstance(lock, PARKABLE) or not lock.client.exists(lock.done_key):
         return False
-    ignored(task, str(lock.name), headers.get("id"), at_delivery=True)
+    ignored(task, str(lock.name), headers.get("id"), message=message)
     return True

@@ -347,7 +347,7 @@ class Parker:
         try:
             outcome = lock.park(entry, keep_for, behind=True)
         except OwnerFinished:
-            ignored(task, str(name), task_id, at_delivery=True)
+            ignored(task, str(name), task_id, message=message)
             return True  # a delivery of a finished run: dropped here, as a pool process would
         if outcome is None or outcome is True:
             self.held.pop(key, None)  # free (or this task's): probed again next

@@ -17,7 +17,7 @@ import pytest
 import redis
 from celery import chain
 
-from celery_redislock import RedisLock
+from celery_redislock import RedisLock, series
 from celery_redislock.celery import signing
 from celery_redislock.celery.clients import settings_for
 from celery_redislock.celery.contention import DELAY_QUEUE_PREFIX, FIRST_TRY_HEADER, REQUEUE_HEADER
@@ -114,7 +114,8 @@ def test_finished_runs_copies_and_duplicates_are_dropped_at_delivery_while_the_k
     come back from the delay queue (2 s) and while a duplicate of the first finished run
     (same task id) is sent. The main process drops all four (each run's done marker), so
     no pool process gets one: every run started once and was received once (its
-    hand-over), the queues are empty and nothing is left held."""
+    hand-over), the queues are empty and nothing is left held. Each of the four is counted
+    as a pool process counts it (its task's request, so its queue: ``queue_name``)."""
     name, delayed = _names(rabbit)
     r = broker.client()
     proc, client = _rabbit_worker(broker, tmp_path, name)
@@ -144,10 +145,23 @@ def test_finished_runs_copies_and_duplicates_are_dropped_at_delivery_while_the_k
             assert proc.text().count(f"[{result.id}] received") == 1
         assert rabbit.count(delayed) == 0 and rabbit.count(name) == 0
         _nothing_left(r, "fd")
+        wait_until(lambda: sum(_duplicates_counted(r).values()) == 4, timeout=15)
+        assert _duplicates_counted(r) == {(ca.hold_for.name, name): 4}
         assert "ERROR" not in proc.text()
     finally:
         proc.kill()
         client.close()
+
+
+def _duplicates_counted(r: redis.Redis) -> dict[tuple[str, str], float]:
+    """``task_duplicate_ignored_total`` in ``redislock:stats``, by (task name, queue)."""
+    found: dict[tuple[str, str], float] = {}
+    for field, value in r.hgetall("redislock:stats").items():
+        parsed = series.parse_field(field.decode())
+        if parsed is not None and parsed[0].name.endswith("task_duplicate_ignored_total"):
+            key = (parsed[2]["name"], parsed[2]["queue_name"])
+            found[key] = found.get(key, 0.0) + float(value)
+    return found
 
 
 @rabbitmq
