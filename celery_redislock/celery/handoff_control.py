@@ -5,6 +5,12 @@ added, cancelled and listed (``inspect active_queues``) where they are consumed:
 hand-over channel's consumer (``handoff_channel``, RabbitMQ) when the worker has one,
 else on Celery's task consumer.
 
+A worker that had no hand-over queue at its consumer's last start (it consumed no queue:
+``-X`` of every one, or ``cancel_consumer`` of each, then a reconnect) has no hand-over
+consumer: the first hand-over queue added then gets one, set up by the hand-over
+channel's own step as at a start (:func:`_own_consumer_for`), not a place on Celery's
+task consumer, whose prefetch window would then count its handed tasks.
+
 Celery's commands call the worker consumer's ``add_task_queue`` / ``cancel_task_queue``
 and list its task consumer's queues; :func:`take_queues_along` wraps the two methods of
 one consumer, :func:`list_handoff_queues` the listing (once per process).
@@ -37,12 +43,16 @@ def take_queues_along(c: Any) -> None:
             queue, args, kwargs = handoff_queue(queue), (), {}
         own = getattr(c, "redislock_handoff_consumer", None)
         if own is None:
-            add(queue, *args, **kwargs)
-        elif not own.consuming_from(queue):
+            if not _own_consumer_for(c, queue):
+                add(queue, *args, **kwargs)
+                return
+        elif own.consuming_from(queue):
+            return
+        else:
             queues = c.app.amqp.queues
             own.add_queue(queues.select_add(queues.get(queue, queue)))
             own.consume()
-            log.info("redislock: started consuming from %s on the hand-over channel", queue)
+        log.info("redislock: started consuming from %s on the hand-over channel", queue)
 
     def cancel_task_queue(queue: str) -> None:
         names = [queue]
@@ -55,6 +65,31 @@ def take_queues_along(c: Any) -> None:
                 own.cancel_by_queue(name)
 
     c.add_task_queue, c.cancel_task_queue = add_task_queue, cancel_task_queue
+
+
+def _own_consumer_for(c: Any, queue: str) -> bool:
+    """Consume the hand-over queue ``queue`` on a hand-over consumer of its own, the worker
+    consumer ``c`` having none: its step's start sets one up for it (with the reconnects,
+    cancels and listing of one set up at a start; ``queue`` is consumed from the next
+    start on too); False where the step would not (not an AMQP broker, no step, or
+    hand-over queues on Celery's consumer already: the step's channel failed there, they
+    stay together). Called on the consumer's loop, which runs: consumed at once."""
+    from .handoff_channel import HandoffChannel  # (which imports this module)
+
+    consumer, connection = getattr(c, "task_consumer", None), getattr(c, "connection", None)
+    step = next((s for s in getattr(c, "steps", ()) if isinstance(s, HandoffChannel)), None)
+    if step is None or consumer is None or connection is None:
+        return False
+    if connection.transport.driver_type != "amqp":
+        return False
+    if any(q.name.endswith(HANDOFF_QUEUE_SUFFIX) for q in consumer.queues):
+        return False
+    queues = c.app.amqp.queues
+    # On Celery's consumer, not consumed: the step moves it to a channel of its own.
+    consumer.add_queue(queues.select_add(queues.get(queue, queue)))
+    step.start(c)
+    consumer.consume()  # (the step's consumer too: the step hooks this; or back on Celery's)
+    return getattr(c, "redislock_handoff_consumer", None) is not None
 
 
 def list_handoff_queues() -> None:

@@ -221,12 +221,13 @@ celery_signals.worker_init.connect(_check_settings_at_worker_start, weak=False)
 
 def _consume_handoff_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
     """Every worker also consumes ``<q>.redislock`` for each queue ``q`` it consumes (from
-    its start; remote control's ``add_consumer q`` adds it too: ``handoff_control``)."""
+    its start; remote control's ``add_consumer q`` adds it too: ``handoff_control``). A
+    worker that consumes no queue (``-X`` of every one) consumes no hand-over queue."""
     app = getattr(instance, "app", None)
     if app is None or not has_locked_tasks(app):
         return
     queues = app.amqp.queues
-    for name in list(queues.consume_from or queues):
+    for name in list(queues.consume_from):
         if not name.endswith(HANDOFF_QUEUE_SUFFIX):
             queues.select_add(handoff_queue(name))
 
