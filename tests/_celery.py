@@ -101,7 +101,10 @@ def worker(
     env: dict[str, str] | None = None,
     extra: list[str] | None = None,
     app: str = "tests.celery_app",
+    heartbeat: bool = False,
 ) -> CeleryProcess:
+    """A worker, started and ready. ``heartbeat``: it sends worker heartbeat events (it has
+    an event dispatcher then, which remote control's ``enable_events`` needs)."""
     if (env or {}).get("REDISLOCK_TEST_BROKER", "").startswith("amqp"):
         # The shared RabbitMQ: a worker's pidbox queue is exclusive to one connection, so
         # two test processes' workers there must not share a node name.
@@ -112,7 +115,7 @@ def worker(
         "-c", str(concurrency),
         "-l", "info",
         "-n", f"{name}@localhost",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "--without-gossip", "--without-mingle", *(() if heartbeat else ("--without-heartbeat",)),
         *(extra or []),
     ]  # fmt: skip
     proc = CeleryProcess(args, url=url, log=log, env=env)

@@ -20,7 +20,7 @@ from celery.exceptions import Ignore, Reject
 from kombu.entity import Exchange, Queue
 
 from .. import signals
-from .._core import MAX_SECONDS, LockKeys, OwnerFinished, backoff
+from .._core import MAX_SECONDS, LockKeys, backoff
 from .._errors import LockContendedError
 from .._keyspace import run_key
 from ..settings import LockOptions
@@ -140,10 +140,9 @@ class Contention(Task):  # type: ignore[misc]
             raise Reject(exc, requeue=True) from exc
 
     def _wait_for(self, lock: AnyTaskLock, options: LockOptions) -> bool:
-        try:
-            return lock.acquire(timeout=options.wait)
-        except OwnerFinished:  # another delivery of this task finished meanwhile
-            raise Ignore() from None
+        # OwnerFinished (another delivery of this run finished meanwhile) goes on to the
+        # caller, LockedTask's run: logged and signalled there (duplicates.ignored).
+        return lock.acquire(timeout=options.wait)
 
     def _contended(
         self,
@@ -240,10 +239,7 @@ class Contention(Task):  # type: ignore[misc]
             message = self._signed(lock, call, signature)
         except TypeError:
             return False
-        try:
-            outcome = lock.park(message, keep_for=self._parking_lifetime(options))
-        except OwnerFinished:
-            raise Ignore() from None
+        outcome = lock.park(message, keep_for=self._parking_lifetime(options))  # (as above)
         if outcome is True:
             return True
         fallback = self._fallback_copy(call, signature, self._fallback_delay(options))

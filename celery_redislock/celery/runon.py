@@ -29,12 +29,14 @@ land first: ``parked.lua``'s ``resend_stale``).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from celery import signals as celery_signals
+from celery.worker import control
 
 from .. import _process, signals
 from .._core import LockKeys, lease_ms
@@ -91,6 +93,14 @@ _state = _State()
 #: ``--soft-time-limit``: its main process enforces them per message, so a chain would
 #: count against the releasing task's); running on is off then.
 _events_on = False
+#: What remote control turned on at run time, which a pool process does not see by itself:
+#: bit ``REMOTE_EVENTS`` task events (``celery control enable_events``, as Flower does),
+#: until ``disable_events``; bit ``REMOTE_LIMITS`` a time limit (``celery control
+#: time_limit``), for the rest of the worker's life. Running on is off while either is set.
+#: Shared memory, made by the worker's main process before it forks its pool
+#: (:func:`_follow_remote_control`); None elsewhere.
+_remote: Any = None
+REMOTE_EVENTS, REMOTE_LIMITS = 1, 2
 
 
 def allowed(task: Any, lock: Any, options: LockOptions) -> bool:
@@ -98,6 +108,8 @@ def allowed(task: Any, lock: Any, options: LockOptions) -> bool:
     this process itself."""
     if options.run_on <= 0 or _events_on or not isinstance(lock, TaskLock) or lock.min_replicas:
         return False
+    if _remote is not None and _remote.value:
+        return False  # task events or a time limit turned on by remote control
     if options.on_contention != "requeue" or options.latest or options.rate is not None:
         return False
     request = task.request
@@ -466,9 +478,51 @@ def _note_events(sender: Any = None, instance: Any = None, options: Any = None, 
     _events_on = any(found.get(name) for name in ("task_events", "time_limit", "soft_time_limit"))
 
 
+def _follow_remote_control(**_: Any) -> None:
+    """``worker_init`` (the main process, before the pool is forked): make the shared
+    :data:`_remote`, and wrap Celery's ``enable_events``, ``disable_events`` and
+    ``time_limit`` commands (their arguments as Celery declares them) to keep it up to
+    date; once per process."""
+    global _remote
+    if _remote is None:
+        _remote = multiprocessing.RawValue("i", 0)
+    panel = control.Panel.data
+    for name in ("enable_events", "disable_events", "time_limit"):
+        celery_s = panel.get(name)
+        if celery_s is not None and not getattr(celery_s, "redislock", False):
+            panel[name] = _followed(name, celery_s)
+
+
+def _followed(name: str, celery_s: Callable[..., Any]) -> Callable[..., Any]:
+    def command(state: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = celery_s(state, *args, **kwargs)
+        before = _remote.value
+        if name == "time_limit":  # (for good: Celery's reply says whether it took it)
+            taken = isinstance(reply, dict) and "ok" in reply
+            _remote.value = before | REMOTE_LIMITS if taken else before
+        else:  # Celery's dispatcher sends a task event if it is on and its groups allow it
+            dispatcher = getattr(state.consumer, "event_dispatcher", None)
+            groups = getattr(dispatcher, "groups", None)
+            on = bool(getattr(dispatcher, "enabled", False)) and (not groups or "task" in groups)
+            _remote.value = before | REMOTE_EVENTS if on else before & ~REMOTE_EVENTS
+        if bool(_remote.value) != bool(before):
+            log.info(
+                "redislock: running on is %s in this worker (%s by remote control)",
+                "off" if _remote.value else "on again",
+                "a time limit set" if name == "time_limit" else f"task events: {name}",
+            )
+        return reply
+
+    command.__doc__ = celery_s.__doc__
+    command.__name__ = getattr(celery_s, "__name__", name)
+    command.redislock = True  # type: ignore[attr-defined]
+    return command
+
+
 _UID = "celery_redislock.run_on"
 celery_signals.task_postrun.connect(_run_next, weak=False, dispatch_uid=_UID)
 celery_signals.worker_process_init.connect(_connect_last, weak=False)
 celery_signals.worker_init.connect(_connect_last, weak=False)
 celery_signals.celeryd_init.connect(_note_events, weak=False)
+celery_signals.worker_init.connect(_follow_remote_control, weak=False)
 _tasklock._took_handed = took_handed  # (TaskLock.take: tasklock cannot import this module)

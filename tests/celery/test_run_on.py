@@ -357,3 +357,55 @@ def test_a_dead_process_s_run_on_record_frees_only_its_own_hold(
     reply = dead("w1@h:1")
     assert reply[0] == -1 and reply[2] == b"t1"  # freed, and handed to it again
     assert r.hget(lock, "t1") == b"0"
+
+
+def test_task_events_or_a_time_limit_turned_on_by_remote_control_turn_running_on_off(
+    runon_server: RedisServer, tmp_path: Path
+) -> None:
+    """Pool processes do not see what remote control changes in the worker's main process:
+    ``enable_events`` (as Flower sends) turns running on off until ``disable_events``
+    (tasks run on would be missing from the events), and ``time_limit`` turns it off for
+    good (a chain would count against the releasing task's limit). Each round: a holder
+    and two tasks parked behind it, every task run once, one at a time, in order."""
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, heartbeat=True)
+    control = ra.app.control
+    try:
+        _warm("remote")
+        expected: list[str] = []
+
+        def round_of_three() -> int:
+            """Run a round; how many of its two parked tasks ran on."""
+            before = proc.text().count(RUNS_ON)
+            first = ra.job.delay("remote", 0.6)
+            wait_until(lambda: len(_starts(r, "remote")) == len(expected) + 2, timeout=30)
+            parked = _park(r, "remote", [(ra.job, 0.05), (ra.job, 0.05)])
+            for result in (first, *parked):
+                result.get(timeout=60)
+            expected.extend(result.id for result in (first, *parked))
+            assert [s[0] for s in _starts(r, "remote")[1:]] == expected  # each once, in order
+            _lock_records_gone(r, "remote")
+            return proc.text().count(RUNS_ON) - before
+
+        assert round_of_three() == 2
+        assert _replied(control.enable_events)
+        assert round_of_three() == 0
+        assert _replied(control.disable_events)
+        assert round_of_three() == 2
+        assert _replied(control.time_limit, ra.job.name, soft=100, hard=200)
+        assert round_of_three() == 0
+        assert _replied(control.disable_events)
+        assert round_of_three() == 0  # a time limit keeps it off for good
+        _assert_one_at_a_time(r, "remote", expected)
+        text = proc.text()
+        assert text.count("running on is off in this worker") == 2, text
+        assert text.count("running on is on again in this worker") == 1, text
+        assert "ERROR" not in text
+    finally:
+        proc.kill()
+
+
+def _replied(command: Any, *args: Any, **kwargs: Any) -> bool:
+    """Whether the one worker answered the remote control ``command`` with "ok"."""
+    replies = command(*args, reply=True, timeout=10, limit=1, **kwargs)
+    return len(replies) == 1 and "ok" in next(iter(replies[0].values()))
