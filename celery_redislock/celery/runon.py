@@ -44,6 +44,7 @@ from .._renewal import scheduler_for
 from .._replies import AcquireReply
 from .._scripts import run, scripts_for
 from ..settings import LockOptions
+from . import revokes
 from . import tasklock as _tasklock
 from .clients import client_for
 from .envelope import _Handed, _text, envelope_body, push_targets
@@ -96,11 +97,18 @@ _events_on = False
 #: What remote control turned on at run time, which a pool process does not see by itself:
 #: bit ``REMOTE_EVENTS`` task events (``celery control enable_events``, as Flower does),
 #: until ``disable_events``; bit ``REMOTE_LIMITS`` a time limit (``celery control
-#: time_limit``), for the rest of the worker's life. Running on is off while either is set.
+#: time_limit``), and ``REMOTE_STAMPS`` a revoke by stamped headers (``celery control
+#: revoke_by_stamped_headers``: revoked ids are :mod:`.revokes`'), each for the rest of
+#: the worker's life. Running on is off while any is set.
 #: Shared memory, made by the worker's main process before it forks its pool
 #: (:func:`_follow_remote_control`); None elsewhere.
 _remote: Any = None
-REMOTE_EVENTS, REMOTE_LIMITS = 1, 2
+REMOTE_EVENTS, REMOTE_LIMITS, REMOTE_STAMPS = 1, 2, 4
+#: The commands that set a bit for good (their reply "ok"), and how they are logged.
+_FOR_GOOD = {
+    "time_limit": (REMOTE_LIMITS, "a time limit set"),
+    "revoke_by_stamped_headers": (REMOTE_STAMPS, "a revoke by stamped headers"),
+}
 
 
 def allowed(task: Any, lock: Any, options: LockOptions) -> bool:
@@ -196,6 +204,8 @@ def take(
     except Exception:  # undecodable here: the broker's worker decides
         log.debug("redislock: cannot run on with %r", _text(handed.task_id), exc_info=True)
         found = None
+    if found is not None and revokes.maybe_revoked(str(found[1].get("id"))):
+        found = None  # revoked while parked, maybe: the main process decides (the broker's)
     if found is None:
         unrun(app, handed, lease)
         return False
@@ -480,14 +490,14 @@ def _note_events(sender: Any = None, instance: Any = None, options: Any = None, 
 
 def _follow_remote_control(**_: Any) -> None:
     """``worker_init`` (the main process, before the pool is forked): make the shared
-    :data:`_remote`, and wrap Celery's ``enable_events``, ``disable_events`` and
-    ``time_limit`` commands (their arguments as Celery declares them) to keep it up to
-    date; once per process."""
+    :data:`_remote`, and wrap Celery's ``enable_events``, ``disable_events``,
+    ``time_limit`` and ``revoke_by_stamped_headers`` commands (their arguments as Celery
+    declares them) to keep it up to date; once per process."""
     global _remote
     if _remote is None:
         _remote = multiprocessing.RawValue("i", 0)
     panel = control.Panel.data
-    for name in ("enable_events", "disable_events", "time_limit"):
+    for name in ("enable_events", "disable_events", *_FOR_GOOD):
         celery_s = panel.get(name)
         if celery_s is not None and not getattr(celery_s, "redislock", False):
             panel[name] = _followed(name, celery_s)
@@ -497,9 +507,9 @@ def _followed(name: str, celery_s: Callable[..., Any]) -> Callable[..., Any]:
     def command(state: Any, *args: Any, **kwargs: Any) -> Any:
         reply = celery_s(state, *args, **kwargs)
         before = _remote.value
-        if name == "time_limit":  # (for good: Celery's reply says whether it took it)
+        if name in _FOR_GOOD:  # (Celery's reply says whether it took it)
             taken = isinstance(reply, dict) and "ok" in reply
-            _remote.value = before | REMOTE_LIMITS if taken else before
+            _remote.value = before | _FOR_GOOD[name][0] if taken else before
         else:  # Celery's dispatcher sends a task event if it is on and its groups allow it
             dispatcher = getattr(state.consumer, "event_dispatcher", None)
             groups = getattr(dispatcher, "groups", None)
@@ -509,7 +519,7 @@ def _followed(name: str, celery_s: Callable[..., Any]) -> Callable[..., Any]:
             log.info(
                 "redislock: running on is %s in this worker (%s by remote control)",
                 "off" if _remote.value else "on again",
-                "a time limit set" if name == "time_limit" else f"task events: {name}",
+                _FOR_GOOD[name][1] if name in _FOR_GOOD else f"task events: {name}",
             )
         return reply
 
@@ -525,4 +535,5 @@ celery_signals.worker_process_init.connect(_connect_last, weak=False)
 celery_signals.worker_init.connect(_connect_last, weak=False)
 celery_signals.celeryd_init.connect(_note_events, weak=False)
 celery_signals.worker_init.connect(_follow_remote_control, weak=False)
+celery_signals.worker_init.connect(revokes.follow, weak=False)
 _tasklock._took_handed = took_handed  # (TaskLock.take: tasklock cannot import this module)

@@ -35,14 +35,7 @@ APP = "tests.runon_attack_app"
     "kind",
     [
         "off",  # lock_run_on=0: handed over through the broker, dropped there
-        pytest.param(
-            "job",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known bug: a pool process does not know the worker's revoked ids; "
-                "a revoked parked task handed over run on runs",
-            ),
-        ),
+        "job",  # run on: the releasing process finds the id revoked (celery.revokes)
     ],
 )
 def test_a_revoked_parked_task_is_not_run_on(
