@@ -13,7 +13,10 @@ that long too), and now and then for another id (a Bloom filter's false positive
 task is then handed over through the broker, where the main process decides).
 
 Two filters of ``BITS`` bits take turns: ids go to the current one, which is emptied when
-its turn comes again, so an id is remembered for one to two turns of ``REVOKE_EXPIRES``.
+its turn comes again, so an id is remembered for one to two turns of ``REVOKE_EXPIRES``
+(for good where that is 0, as Celery's set then keeps them). The turns follow
+``time.monotonic``, as Celery's set stamps its ids (the same clock in every process of the
+host): a step of the wall clock forgets nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import multiprocessing
 import time
 from collections.abc import Iterator
@@ -38,10 +42,11 @@ HASHES = 3
 
 class RevokedIds:
     """Shared revoked-id filters: one writer (the worker's main process), readers in its
-    forked pool processes. ``expires``: seconds an id is remembered at least."""
+    forked pool processes. ``expires``: seconds an id is remembered at least (0: for
+    good, one turn that never ends)."""
 
     def __init__(self, expires: float) -> None:
-        self.expires = max(float(expires), 1.0)
+        self.expires = max(float(expires), 1.0) if expires else math.inf
         self._bits = [multiprocessing.RawArray(ctypes.c_uint8, BITS // 8) for _ in range(2)]
         #: The turn (``time // expires``) each filter holds the ids of.
         self._turns = multiprocessing.RawArray(ctypes.c_long, [-2, -2])
@@ -52,7 +57,7 @@ class RevokedIds:
         return [int.from_bytes(digest[4 * i : 4 * i + 4], "big") % BITS for i in range(HASHES)]
 
     def add(self, task_id: str) -> None:
-        turn = int(time.time() // self.expires)
+        turn = int(time.monotonic() // self.expires)
         index = turn % 2
         bits = self._bits[index]
         if self._turns[index] != turn:  # its turn again: the ids of two turns ago go
@@ -62,7 +67,7 @@ class RevokedIds:
             bits[place >> 3] |= 1 << (place & 7)
 
     def __contains__(self, task_id: str) -> bool:
-        turn = int(time.time() // self.expires)
+        turn = int(time.monotonic() // self.expires)
         places = self._places(task_id)
         for index in (0, 1):
             if self._turns[index] in (turn, turn - 1):
@@ -90,7 +95,8 @@ def follow(**_: Any) -> None:
     if _revoked is not None:
         return
     revoked = worker_state.revoked
-    found = RevokedIds(getattr(revoked, "expires", None) or worker_state.REVOKE_EXPIRES)
+    expires = getattr(revoked, "expires", worker_state.REVOKE_EXPIRES)
+    found = RevokedIds(expires or 0)  # (0: Celery's set forgets ids only once full)
     celery_s = revoked.update
 
     def update(other: Any) -> None:

@@ -36,7 +36,7 @@ def test_ids_never_added_are_rarely_found() -> None:
 
 def test_an_id_is_kept_one_to_two_turns(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr(revokes.time, "time", lambda: now[0])
+    monkeypatch.setattr(revokes.time, "monotonic", lambda: now[0])
     found = RevokedIds(10)
     found.add("a")  # turn 100
     now[0] = 1019.9  # turn 101: still kept
@@ -103,3 +103,43 @@ def test_following_celery_s_set_keeps_its_behaviour(monkeypatch: pytest.MonkeyPa
 def test_outside_a_worker_every_id_counts_as_maybe_revoked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(revokes, "_revoked", None)
     assert revokes.maybe_revoked("anything")
+
+
+def test_a_wall_clock_step_back_forgets_no_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The turns follow the clock Celery's set is stamped with (``time.monotonic``, the
+    same in every process of the host), not the wall clock: an NTP or manual step of
+    ``time.time`` (hours back, as a clock set ahead is corrected) forgets no id Celery
+    still has, and never empties the filter that holds them."""
+    wall = [1_000_000.0]
+    monkeypatch.setattr(revokes.time, "time", lambda: wall[0])
+    found = RevokedIds(10)
+    found.add("a")
+    wall[0] -= 3 * 3600  # the wall clock stepped back
+    assert "a" in found
+    found.add("b")
+    assert "a" in found and "b" in found
+    wall[0] += 6 * 3600  # and forward again (a host resumed from suspend, say)
+    assert "a" in found and "b" in found
+
+
+def test_ids_celery_never_forgets_are_never_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CELERY_WORKER_REVOKE_EXPIRES=0``: Celery's set keeps its ids until it is full
+    (no expiry by time); so does the filter, not for one to two seconds."""
+    from celery.worker import state
+
+    now = [5000.0]
+    for clock in ("monotonic", "time"):  # (whichever the turns follow)
+        monkeypatch.setattr(revokes.time, clock, lambda: now[0])
+    revoked = LimitedSet(maxlen=100, expires=0)
+    monkeypatch.setattr(state, "revoked", revoked)
+    monkeypatch.setattr(state, "REVOKE_EXPIRES", 0.0)
+    monkeypatch.setattr(revokes, "_revoked", None)
+    revokes.follow()
+    try:
+        revoked.update(["kept"])
+        now[0] += 3 * 86400
+        revoked.update(["later"])  # (an add in a later turn empties an expired filter)
+        assert "kept" in revoked and revokes.maybe_revoked("kept")
+        assert revokes.maybe_revoked("later")
+    finally:
+        monkeypatch.setattr(revokes, "_revoked", None)
