@@ -97,17 +97,22 @@ _events_on = False
 #: What remote control turned on at run time, which a pool process does not see by itself:
 #: bit ``REMOTE_EVENTS`` task events (``celery control enable_events``, as Flower does),
 #: until ``disable_events``; bit ``REMOTE_LIMITS`` a time limit (``celery control
-#: time_limit``), and ``REMOTE_STAMPS`` a revoke by stamped headers (``celery control
-#: revoke_by_stamped_headers``: revoked ids are :mod:`.revokes`'), each for the rest of
-#: the worker's life. Running on is off while any is set.
+#: time_limit``), ``REMOTE_STAMPS`` a revoke by stamped headers (``celery control
+#: revoke_by_stamped_headers``: revoked ids are :mod:`.revokes`'), ``REMOTE_RATES`` a rate
+#: limit (``celery control rate_limit``: the main process applies it per message) and
+#: ``REMOTE_QUEUES`` a queue no longer consumed (``celery control cancel_consumer``: a
+#: pool process's queues are those of its fork), each for the rest of the worker's life.
+#: Running on is off while any is set.
 #: Shared memory, made by the worker's main process before it forks its pool
 #: (:func:`_follow_remote_control`); None elsewhere.
 _remote: Any = None
-REMOTE_EVENTS, REMOTE_LIMITS, REMOTE_STAMPS = 1, 2, 4
+REMOTE_EVENTS, REMOTE_LIMITS, REMOTE_STAMPS, REMOTE_RATES, REMOTE_QUEUES = 1, 2, 4, 8, 16
 #: The commands that set a bit for good (their reply "ok"), and how they are logged.
 _FOR_GOOD = {
     "time_limit": (REMOTE_LIMITS, "a time limit set"),
     "revoke_by_stamped_headers": (REMOTE_STAMPS, "a revoke by stamped headers"),
+    "rate_limit": (REMOTE_RATES, "a rate limit set"),
+    "cancel_consumer": (REMOTE_QUEUES, "a queue cancelled"),
 }
 
 
@@ -117,7 +122,7 @@ def allowed(task: Any, lock: Any, options: LockOptions) -> bool:
     if options.run_on <= 0 or _events_on or not isinstance(lock, TaskLock) or lock.min_replicas:
         return False
     if _remote is not None and _remote.value:
-        return False  # task events or a time limit turned on by remote control
+        return False  # task events, a time limit, ... set by remote control (_remote)
     if options.on_contention != "requeue" or options.latest or options.rate is not None:
         return False
     request = task.request
@@ -490,9 +495,9 @@ def _note_events(sender: Any = None, instance: Any = None, options: Any = None, 
 
 def _follow_remote_control(**_: Any) -> None:
     """``worker_init`` (the main process, before the pool is forked): make the shared
-    :data:`_remote`, and wrap Celery's ``enable_events``, ``disable_events``,
-    ``time_limit`` and ``revoke_by_stamped_headers`` commands (their arguments as Celery
-    declares them) to keep it up to date; once per process."""
+    :data:`_remote`, and wrap Celery's ``enable_events`` and ``disable_events`` commands,
+    and those of :data:`_FOR_GOOD` (their arguments as Celery declares them), to keep it
+    up to date; once per process."""
     global _remote
     if _remote is None:
         _remote = multiprocessing.RawValue("i", 0)

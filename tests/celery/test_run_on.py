@@ -375,17 +375,7 @@ def test_task_events_or_a_time_limit_turned_on_by_remote_control_turn_running_on
         expected: list[str] = []
 
         def round_of_three() -> int:
-            """Run a round; how many of its two parked tasks ran on."""
-            before = proc.text().count(RUNS_ON)
-            first = ra.job.delay("remote", 0.6)
-            wait_until(lambda: len(_starts(r, "remote")) == len(expected) + 2, timeout=30)
-            parked = _park(r, "remote", [(ra.job, 0.05), (ra.job, 0.05)])
-            for result in (first, *parked):
-                result.get(timeout=60)
-            expected.extend(result.id for result in (first, *parked))
-            assert [s[0] for s in _starts(r, "remote")[1:]] == expected  # each once, in order
-            _lock_records_gone(r, "remote")
-            return proc.text().count(RUNS_ON) - before
+            return _round_of_three(r, proc, "remote", expected)
 
         assert round_of_three() == 2
         assert _replied(control.enable_events)
@@ -403,6 +393,24 @@ def test_task_events_or_a_time_limit_turned_on_by_remote_control_turn_running_on
         assert "ERROR" not in text
     finally:
         proc.kill()
+
+
+def _round_of_three(
+    r: redis.Redis, proc: Any, name: str, expected: list[str], parked_on: Any = ra.job
+) -> int:
+    """A holder of ``job:<name>`` and two tasks (``parked_on``: a task or a signature)
+    parked behind it, after the runs ``expected`` (extended with these three): every task
+    run once, in order, nothing left held or parked; how many of the two ran on."""
+    before = proc.text().count(RUNS_ON)
+    first = ra.job.delay(name, 0.6)
+    wait_until(lambda: len(_starts(r, name)) == len(expected) + 2, timeout=30)
+    parked = _park(r, name, [(parked_on, 0.05), (parked_on, 0.05)])
+    for result in (first, *parked):
+        result.get(timeout=60)
+    expected.extend(result.id for result in (first, *parked))
+    assert [s[0] for s in _starts(r, name)[1:]] == expected  # each once, in order
+    _lock_records_gone(r, name)
+    return proc.text().count(RUNS_ON) - before
 
 
 def _replied(command: Any, *args: Any, **kwargs: Any) -> bool:

@@ -22,8 +22,11 @@ from .._celery import wait_until, worker
 from .test_run_on import (
     RUNS_ON,
     _assert_one_at_a_time,
+    _ends,
     _lock_records_gone,
     _park,
+    _replied,
+    _round_of_three,
     _starts,
     _warm,
 )
@@ -201,5 +204,68 @@ def test_a_run_on_task_that_lost_its_lease_is_not_run_again(
         ids = [s[0] for s in _starts(r, "stop")]
         assert ids.count(stalled.id) == 1, ids  # type: ignore[attr-defined]
         _lock_records_gone(r, "stop")
+    finally:
+        proc.kill()
+
+
+def test_a_rate_limit_set_by_remote_control_turns_running_on_off(
+    runon_server: RedisServer, tmp_path: Path
+) -> None:
+    """Celery's ``rate_limit`` is applied by the worker's main process, per message, and
+    ``celery control rate_limit`` (as Flower sends) changes it there only: a pool process
+    forked before would run the task on as if it had none, past the limit. Running on
+    turns off in that worker for good; every task still runs once, in order."""
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
+    try:
+        _warm("rated")
+        expected: list[str] = []
+        assert _round_of_three(r, proc, "rated", expected) == 2
+        assert _replied(ra.app.control.rate_limit, ra.job.name, "1000/s")
+        assert _round_of_three(r, proc, "rated", expected) == 0
+        assert _replied(ra.app.control.rate_limit, ra.job.name, "")  # (no limit again)
+        assert _round_of_three(r, proc, "rated", expected) == 0  # for good
+        _assert_one_at_a_time(r, "rated", expected)
+        assert proc.text().count("running on is off in this worker") == 1, proc.text()
+    finally:
+        proc.kill()
+
+
+def _consumes(queue: str) -> bool:
+    replies = ra.app.control.inspect(timeout=5, limit=1).active_queues() or {}
+    return any(q["name"] == queue for queues in replies.values() for q in queues)
+
+
+def test_a_task_of_a_queue_cancelled_by_remote_control_is_not_run_on(
+    runon_server: RedisServer, tmp_path: Path
+) -> None:
+    """``celery control cancel_consumer other``: the worker takes no more tasks of
+    ``other`` (its main process stops consuming it); its pool processes, forked before,
+    still count ``other`` among its queues. A task of ``other`` parked before the cancel
+    must not be run on by the process releasing the lock after it: it is handed over
+    through ``other``, and runs (once) where ``other`` is consumed, here once the worker
+    is told ``add_consumer other`` again."""
+    r = runon_server.client()
+    extra = ["-Q", "celery,other"]
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP, extra=extra)
+    other = ra.job.s().set(queue="other")
+    try:
+        _warm("cancel")
+        expected: list[str] = []
+        assert _round_of_three(r, proc, "cancel", expected, parked_on=other) == 2
+        first = ra.job.delay("cancel", 5.0)
+        wait_until(lambda: len(_starts(r, "cancel")) == len(expected) + 2, timeout=30)
+        (parked,) = _park(r, "cancel", [(other, 0.05)])
+        assert _replied(ra.app.control.cancel_consumer, "other")
+        wait_until(lambda: not _consumes("other"), timeout=30, what="other cancelled")
+        assert first.id not in _ends(r, "cancel"), "the holder ended before the cancel"
+        first.get(timeout=60)
+        assert f"{RUNS_ON} runon.job[{parked.id}]" not in proc.text(), "ran on, cancelled"
+        assert ra.app.control.add_consumer("other", reply=True, timeout=10, limit=1)
+        parked.get(timeout=60)
+        expected.extend([first.id, parked.id])
+        assert [s[0] for s in _starts(r, "cancel")[1:]] == expected  # each once, in order
+        _assert_one_at_a_time(r, "cancel", expected)
+        _lock_records_gone(r, "cancel")
     finally:
         proc.kill()
