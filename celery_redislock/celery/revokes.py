@@ -88,6 +88,12 @@ def maybe_revoked(task_id: str) -> bool:
     return _revoked is None or task_id in _revoked
 
 
+def followed() -> bool:
+    """Whether this process sees the filter: a worker's main process or its forked child
+    (not a pool process started with ``spawn``, which could run no task on)."""
+    return _revoked is not None
+
+
 def follow(**_: Any) -> None:
     """``worker_init`` (the main process, before the pool is forked): make the filter and
     add to it every id Celery's revoked set gets from now on, and those it has; once."""

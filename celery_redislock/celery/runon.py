@@ -123,6 +123,8 @@ def allowed(task: Any, lock: Any, options: LockOptions) -> bool:
         return False
     if _remote is not None and _remote.value:
         return False  # task events, a time limit, ... set by remote control (_remote)
+    if not revokes.followed():  # (a spawned pool process: it could run nothing on)
+        return False
     if options.on_contention != "requeue" or options.latest or options.rate is not None:
         return False
     request = task.request

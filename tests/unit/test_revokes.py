@@ -143,3 +143,41 @@ def test_ids_celery_never_forgets_are_never_forgotten(monkeypatch: pytest.Monkey
         assert revokes.maybe_revoked("later")
     finally:
         monkeypatch.setattr(revokes, "_revoked", None)
+
+
+def test_a_process_with_no_filter_asks_for_no_run_on_hand_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool process that is not a forked child of a worker's main process (a pool
+    started with ``--pool-start-method spawn``) has no filter: it could never run on a
+    task handed to it, so its releases ask for none (``runon.allowed``: a plain hand-over,
+    not a run-on one it would then make usual, a round trip more, each time)."""
+    import redis
+    from celery import Celery
+
+    from celery_redislock.celery import runon
+    from celery_redislock.celery.tasklock import TaskLock
+    from celery_redislock.task import LockedTask
+
+    app = Celery("revokes_allowed", broker="redis://127.0.0.1:1/0")
+    app.conf.redislock_run_on = 5
+
+    @app.task(name="plain", base=LockedTask, lock_key="k:{x}", shared=False)
+    def plain(x: int) -> int:
+        return x
+
+    app.finalize()
+    options = plain.lock_options()
+    client = redis.Redis(port=1)
+    lock = TaskLock(client, "k:1", task_id="t1", options=options)
+    monkeypatch.setattr(runon, "_remote", None)
+    monkeypatch.setattr(runon, "_events_on", False)
+    plain.push_request(id="t1", is_eager=False, called_directly=False, timelimit=None)
+    try:
+        monkeypatch.setattr(revokes, "_revoked", RevokedIds(60))
+        assert runon.allowed(plain, lock, options)  # (a forked pool process)
+        monkeypatch.setattr(revokes, "_revoked", None)
+        assert not runon.allowed(plain, lock, options)
+    finally:
+        plain.pop_request()
+        client.close()
