@@ -269,3 +269,39 @@ def test_a_task_of_a_queue_cancelled_by_remote_control_is_not_run_on(
         _lock_records_gone(r, "cancel")
     finally:
         proc.kill()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "revoke(terminate=True) of a task while it runs on: Celery's _revoke terminates "
+        "only the jobs its main process has a request for, and a task run on has none "
+        "(the reply is 'terminate: tasks unknown'); the main process would need to know "
+        "which pool process runs that id (shared memory written by the pool process at "
+        "each task it runs on) to end it with pool.terminate_job"
+    ),
+)
+def test_revoke_terminate_of_a_task_while_it_runs_on_ends_it(
+    runon_server: RedisServer, tmp_path: Path
+) -> None:
+    """``revoke(id, terminate=True)`` of a task that runs: Celery ends its process, and the
+    task, revoked, is not run again. A task run on must not run to its end either; the
+    one parked behind it still runs, once."""
+    r = runon_server.client()
+    proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
+    try:
+        _warm("stopit")
+        first = ra.job.delay("stopit", 0.5)
+        wait_until(lambda: len(_starts(r, "stopit")) == 2, timeout=30)
+        victim, after = _park(r, "stopit", [(ra.job, 4.0), (ra.job, 0.05)])
+        wait_until(lambda: len(_starts(r, "stopit")) == 3, timeout=30)
+        assert f"{RUNS_ON} runon.job[{victim.id}]" in proc.text()  # type: ignore[attr-defined]
+        ra.app.control.revoke(victim.id, terminate=True)  # type: ignore[attr-defined]
+        first.get(timeout=60)
+        after.get(timeout=60)  # type: ignore[attr-defined]
+        _lock_records_gone(r, "stopit")
+        ids = [s[0] for s in _starts(r, "stopit")]
+        assert ids.count(after.id) == 1  # type: ignore[attr-defined]
+        assert victim.id not in _ends(r, "stopit"), "revoked with terminate, ran to its end"  # type: ignore[attr-defined]
+    finally:
+        proc.kill()
