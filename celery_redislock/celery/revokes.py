@@ -46,7 +46,13 @@ class RevokedIds:
     good, one turn that never ends)."""
 
     def __init__(self, expires: float) -> None:
-        self.expires = max(float(expires), 1.0) if expires else math.inf
+        try:
+            seconds = float(expires)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        # Not a positive finite number (0, NaN, negative, infinite, not a number): ids are
+        # kept for good, the safe side (a NaN turn would raise inside Celery's revoke).
+        self.expires = max(seconds, 1.0) if 0 < seconds < math.inf else math.inf
         self._bits = [multiprocessing.RawArray(ctypes.c_uint8, BITS // 8) for _ in range(2)]
         #: The turn (``time // expires``) each filter holds the ids of.
         self._turns = multiprocessing.RawArray(ctypes.c_long, [-2, -2])

@@ -181,3 +181,18 @@ def test_a_process_with_no_filter_asks_for_no_run_on_hand_over(
     finally:
         plain.pop_request()
         client.close()
+
+
+@pytest.mark.parametrize("expires", [float("nan"), -5.0, float("inf"), 0, None, "soon", 1e308])
+def test_an_expiry_that_is_not_a_positive_number_keeps_ids_and_never_raises(
+    monkeypatch: pytest.MonkeyPatch, expires: object
+) -> None:
+    """``CELERY_WORKER_REVOKE_EXPIRES`` parsed to NaN (or negative, infinite, not a number):
+    an add raised inside Celery's revoke (the id then missing from the filter, and the
+    task run on). Such a value keeps ids for good; a huge one is a turn that never ends."""
+    now = [5000.0]
+    monkeypatch.setattr(revokes.time, "monotonic", lambda: now[0])
+    found = RevokedIds(expires)  # type: ignore[arg-type]
+    found.add("revoked")
+    now[0] += 10 * 365 * 86400
+    assert "revoked" in found and "other" not in found
