@@ -279,7 +279,11 @@ def test_a_connection_lost_at_a_narrowed_windows_qos_leaves_celerys_window_after
         _settled(client, proc, r, ["h1", "h2"], rabbit, name, delayed)
         assert [_started(r, k) for k in ("h1", "h2")] == [[first.id], [second.id]]
         window = _celery_window(client, proc)
-        assert window in (2, 3) and relay.sent()[-1] == window, (window, relay.sent())
+        assert window in (2, 3), (window, relay.sent())
+        # A handed copy's eta retry may still be narrowing for a moment (seen once in CI:
+        # the last window told was 1 just as all was settled): the broker must come back to
+        # Celery's own window; a narrowing never given back would keep it below for good.
+        wait_until(lambda: relay.sent()[-1] == window, timeout=15, what="Celery's window told")
         _window_kept(client, proc, r, rabbit, name, window)
         assert "could not consume the hand-over queues" not in proc.text()
 
