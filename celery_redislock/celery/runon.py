@@ -44,7 +44,7 @@ from .._renewal import scheduler_for
 from .._replies import AcquireReply
 from .._scripts import run, scripts_for
 from ..settings import LockOptions
-from . import revokes
+from . import revokes, terminate
 from . import tasklock as _tasklock
 from .clients import client_for
 from .envelope import _Handed, _text, envelope_body, push_targets
@@ -467,10 +467,11 @@ def _run(app: Any, found: _Next) -> None:
     )
     _state.taking = found  # its acquire records the hold the release wrote (took_handed)
     try:
-        if app.use_fast_trace_task:
-            trace.fast_trace_task(*args)
-        else:
-            trace.trace_task_ret(*args, app=app)
+        with terminate.running_on(args[1]):  # (revoke(terminate=True) finds it there)
+            if app.use_fast_trace_task:
+                trace.fast_trace_task(*args)
+            else:
+                trace.trace_task_ret(*args, app=app)
     except Exception:  # (Reject and the like: its parked record stays; the sweeper goes on)
         log.exception(
             "redislock: %s[%s], run on, ended outside its body", found.name, found.task_id
@@ -543,4 +544,5 @@ celery_signals.worker_init.connect(_connect_last, weak=False)
 celery_signals.celeryd_init.connect(_note_events, weak=False)
 celery_signals.worker_init.connect(_follow_remote_control, weak=False)
 celery_signals.worker_init.connect(revokes.follow, weak=False)
+celery_signals.worker_init.connect(terminate.follow, weak=False)
 _tasklock._took_handed = took_handed  # (TaskLock.take: tasklock cannot import this module)

@@ -271,22 +271,15 @@ def test_a_task_of_a_queue_cancelled_by_remote_control_is_not_run_on(
         proc.kill()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "revoke(terminate=True) of a task while it runs on: Celery's _revoke terminates "
-        "only the jobs its main process has a request for, and a task run on has none "
-        "(the reply is 'terminate: tasks unknown'); the main process would need to know "
-        "which pool process runs that id (shared memory written by the pool process at "
-        "each task it runs on) to end it with pool.terminate_job"
-    ),
-)
+@pytest.mark.parametrize("how", ["revoke", "terminate KILL"])
 def test_revoke_terminate_of_a_task_while_it_runs_on_ends_it(
-    runon_server: RedisServer, tmp_path: Path
+    runon_server: RedisServer, tmp_path: Path, how: str
 ) -> None:
     """``revoke(id, terminate=True)`` of a task that runs: Celery ends its process, and the
-    task, revoked, is not run again. A task run on must not run to its end either; the
-    one parked behind it still runs, once."""
+    task, revoked, is not run again. A task run on must not run to its end either: the
+    worker finds the pool process that runs it on (``celery.terminate``) and ends it, and
+    says so in its reply; the one parked behind it still runs, once. The same by the
+    ``terminate`` command (``celery control terminate KILL <id>``), with its signal."""
     r = runon_server.client()
     proc = worker(runon_server.url, tmp_path / "w.log", concurrency=2, app=APP)
     try:
@@ -296,7 +289,19 @@ def test_revoke_terminate_of_a_task_while_it_runs_on_ends_it(
         victim, after = _park(r, "stopit", [(ra.job, 4.0), (ra.job, 0.05)])
         wait_until(lambda: len(_starts(r, "stopit")) == 3, timeout=30)
         assert f"{RUNS_ON} runon.job[{victim.id}]" in proc.text()  # type: ignore[attr-defined]
-        ra.app.control.revoke(victim.id, terminate=True)  # type: ignore[attr-defined]
+        if how == "revoke":
+            replies = ra.app.control.revoke(  # type: ignore[attr-defined]
+                victim.id, terminate=True, reply=True, timeout=10
+            )
+        else:
+            replies = ra.app.control.broadcast(  # type: ignore[attr-defined]
+                "terminate",
+                arguments={"signal": "KILL", "task_id": [victim.id]},
+                reply=True,
+                timeout=10,
+            )
+        said = [answer["ok"] for reply in replies for answer in reply.values()]
+        assert said == [f"terminate: {victim.id}"]  # type: ignore[attr-defined]
         first.get(timeout=60)
         after.get(timeout=60)  # type: ignore[attr-defined]
         _lock_records_gone(r, "stopit")
