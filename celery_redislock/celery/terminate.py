@@ -19,8 +19,10 @@ A slot is written by its one pool process under a sequence count (odd while it w
 and read by the main process only when both counts around the read agree. As with
 Celery's own terminate, a task that ends between that read and the signal leaves the
 signal to the task its process started next (a run ended under it: run again from its
-parked record, as after any death while running on). A spawned pool (no fork) has no
-slots: there, as before, the task runs to its end.
+parked record, as after any death while running on). A slot whose process is no longer
+one of the pool's (killed while it ran on: its slot never cleared) is passed over, its
+pid not signalled. A spawned pool (no fork) has no slots: there, as before, the task
+runs to its end.
 """
 
 from __future__ import annotations
@@ -109,25 +111,36 @@ class RunningOn:
         return found
 
 
+#: ``(pid, slot)`` of the process that last looked its slot up (a forked child looks again).
+_slot_of: tuple[int, int | None] = (0, None)
+
+
 def _slot() -> int | None:
-    """This pool process's slot (its billiard process index), if it has one."""
-    if _table is None:
-        return None
+    """This pool process's slot (its billiard process index), if it has one; looked up
+    once per process."""
+    global _slot_of
+    pid = _process.current()
+    if _slot_of[0] == pid:
+        return _slot_of[1]
+    index: Any = None
     try:
         from billiard.process import current_process
 
         index = getattr(current_process(), "index", None)
     except Exception:
-        return None
-    if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < _table.slots:
-        return index
-    return None
+        index = None
+    table = _table
+    ok = isinstance(index, int) and not isinstance(index, bool)
+    found = index if table is not None and ok and 0 <= index < table.slots else None
+    _slot_of = (pid, found)
+    return found
 
 
 @contextmanager
 def running_on(task_id: str) -> Iterator[None]:
     """In a pool process: ``task_id`` runs on here for the block (its slot says so)."""
-    table, index = _table, _slot()
+    table = _table
+    index = None if table is None else _slot()
     if table is None or index is None:
         yield
         return
@@ -193,6 +206,7 @@ def terminate_running_on(state: Any, task_ids: Any, signal: Any = None) -> list[
             return []
         signum = celery_signals.signum(signal or TERM_SIGNAME)
         pool = state.consumer.pool
+        alive = _pool_pids(pool)
     except Exception:
         log.warning("redislock: could not look for tasks run on to terminate", exc_info=True)
         return []
@@ -200,6 +214,11 @@ def terminate_running_on(state: Any, task_ids: Any, signal: Any = None) -> list[
     for task_id in ids:
         pid = found.get(task_id)
         if pid is None:
+            continue
+        if alive is not None and pid not in alive:
+            # A slot its process never cleared (killed while it ran on): that task's end
+            # is the process's death, handled already; nothing to end, nothing to say.
+            log.debug("redislock: %s ran on in pool process %d, gone", task_id, pid)
             continue
         log.info(
             "redislock: terminating %s (%s): it runs on in pool process %d", task_id, signum, pid
@@ -211,3 +230,14 @@ def terminate_running_on(state: Any, task_ids: Any, signal: Any = None) -> list[
             continue
         ended.append(task_id)
     return ended
+
+
+def _pool_pids(pool: Any) -> set[int] | None:
+    """The pids of the pool's processes (prefork's ``info``), None if it does not say."""
+    try:
+        pids = pool.info.get("processes")
+    except Exception:
+        return None
+    if not isinstance(pids, (list, tuple)):
+        return None
+    return {pid for pid in pids if isinstance(pid, int)}

@@ -21,9 +21,11 @@ class Pool:
     """A pool's ``terminate_job`` as Celery calls it: records the calls; ``fails``: pids
     whose call raises (a process that already went)."""
 
-    def __init__(self, fails: tuple[int, ...] = ()) -> None:
+    def __init__(self, fails: tuple[int, ...] = (), pids: Any = None) -> None:
         self.calls: list[tuple[int, int]] = []
         self.fails = fails
+        #: prefork's ``info["processes"]``: the pool's pids (None: not told)
+        self.info = {} if pids is None else {"processes": pids}
 
     def terminate_job(self, pid: int, sig: int) -> None:
         if pid in self.fails:
@@ -39,6 +41,7 @@ def _state(pool: Any) -> Any:
 def table(monkeypatch: pytest.MonkeyPatch) -> RunningOn:
     found = RunningOn(slots=8)
     monkeypatch.setattr(terminate, "_table", found)
+    monkeypatch.setattr(terminate, "_slot_of", (0, None))  # looked up again here
     return found
 
 
@@ -163,3 +166,37 @@ def test_follow_wraps_celery_s_commands_once(monkeypatch: pytest.MonkeyPatch) ->
         assert wrapped is not celery_s[name] and wrapped.redislock_terminate
         assert wrapped.__name__ == name
     assert isinstance(terminate._table, RunningOn)
+
+
+def test_a_slot_of_a_process_no_longer_in_the_pool_ends_nothing(table: RunningOn) -> None:
+    """A process killed while it ran on never cleared its slot: a revoke of that task
+    later must not signal that pid (another process may have it now) nor say it ended."""
+    table.mark(1, 501, "died")
+    table.mark(2, 502, "alive")
+    pool = Pool(pids=[502, 503])
+    assert terminate_running_on(_state(pool), ["died", "alive"]) == ["alive"]
+    assert pool.calls == [(502, signal.SIGTERM)]
+    odd = Pool(pids="not a list")  # a pool that tells nothing usable: not filtered
+    assert terminate_running_on(_state(odd), ["died"]) == ["died"]
+
+
+def test_the_slot_is_looked_up_once_per_process(
+    table: RunningOn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import billiard.process
+
+    looked: list[int] = []
+
+    def current() -> Any:
+        looked.append(1)
+        return SimpleNamespace(index=2)
+
+    monkeypatch.setattr(billiard.process, "current_process", current)
+    for _ in range(3):
+        with terminate.running_on("a"):
+            assert table.running(["a"]) == {"a": terminate._process.current()}
+    assert looked == [1]
+    monkeypatch.setattr(terminate, "_slot_of", (-1, 5))  # another pid's (a forked child)
+    with terminate.running_on("b"):
+        assert list(table.running(["b"])) == ["b"]
+    assert looked == [1, 1]
